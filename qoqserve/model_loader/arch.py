@@ -79,7 +79,8 @@ class ModelArchConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            # Qwen2 always has q/k/v bias; Llama-style configs say so explicitly
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias")),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )

@@ -1,0 +1,40 @@
+"""`qoqserve eval ppl`: perplexity of text files."""
+from __future__ import annotations
+
+import json
+
+
+def register(sub, add_engine_args) -> None:
+    p = sub.add_parser("eval", help="evaluate a model")
+    esub = p.add_subparsers(dest="eval_command", required=True)
+    ppl = esub.add_parser("ppl", help="perplexity of text files (concatenated)")
+    ppl.add_argument("files", nargs="*", help="text files (default: the GPL-3 and Apache-2.0 "
+                                             "license texts in /usr/share/common-licenses)")
+    ppl.add_argument("--window", type=int, default=512, help="tokens of context per forward pass")
+    ppl.add_argument("--stride", type=int, default=None, help="window step (default: = window)")
+    ppl.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_engine_args(ppl)
+    ppl.set_defaults(func=run_ppl)
+
+
+def run_ppl(args) -> int:
+    from qoqserve.cli.main import engine_kwargs
+    from qoqserve.engine.llm_engine import LLMEngine
+    from qoqserve.eval.perplexity import LICENSE_TEXTS, perplexity, read_texts
+    from qoqserve.llm import build_engine_config
+
+    kwargs = engine_kwargs(args)
+    kwargs["kv_cache_gb"] = kwargs["kv_cache_gb"] or 0.05  # scoring does not use the page pool
+    engine = LLMEngine(build_engine_config(args.model, **kwargs))
+    files = args.files or list(LICENSE_TEXTS)
+    ids = engine.tokenizer.encode(read_texts(files))
+    stride = args.stride or args.window
+    res = perplexity(engine.runner.prompt_logprobs, ids, args.window, stride, progress=not args.json)
+    if args.json:
+        print(json.dumps({"ppl": res.ppl, "nll": res.nll, "tokens": res.num_tokens,
+                          "window": res.window, "stride": res.stride, "files": files}))
+    else:
+        print(f"perplexity {res.ppl:.4f} over {res.num_tokens} tokens "
+              f"(window {res.window}, stride {res.stride}, {len(files)} file(s), "
+              f"dtype {engine.runner.dtype})")
+    return 0

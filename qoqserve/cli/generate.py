@@ -1,0 +1,55 @@
+"""`qoqserve generate`: one prompt or chat message, streamed to the terminal."""
+from __future__ import annotations
+
+import sys
+import time
+
+
+def register(sub, add_engine_args) -> None:
+    p = sub.add_parser("generate", help="generate text for a prompt or a chat message")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="raw completion prompt")
+    src.add_argument("--chat", help="user message, wrapped in the model's chat template")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--sample-seed", type=int, default=None, help="seed of this request's sampler")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from qoqserve.cli.main import engine_kwargs
+    from qoqserve.engine.llm_engine import LLMEngine
+    from qoqserve.llm import build_engine_config
+    from qoqserve.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.sample_seed, stop=args.stop,
+                            ignore_eos=args.ignore_eos)
+    engine = LLMEngine(build_engine_config(args.model, **engine_kwargs(args)))
+    tok = engine.tokenizer
+    if args.chat is not None:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages.append({"role": "user", "content": args.chat})
+        prompt = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+    else:
+        prompt = args.prompt
+    start = time.perf_counter()
+    engine.add_request("cli", prompt, params)
+    out = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            sys.stdout.write(out.delta_text)
+            sys.stdout.flush()
+    elapsed = time.perf_counter() - start
+    sys.stdout.write("\n")
+    if out is not None:
+        n = len(out.token_ids)
+        print(f"[{n} tokens in {elapsed:.2f}s, {n / elapsed:.1f} tok/s, "
+              f"finish_reason={out.finish_reason}]", file=sys.stderr)
+    return 0

@@ -1,0 +1,59 @@
+"""`qoqserve` command line: generate, eval, bench."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from qoqserve.cli import bench, evaluate, generate
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="HF checkpoint dir or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="auto", help="auto|float32|bfloat16|float16")
+    g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    g.add_argument("--kv-cache-dtype", default="auto")
+    g.add_argument("--kv-cache-gb", type=float, default=None, help="KV page pool size in GiB")
+    g.add_argument("--kv-cache-fraction", type=float, default=0.3,
+                   help="KV pool as a fraction of free memory, when --kv-cache-gb is not given")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV page")
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(dtype=args.dtype, device=args.device, kv_cache_dtype=args.kv_cache_dtype,
+                kv_cache_gb=args.kv_cache_gb, kv_cache_fraction=args.kv_cache_fraction,
+                block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=args.max_model_len,
+                enable_prefix_caching=not args.no_prefix_caching, seed=args.seed)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qoqserve", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for module in (generate, evaluate, bench):
+        module.register(sub, add_engine_args)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args) or 0
+    except (ValueError, FileNotFoundError) as e:
+        print(f"qoqserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

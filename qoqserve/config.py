@@ -1,0 +1,53 @@
+"""Engine configuration: one dataclass per concern, gathered in EngineConfig."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+           "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16}
+
+
+def parse_dtype(name: str | torch.dtype, device: str) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name == "auto":
+        # CPUs here have fast fp32 and bf16 but slow fp16; GPUs want half precision.
+        return torch.float32 if device == "cpu" else torch.float16
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose from auto, {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16            # tokens per KV page
+    # KV budget: absolute GiB, or when None a fraction of free memory (device or RAM)
+    kv_cache_gb: float | None = None
+    kv_cache_fraction: float = 0.3
+    num_blocks: int | None = None   # overrides the budget (tests use tiny pools)
+    kv_cache_dtype: str = "auto"    # "auto" = the model's dtype
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    max_model_len: int | None = None  # defaults to the model's context window
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None        # path, or None for the embedded default model
+    dtype: str | torch.dtype = "auto"
+    device: str = "cpu"
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype, self.device)

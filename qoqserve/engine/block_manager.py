@@ -1,0 +1,141 @@
+"""Page (block) allocation with reference counts and a hash-chained prefix cache.
+
+A full block is identified by hash(previous block's hash, its tokens), so a
+hit means the whole prefix up to and including that block matches. Hashes can
+collide, so a hit is only taken when the stored tokens are equal too. Freed
+blocks keep their contents and hash until they are handed out again, so a
+later request can still hit them.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from qoqserve.engine.sequence import Sequence
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+
+class OutOfBlocksError(RuntimeError):
+    pass
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.hash_to_block: dict[int, int] = {}
+        self.free_ids: deque[int] = deque(range(num_blocks))
+        self.used_ids: set[int] = set()
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0     # of those, tokens found
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_ids)
+
+    @property
+    def usage(self) -> float:
+        return len(self.used_ids) / self.num_blocks
+
+    @staticmethod
+    def chain_hash(tokens: tuple[int, ...], prev: int | None) -> int:
+        return hash((prev, tokens))
+
+    def _take_free(self, block_id: int | None = None) -> Block:
+        if block_id is None:
+            if not self.free_ids:
+                raise OutOfBlocksError("no free KV pages")
+            block_id = self.free_ids.popleft()
+            block = self.blocks[block_id]
+            if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
+                del self.hash_to_block[block.hash]  # its old contents are about to be overwritten
+            block.hash, block.token_ids = None, ()
+        else:
+            self.free_ids.remove(block_id)
+            block = self.blocks[block_id]
+        block.ref_count = 1
+        self.used_ids.add(block_id)
+        return block
+
+    def _register(self, block: Block, tokens: tuple[int, ...], prev: int | None) -> int:
+        h = self.chain_hash(tokens, prev)
+        block.hash, block.token_ids = h, tokens
+        if self.enable_prefix_caching:
+            self.hash_to_block[h] = block.block_id
+        return h
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        return self.num_free_blocks >= seq.num_blocks(self.block_size)
+
+    def allocate(self, seq: Sequence) -> None:
+        assert not seq.block_table
+        bs = self.block_size
+        # The last token is always computed (its logits are needed), so a block
+        # holding it is never served from the cache.
+        cacheable = (len(seq) - 1) // bs if self.enable_prefix_caching else 0
+        prev: int | None = None
+        missed = False
+        seq.num_cached_tokens = 0
+        for i in range(seq.num_blocks(bs)):
+            tokens = tuple(seq.block_tokens(i, bs))
+            full = len(tokens) == bs
+            h = self.chain_hash(tokens, prev) if full else None
+            hit_id = self.hash_to_block.get(h) if (i < cacheable and not missed) else None
+            if hit_id is not None and self.blocks[hit_id].token_ids == tokens:
+                block = self.blocks[hit_id]
+                if hit_id in self.used_ids:
+                    block.ref_count += 1
+                else:
+                    self._take_free(hit_id)
+                seq.num_cached_tokens += bs
+            else:
+                missed = True
+                block = self._take_free()
+                if full:
+                    self._register(block, tokens, prev)
+            prev = h
+            seq.block_table.append(block.block_id)
+        if self.enable_prefix_caching:
+            self.prefix_queries += len(seq)
+            self.prefix_hits += seq.num_cached_tokens
+
+    def deallocate(self, seq: Sequence) -> None:
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.used_ids.discard(block_id)
+                self.free_ids.append(block_id)
+        seq.block_table = []
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Room for the slot of seq's newest token (appended, not yet computed)."""
+        needs_block = len(seq) > len(seq.block_table) * self.block_size
+        return self.num_free_blocks >= int(needs_block)
+
+    def may_append(self, seq: Sequence) -> None:
+        bs = self.block_size
+        if len(seq) > len(seq.block_table) * bs:
+            seq.block_table.append(self._take_free().block_id)
+
+    def on_token_computed(self, seq: Sequence) -> None:
+        """Register the block that the last computed token completed, for reuse."""
+        bs = self.block_size
+        computed = len(seq) - 1  # the newest token has been sampled, not yet run
+        if computed % bs or not computed:
+            return
+        idx = computed // bs - 1
+        block = self.blocks[seq.block_table[idx]]
+        if block.hash is not None:
+            return
+        prev = self.blocks[seq.block_table[idx - 1]].hash if idx > 0 else None
+        self._register(block, tuple(seq.block_tokens(idx, bs)), prev)

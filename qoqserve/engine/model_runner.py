@@ -1,0 +1,142 @@
+"""Owns the model and the KV page pool; turns scheduled sequences into tensors."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from qoqserve.config import CacheConfig, EngineConfig, parse_dtype
+from qoqserve.engine.sequence import Sequence
+from qoqserve.layers.attention import AttentionMetadata
+from qoqserve.layers.kv_cache import DenseKVCacheLayout, KVCacheLayout
+from qoqserve.layers.linear import Linear
+from qoqserve.layers.sampler import Sampler
+from qoqserve.model_loader.arch import ModelArchConfig
+from qoqserve.models.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
+
+
+def make_kv_layout(arch: ModelArchConfig, cache: CacheConfig, model_dtype: torch.dtype,
+                   device: str) -> KVCacheLayout:
+    dtype = model_dtype if cache.kv_cache_dtype == "auto" else parse_dtype(cache.kv_cache_dtype, device)
+    return DenseKVCacheLayout(arch.num_kv_heads, arch.head_dim, cache.block_size, dtype)
+
+
+def num_blocks_for_budget(cache: CacheConfig, layout: KVCacheLayout, num_layers: int,
+                          device: torch.device) -> int:
+    if cache.num_blocks is not None:
+        return cache.num_blocks
+    budget = (cache.kv_cache_gb * 2**30 if cache.kv_cache_gb is not None
+              else cache.kv_cache_fraction * available_memory_bytes(device))
+    per_block = layout.bytes_per_token() * cache.block_size * num_layers
+    blocks = int(budget // per_block)
+    if blocks < 1:
+        raise ValueError(f"KV-cache budget of {budget / 2**20:.1f} MiB holds no page "
+                         f"({per_block / 2**20:.2f} MiB each)")
+    return blocks
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, arch: ModelArchConfig, tensors, max_positions: int):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        self.block_size = config.cache.block_size
+        self.layout = make_kv_layout(arch, config.cache, self.dtype, config.device)
+        with torch.device(self.device):
+            self.model = LlamaForCausalLM(arch, self.layout, self.dtype, max_positions=max_positions)
+        self.model.load_weights(tensors)
+        self.model.eval()
+        self.num_blocks = num_blocks_for_budget(config.cache, self.layout, arch.num_layers, self.device)
+        self.kv_caches = [self.layout.allocate(self.num_blocks, self.device)
+                          for _ in range(arch.num_layers)]
+        self.sampler = Sampler(config.seed)
+        log.info("KV cache: %d pages x %d tokens, %s, %d bytes/token/layer",
+                 self.num_blocks, self.block_size, self.layout.name, self.layout.bytes_per_token())
+
+    def stats(self) -> dict:
+        weight_bytes = sum(p.numel() * p.element_size() for p in
+                           {id(p): p for p in self.model.parameters()}.values())
+        paths = sorted({m.method.describe(m) for m in self.model.modules() if isinstance(m, Linear)})
+        return {"weight_bytes": weight_bytes, "kv_layout": self.layout.name,
+                "kv_bytes_per_token": self.layout.bytes_per_token() * len(self.kv_caches),
+                "num_kv_blocks": self.num_blocks, "block_size": self.block_size,
+                "linear_paths": paths, "dtype": str(self.dtype).replace("torch.", "")}
+
+    def _slot(self, seq: Sequence, pos: int) -> int:
+        return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        width = max(len(s.block_table) for s in seqs)
+        rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
+
+    def _prepare_prefill(self, seqs: list[Sequence]):
+        ids, positions, slots, starts, cached = [], [], [], [0], []
+        for seq in seqs:
+            start = seq.num_cached_tokens
+            ids.extend(seq.token_ids[start:])
+            positions.extend(range(start, len(seq)))
+            slots.extend(self._slot(seq, p) for p in range(start, len(seq)))
+            starts.append(len(ids))
+            cached.append(start)
+        meta = AttentionMetadata(
+            is_prefill=True, slot_mapping=self._tensor(slots),
+            block_tables=self._block_tables(seqs) if any(cached) else None,
+            context_lens=None, query_starts=starts, cached_lens=cached)
+        return self._tensor(ids), self._tensor(positions), meta
+
+    def _prepare_decode(self, seqs: list[Sequence]):
+        ids = [s.token_ids[-1] for s in seqs]
+        positions = [len(s) - 1 for s in seqs]
+        slots = [self._slot(s, len(s) - 1) for s in seqs]
+        meta = AttentionMetadata(
+            is_prefill=False, slot_mapping=self._tensor(slots),
+            block_tables=self._block_tables(seqs),
+            context_lens=self._tensor([len(s) for s in seqs]))
+        return self._tensor(ids), self._tensor(positions), meta
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> tuple[list[int], list[float] | None]:
+        if is_prefill:
+            ids, positions, meta = self._prepare_prefill(seqs)
+        else:
+            ids, positions, meta = self._prepare_decode(seqs)
+        hidden = self.model(ids, positions, meta, self.kv_caches)
+        if is_prefill:
+            hidden = hidden[torch.tensor(meta.query_starts[1:], device=self.device) - 1]
+        logits = self.model.compute_logits(hidden)
+        for seq in seqs:
+            if seq.params.seed is not None and seq.generator is None:
+                seq.generator = torch.Generator().manual_seed(seq.params.seed)
+        return self.sampler(
+            logits, [s.params for s in seqs], [s.generator for s in seqs],
+            [(s.token_ids[:s.num_prompt_tokens], s.output_counts) if s.params.has_penalties else None
+             for s in seqs])
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, token_ids: list[int]) -> torch.Tensor:
+        """Log-probability of each token given the ones before it ([len-1], fp32).
+
+        One uncached causal pass, for perplexity evaluation.
+        """
+        ids = self._tensor(token_ids)
+        meta = AttentionMetadata(is_prefill=True, slot_mapping=None, block_tables=None,
+                                 context_lens=None, query_starts=[0, len(token_ids)], cached_lens=[0])
+        hidden = self.model(ids, torch.arange(len(token_ids), device=self.device), meta, None)
+        logprobs = torch.log_softmax(self.model.compute_logits(hidden[:-1]), dim=-1)
+        return logprobs.gather(1, ids[1:, None])[:, 0].cpu()

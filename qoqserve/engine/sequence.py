@@ -1,0 +1,70 @@
+"""A request's state as the scheduler sees it: plain Python, no tensors."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+from enum import Enum, auto
+
+from qoqserve.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    num_prompt_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0     # prefix tokens found in the page cache at allocation
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    logprobs: list[float] = field(default_factory=list)
+    num_preemptions: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    # token-count bookkeeping for presence/frequency penalties
+    output_counts: dict[int, int] = field(default_factory=dict)
+    generator: Any = None  # torch.Generator of a seeded request, made on first sampling
+
+    def __post_init__(self) -> None:
+        if not self.num_prompt_tokens:
+            self.num_prompt_tokens = len(self.token_ids)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def num_blocks(self, block_size: int) -> int:
+        return -(-len(self.token_ids) // block_size)
+
+    def block_tokens(self, i: int, block_size: int) -> list[int]:
+        return self.token_ids[i * block_size:(i + 1) * block_size]
+
+    def append(self, token_id: int, logprob: float | None) -> None:
+        self.token_ids.append(token_id)
+        self.output_counts[token_id] = self.output_counts.get(token_id, 0) + 1
+        if logprob is not None:
+            self.logprobs.append(logprob)
+        now = time.monotonic()
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.last_token_time = now

@@ -1,0 +1,112 @@
+"""Linear layers and the linear-method extension point.
+
+A quantization method plugs in here and nowhere else: the model builds
+`Linear` modules and never looks at how their weights are stored or multiplied.
+A method has three hooks, as in vLLM:
+
+* ``create_weights`` registers the parameters the method's checkpoint format
+  holds, with a ``weight_loader`` on each that knows how to copy one shard of a
+  fused layer (q/k/v into qkv, gate/up into gate_up) into place;
+* ``process_weights_after_loading`` turns what was loaded into what ``apply``
+  wants (repacking, caching an expanded copy, ...), once;
+* ``apply`` computes ``x @ W.T (+ b)``.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class LinearMethod(ABC):
+    name = "abstract"
+
+    @abstractmethod
+    def create_weights(self, layer: "Linear", dtype: torch.dtype) -> None:
+        ...
+
+    def process_weights_after_loading(self, layer: "Linear") -> None:
+        pass
+
+    @abstractmethod
+    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+        ...
+
+    def describe(self, layer: "Linear") -> str:
+        """Kernel path used by this layer, for the load-time log and stats."""
+        return self.name
+
+
+def _shard_loader(param: torch.Tensor, loaded: torch.Tensor, shard: int | None,
+                  offsets: list[int]) -> None:
+    """Copy a checkpoint tensor into its rows of a (possibly fused) parameter."""
+    if shard is None:
+        dst = param
+    else:
+        dst = param.narrow(0, offsets[shard], offsets[shard + 1] - offsets[shard])
+    if tuple(dst.shape) != tuple(loaded.shape):
+        raise ValueError(f"shape mismatch: parameter slice {tuple(dst.shape)}, "
+                         f"checkpoint tensor {tuple(loaded.shape)}")
+    dst.copy_(loaded)
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    """Plain high-precision weights, torch matmul."""
+    name = "torch-dense"
+
+    def create_weights(self, layer: "Linear", dtype: torch.dtype) -> None:
+        # torch.empty, not nn.Linear: no random init, the checkpoint overwrites it
+        layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, dtype=dtype),
+                                    requires_grad=False)
+        layer.weight.weight_loader = layer.load_shard
+        if layer.has_bias:
+            layer.bias = nn.Parameter(torch.empty(layer.out_features, dtype=dtype),
+                                      requires_grad=False)
+            layer.bias.weight_loader = layer.load_shard
+
+    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+        bias = layer.bias if layer.has_bias else None
+        m = x.shape[0]
+        if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and m < _MIN_ROWS:
+            # MKL's fp32 GEMM changes its summation order for a few small M
+            # (1-3, 5-7, 9-11 seen here); padding keeps each row's result
+            # independent of how many other requests share the batch.
+            x = F.pad(x, (0, 0, 0, _MIN_ROWS - m))
+            return F.linear(x, layer.weight, bias)[:m]
+        return F.linear(x, layer.weight, bias)
+
+
+_MIN_ROWS = 12
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b), possibly several checkpoint matrices fused along the output.
+
+    ``output_sizes`` lists the fused parts (e.g. [q, k, v]); checkpoint tensors
+    are loaded one part at a time by index.
+    """
+
+    def __init__(self, in_features: int, output_sizes: list[int] | int, bias: bool,
+                 method: LinearMethod, dtype: torch.dtype):
+        super().__init__()
+        self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
+        self.in_features = in_features
+        self.out_features = sum(self.output_sizes)
+        self.has_bias = bias
+        self.method = method
+        self.offsets = [0]
+        for size in self.output_sizes:
+            self.offsets.append(self.offsets[-1] + size)
+        method.create_weights(self, dtype)
+
+    def load_shard(self, param: torch.Tensor, loaded: torch.Tensor, shard: int | None) -> None:
+        _shard_loader(param, loaded, shard, self.offsets)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.output_sizes}, bias={self.has_bias}, "
+                f"method={self.method.describe(self)}")

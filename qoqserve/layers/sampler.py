@@ -1,0 +1,76 @@
+"""Token sampling: penalties, temperature, top-k, top-p, per-request seeds.
+
+Rows are sampled one by one with their own generator when seeded, so a seeded
+request draws the same tokens whatever else shares its batch.
+"""
+from __future__ import annotations
+
+import torch
+
+from qoqserve.sampling_params import SamplingParams
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
+                    output_counts: dict[int, int]) -> torch.Tensor:
+    """Repetition (HF/CTRL style, prompt + output) and OpenAI presence/frequency (output)."""
+    logits = logits.clone()
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_counts)), dtype=torch.long,
+                            device=logits.device)
+        vals = logits[seen]
+        p = params.repetition_penalty
+        logits[seen] = torch.where(vals > 0, vals / p, vals * p)
+    if output_counts and (params.presence_penalty or params.frequency_penalty):
+        ids = torch.tensor(list(output_counts), dtype=torch.long, device=logits.device)
+        counts = torch.tensor(list(output_counts.values()), dtype=logits.dtype, device=logits.device)
+        logits[ids] -= params.frequency_penalty * counts + params.presence_penalty
+    return logits
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token once the mass before it already reaches top_p
+        drop = probs.cumsum(-1) - probs >= top_p
+        drop[0] = False
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return logits
+
+
+class Sampler:
+    def __init__(self, seed: int = 0):
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None],
+                 penalty_inputs: list[tuple[list[int], dict[int, int]] | None]
+                 ) -> tuple[list[int], list[float] | None]:
+        """logits [B, V] fp32 -> chosen token per row, and its logprob when any row asks."""
+        logits = logits.float().cpu()
+        tokens: list[int] = []
+        want_logprobs = any(p.logprobs for p in params)
+        logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        greedy_rows = [i for i, p in enumerate(params) if p.greedy and not p.has_penalties]
+        argmax = logits.argmax(dim=-1).tolist() if greedy_rows else None
+        for i, p in enumerate(params):
+            if argmax is not None and i in greedy_rows:
+                tokens.append(argmax[i])
+                continue
+            row = logits[i]
+            if p.has_penalties:
+                row = apply_penalties(row, p, *penalty_inputs[i])
+            if p.greedy:
+                tokens.append(int(row.argmax()))
+                continue
+            row = _filter_top_k_top_p(row / p.temperature, p.top_k, p.top_p)
+            probs = row.softmax(-1)
+            gen = generators[i] or self.generator
+            tokens.append(int(torch.multinomial(probs, 1, generator=gen)))
+        chosen = None
+        if logprobs is not None:
+            chosen = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+        return tokens, chosen

@@ -1,0 +1,72 @@
+"""Offline API: LLM(model).generate(prompts, SamplingParams(...))."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+from qoqserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from qoqserve.engine.llm_engine import LLMEngine
+from qoqserve.engine.output import RequestOutput
+from qoqserve.sampling_params import SamplingParams
+
+
+def build_engine_config(model: str | None = None, **kwargs) -> EngineConfig:
+    """EngineConfig from flat keyword arguments (as on the command line)."""
+    cache = {k: kwargs.pop(k) for k in list(kwargs) if k in CacheConfig.__dataclass_fields__}
+    sched = {k: kwargs.pop(k) for k in list(kwargs) if k in SchedulerConfig.__dataclass_fields__}
+    unknown = set(kwargs) - set(EngineConfig.__dataclass_fields__)
+    if unknown:
+        raise TypeError(f"unknown engine options: {sorted(unknown)}")
+    return EngineConfig(model=model, cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched),
+                        **kwargs)
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs):
+        self.engine = LLMEngine(build_engine_config(model, **kwargs))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts: str | list[str] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run prompts to completion with continuous batching; outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError("need one SamplingParams per prompt")
+        order = {}
+        for prompt, p in zip(prompts, params_list):
+            rid = f"offline-{next(self._ids)}"
+            self.engine.add_request(rid, prompt, p)
+            order[rid] = len(order)
+        results: list[RequestOutput | None] = [None] * len(order)
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(order), desc="generate", unit="req")
+        try:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+                        if bar:
+                            bar.update(1)
+        finally:
+            if bar:
+                bar.close()
+            for rid in order:  # an exception mid-run must not leave requests holding pages
+                self.engine.abort(rid)
+        return results
+
+    def chat(self, conversations: list[dict] | list[list[dict]],
+             params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True)
+                   for c in conversations]
+        # the template already carries BOS where the model wants one
+        ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        return self.generate(ids, params, use_tqdm)

@@ -1,0 +1,200 @@
+"""GGUF files (llama.cpp format) for the llama and qwen2 architectures.
+
+Weights are dequantized to float32 (F16/BF16/F32 stay as stored) and renamed
+to HF names. llama.cpp's converter reorders attn_q/attn_k rows of "llama"
+models for its RoPE layout; we undo that so every consumer sees HF order.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import Any
+
+import numpy as np
+import torch
+
+from .arch import ModelArchConfig, UnsupportedModelError
+from .errors import ModelLoadError
+from .source import ModelSource, TensorIter, check_tensor_inventory
+from .tokenizer import tokenizer_from_gguf_metadata
+
+_ARCHS = {"llama": "llama", "qwen2": "qwen2"}
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
+                 "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
+_BLOCK_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
+                "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+                "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_QUANT_SUFFIX = re.compile(r"[.-](I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _BLOCK_RE.match(gguf_name)
+    if m and m.group(2) in _BLOCK_NAMES:
+        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def unpermute_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Inverse of llama.cpp convert_hf_to_gguf's `permute`.
+
+    Per head, llama.cpp interleaves the two rotary halves (rows i and i+d/2
+    become rows 2i and 2i+1); HF keeps them as two contiguous halves.
+    """
+    rows = w.shape[0]
+    return (w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:])
+            .transpose(1, 2).reshape(w.shape).contiguous())
+
+
+def _to_torch(t) -> torch.Tensor:
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize
+
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    if t.tensor_type in (Q.F32, Q.F16):
+        arr = np.array(t.data)  # copy out of the read-only memmap
+    elif t.tensor_type == Q.BF16:
+        return torch.from_numpy(np.array(t.data).view(np.int16)).view(torch.bfloat16).reshape(shape)
+    else:
+        arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+    return torch.from_numpy(arr).reshape(shape)
+
+
+def _llama3_factors(factor: float, theta: float, dim: int, orig_ctx: float,
+                    low: float = 1.0, high: float = 4.0) -> np.ndarray:
+    # the per-frequency divisors llama.cpp's converter stores as rope_freqs
+    out = []
+    for k in range(0, dim, 2):
+        wavelen = 2 * math.pi * theta ** (k / dim)
+        if wavelen < orig_ctx / high:
+            out.append(1.0)
+        elif wavelen > orig_ctx / low:
+            out.append(factor)
+        else:
+            smooth = (orig_ctx / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def _rope_scaling(meta: dict[str, Any], a: str, rope_freqs, theta: float, head_dim: int,
+                  where: str) -> dict[str, Any] | None:
+    kind = meta.get(f"{a}.rope.scaling.type", "none")
+    orig = meta.get(f"{a}.rope.scaling.original_context_length")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(meta[f"{a}.rope.scaling.factor"])}
+    if kind not in ("none", ""):
+        raise UnsupportedModelError(f"{where}: unsupported rope scaling type {kind!r}")
+    if rope_freqs is None:
+        return None
+    # Llama 3.x: only the per-frequency factors are stored; recover the HF
+    # parameters (low/high factors are 1 and 4 in every Llama 3 release)
+    # and accept them only if they reproduce the stored factors exactly.
+    stored = _to_torch(rope_freqs).float().numpy().reshape(-1)
+    params = {"rope_type": "llama3", "factor": float(stored.max()), "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": int(orig or 8192)}
+    redo = _llama3_factors(params["factor"], theta, head_dim,
+                           params["original_max_position_embeddings"])
+    if redo.shape != stored.shape or not np.allclose(redo, stored, rtol=1e-4, atol=1e-6):
+        raise UnsupportedModelError(f"{where}: rope_freqs.weight is not a Llama-3 rope scaling")
+    return params
+
+
+def _open_reader(path: str):
+    from gguf import GGUFReader
+
+    size = os.path.getsize(path)
+    try:
+        reader = GGUFReader(path, "r")
+    except Exception as e:  # the reader fails in many ways on damaged files
+        raise ModelLoadError(f"{path}: cannot parse GGUF ({type(e).__name__}: {e}); the file "
+                             f"({size} bytes) is probably truncated or corrupt") from e
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise ModelLoadError(f"{path}: truncated: tensor {t.name} needs bytes up to "
+                                 f"{t.data_offset + t.n_bytes} but the file has {size}")
+    return reader
+
+
+def load_gguf(path: str) -> ModelSource:
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"{path}: no such file")
+    reader = _open_reader(path)
+    meta = {}
+    for key, fld in reader.fields.items():
+        try:
+            meta[key] = fld.contents()
+        except Exception as e:
+            raise ModelLoadError(f"{path}: cannot decode metadata {key!r} ({e})") from e
+    a = meta.get("general.architecture")
+    if a not in _ARCHS:
+        raise UnsupportedModelError(f"{path}: unsupported GGUF architecture {a!r}; "
+                                    f"supported: {sorted(_ARCHS)}")
+    by_name = {t.name: t for t in reader.tensors}
+
+    def need(key: str) -> Any:
+        if key not in meta:
+            raise ModelLoadError(f"{path}: missing GGUF metadata {key!r}")
+        return meta[key]
+
+    hidden, heads = int(need(f"{a}.embedding_length")), int(need(f"{a}.attention.head_count"))
+    kv_heads = meta.get(f"{a}.attention.head_count_kv", heads)
+    if isinstance(kv_heads, list):
+        raise UnsupportedModelError(f"{path}: per-layer KV head counts are not supported")
+    head_dim = int(meta.get(f"{a}.attention.key_length")
+                   or meta.get(f"{a}.rope.dimension_count") or hidden // heads)
+    theta = float(meta.get(f"{a}.rope.freq_base", 10000.0))
+    if "token_embd.weight" not in by_name:
+        raise ModelLoadError(f"{path}: missing tensor token_embd.weight")
+    arch = ModelArchConfig(
+        architecture=_ARCHS[a],
+        vocab_size=int(by_name["token_embd.weight"].shape[1]),
+        hidden_size=hidden,
+        intermediate_size=int(need(f"{a}.feed_forward_length")),
+        num_layers=int(need(f"{a}.block_count")),
+        num_heads=heads,
+        num_kv_heads=int(kv_heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(meta.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=theta,
+        rope_scaling=_rope_scaling(meta, a, by_name.get("rope_freqs.weight"), theta,
+                                   head_dim, path),
+        max_position_embeddings=int(meta.get(f"{a}.context_length", 4096)),
+        tie_word_embeddings="output.weight" not in by_name,
+        attention_bias="blk.0.attn_q.bias" in by_name,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+    )
+
+    renamed: dict[str, Any] = {}
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            continue  # folded into arch.rope_scaling above
+        hf = hf_tensor_name(t.name)
+        if hf is None:
+            raise ModelLoadError(f"{path}: unexpected tensor {t.name!r} for a {a} model")
+        renamed[hf] = t
+    check_tensor_inventory(
+        arch, {n: tuple(int(d) for d in reversed(t.shape.tolist())) for n, t in renamed.items()},
+        path)
+
+    try:
+        tokenizer = tokenizer_from_gguf_metadata(meta, path)
+    except KeyError as e:
+        raise ModelLoadError(f"{path}: missing GGUF tokenizer metadata {e}") from e
+    arch.eos_token_ids = list(tokenizer.eos_token_ids)
+
+    def iter_tensors() -> TensorIter:
+        for name, t in renamed.items():
+            w = _to_torch(t)
+            if arch.architecture == "llama" and (".q_proj." in name or ".k_proj." in name):
+                w = unpermute_rope_rows(w, heads if ".q_proj." in name else arch.num_kv_heads)
+            yield name, w
+
+    stem = os.path.basename(path)
+    stem = _QUANT_SUFFIX.sub("", stem[:-5] if stem.endswith(".gguf") else stem)
+    return ModelSource(path=path, name=stem, arch=arch, tokenizer=tokenizer,
+                       tensor_iter_factory=iter_tensors)

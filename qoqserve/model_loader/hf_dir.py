@@ -1,0 +1,169 @@
+"""Hugging Face model directories: config.json + (sharded) safetensors."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from typing import Any
+
+from .arch import ModelArchConfig
+from .errors import ModelLoadError
+from .source import ModelSource, TensorIter, check_tensor_inventory
+from .tokenizer import tokenizer_from_hf_dir
+
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+                "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+                "U16": 2, "U32": 4, "U64": 8}
+_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
+# buffers some exporters save that are recomputed at runtime
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+_MAX_HEADER = 100 << 20
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path}: cannot read JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object")
+    return data
+
+
+def read_safetensors_header(path: str) -> dict[str, tuple[str, tuple[int, ...], int]]:
+    """name -> (dtype, shape, data start) after checking the file holds every byte
+    the header promises. safe_open itself only notices truncation when a tensor
+    is read, which is too late to give a useful error."""
+    size = os.path.getsize(path)
+    if size < 8:
+        raise ModelLoadError(f"{path}: {size} bytes, too short to be a safetensors file")
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > min(size - 8, _MAX_HEADER):
+            raise ModelLoadError(f"{path}: header length field says {n} bytes (file is {size} "
+                                 "bytes): truncated, corrupt, or not a safetensors file")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+        if not isinstance(header, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as e:  # UnicodeDecodeError is a ValueError too
+        raise ModelLoadError(f"{path}: corrupt safetensors header ({e})") from e
+    data_len = size - 8 - n
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+            itemsize = _DTYPE_BYTES[dtype]
+            ok = 0 <= begin <= end and end - begin == math.prod(shape) * itemsize
+        except (KeyError, TypeError, ValueError):
+            raise ModelLoadError(f"{path}: corrupt header entry for tensor {name!r}: {info!r}")
+        if not ok:
+            raise ModelLoadError(f"{path}: tensor {name!r} offsets {begin}..{end} do not match "
+                                 f"its shape {list(shape)} and dtype {dtype}")
+        if end > data_len:
+            raise ModelLoadError(
+                f"{path}: truncated: tensor {name!r} needs data bytes {begin}..{end} but the file "
+                f"only has {data_len} data bytes ({size} bytes total)")
+        out[name] = (dtype, shape, begin)
+    return out
+
+
+def _weight_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(index):
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError(f"{index}: no weight_map")
+        files = list(dict.fromkeys(weight_map.values()))
+        for f in files:
+            if not os.path.isfile(os.path.join(path, f)):
+                raise ModelLoadError(f"{os.path.join(path, f)}: shard listed in {index} is missing")
+        return [os.path.join(path, f) for f in files]
+    if os.path.isfile(single):
+        return [single]
+    others = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if others:
+        return [os.path.join(path, f) for f in others]
+    hint = " (PyTorch .bin checkpoints are not supported; convert to safetensors)" \
+        if any(f.endswith(".bin") for f in os.listdir(path)) else ""
+    raise ModelLoadError(f"{single}: missing; no safetensors weights in {path}{hint}")
+
+
+def _display_name(path: str) -> str:
+    # HF cache layout: .../models--org--name/snapshots/<commit>
+    parent = os.path.dirname(path)
+    if os.path.basename(parent) == "snapshots":
+        repo_dir = os.path.basename(os.path.dirname(parent))
+        if repo_dir.startswith("models--"):
+            return repo_dir.split("--")[-1]
+    return os.path.basename(path.rstrip(os.sep))
+
+
+def _token_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else [v for v in value if isinstance(v, int)]
+
+
+def load_hf_dir(path: str) -> ModelSource:
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ModelLoadError(f"{cfg_path}: missing; not a Hugging Face model directory")
+    cfg = _read_json(cfg_path)
+    try:
+        arch = ModelArchConfig.from_hf_config(cfg)
+    except (KeyError, TypeError) as e:
+        raise ModelLoadError(f"{cfg_path}: missing or invalid field {e}") from e
+
+    gen_path = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen_path):
+        gen = _read_json(gen_path)
+        arch.eos_token_ids = list(dict.fromkeys(arch.eos_token_ids
+                                                + _token_ids(gen.get("eos_token_id"))))
+        if arch.bos_token_id is None and isinstance(gen.get("bos_token_id"), int):
+            arch.bos_token_id = gen["bos_token_id"]
+
+    files = _weight_files(path)
+    located: dict[str, tuple[str, int]] = {}  # name -> (file, data offset)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        for name, (dtype, shape, begin) in read_safetensors_header(file).items():
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and arch.tie_word_embeddings:
+                continue  # some exporters store the tied copy anyway
+            if dtype not in _FLOAT_DTYPES:
+                raise ModelLoadError(f"{file}: tensor {name!r} has non-float dtype {dtype} "
+                                     "(pre-quantized checkpoints are not supported)")
+            if name in located:
+                raise ModelLoadError(f"{file}: tensor {name!r} also present in {located[name][0]}")
+            located[name], shapes[name] = (file, begin), shape
+    where = files[0] if len(files) == 1 else os.path.join(path, "model.safetensors.index.json")
+    check_tensor_inventory(arch, shapes, where)
+
+    tokenizer = tokenizer_from_hf_dir(path, arch.eos_token_ids, arch.bos_token_id)
+    # one eos list for everyone: stop on any id the config or the tokenizer names
+    arch.eos_token_ids = tokenizer.eos_token_ids = list(
+        dict.fromkeys(arch.eos_token_ids + tokenizer.eos_token_ids))
+    if arch.bos_token_id is None:
+        arch.bos_token_id = tokenizer.bos_token_id
+
+    def iter_tensors() -> TensorIter:
+        from safetensors import safe_open
+
+        for file in files:
+            # data-offset order keeps reads sequential on disk
+            names = sorted((n for n, (f, _) in located.items() if f == file),
+                           key=lambda n: located[n][1])
+            with safe_open(file, framework="pt") as handle:
+                for name in names:
+                    yield name, handle.get_tensor(name)
+
+    return ModelSource(path=path, name=_display_name(path), arch=arch, tokenizer=tokenizer,
+                       tensor_iter_factory=iter_tensors)

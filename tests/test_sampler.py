@@ -1,0 +1,69 @@
+import pytest
+import torch
+
+from qoqserve.layers.sampler import Sampler, _filter_top_k_top_p, apply_penalties
+from qoqserve.sampling_params import InvalidSamplingParams, SamplingParams
+
+
+def test_greedy_is_argmax_and_logprob_is_log_softmax():
+    logits = torch.randn(3, 50)
+    params = [SamplingParams(temperature=0, logprobs=True)] * 3
+    toks, lps = Sampler()(logits, params, [None] * 3, [None] * 3)
+    assert toks == logits.argmax(-1).tolist()
+    ref = torch.log_softmax(logits, -1)
+    assert lps == pytest.approx([float(ref[i, t]) for i, t in enumerate(toks)])
+
+
+def test_top_k_and_top_p_keep_the_right_tokens():
+    logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
+    kept = _filter_top_k_top_p(logits, 2, 1.0).isfinite()
+    assert kept.tolist() == [True, True, False, False, False]
+    probs = logits.softmax(-1)  # ~[0.64, 0.24, 0.09, ...]
+    kept = _filter_top_k_top_p(logits, -1, 0.8).isfinite()
+    assert kept.tolist() == [True, True, False, False, False]
+    assert probs[0] < 0.8 < probs[0] + probs[1]
+    assert _filter_top_k_top_p(logits, -1, 0.5).isfinite().tolist() == [True] + [False] * 4
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 100)
+    p = SamplingParams(temperature=1.0, seed=123)
+    s = Sampler(seed=0)
+    alone = s(logits[2:3], [p], [torch.Generator().manual_seed(123)], [None])[0]
+    gens = [None, None, torch.Generator().manual_seed(123), None]
+    free = SamplingParams(temperature=1.0)
+    batch = s(logits, [free, free, p, free], gens, [None] * 4)[0]
+    assert batch[2] == alone[0]
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([0.7, 0.2, 0.1]))
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros(3)
+    s = Sampler()
+    p = SamplingParams(temperature=1.0)
+    for _ in range(2000):
+        counts[s(logits[None], [p], [g], [None])[0][0]] += 1
+    assert torch.allclose(counts / 2000, torch.tensor([0.7, 0.2, 0.1]), atol=0.04)
+
+
+def test_penalties():
+    logits = torch.tensor([2.0, -2.0, 1.0, 0.5])
+    p = SamplingParams(repetition_penalty=2.0)
+    out = apply_penalties(logits, p, [0, 1], {})
+    assert out.tolist() == [1.0, -4.0, 1.0, 0.5]
+    p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    out = apply_penalties(logits, p, [], {2: 2})
+    assert out.tolist() == [2.0, -2.0, 1.0 - 0.5 - 0.5, 0.5]
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-5), dict(max_tokens=0),
+    dict(max_tokens=1.5), dict(stop=[""]), dict(seed="x"), dict(repetition_penalty=0),
+    dict(presence_penalty=3), dict(min_tokens=5, max_tokens=2), dict(top_k=True),
+])
+def test_invalid_params_are_rejected_with_a_message(kwargs):
+    with pytest.raises(InvalidSamplingParams) as e:
+        SamplingParams(**kwargs)
+    assert any(k in str(e.value) for k in kwargs)
