@@ -24,7 +24,9 @@ def parse_dtype(name: str | torch.dtype, device: str) -> torch.dtype:
 @dataclass
 class CacheConfig:
     block_size: int = 16            # tokens per KV page
-    # KV budget: absolute GiB, or when None a fraction of free memory (device or RAM)
+    # KV budget in GiB. None: on CUDA kv_cache_fraction of free device memory
+    # (after weights); on CPU min(kv_cache_fraction of free RAM, 2 GiB), since
+    # zero-filling a huge pool costs seconds of start-up and CPU batches are small.
     kv_cache_gb: float | None = None
     kv_cache_fraction: float = 0.3
     num_blocks: int | None = None   # overrides the budget (tests use tiny pools)

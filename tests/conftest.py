@@ -12,13 +12,14 @@ import pytest
 
 @pytest.fixture(scope="session")
 def default_gguf_path() -> str:
-    """Path of the embedded SmolLM2-135M-Instruct Q4_1 GGUF (skips if not installed)."""
-    from qoqserve.model_loader import ModelLoadError, default_gguf_path
+    """Path of the embedded SmolLM2-135M-Instruct Q4_1 GGUF.
 
-    try:
-        return default_gguf_path()
-    except ModelLoadError as e:
-        pytest.skip(str(e))
+    Not skipped when missing: scripts/bootstrap.sh installs it, and a suite that
+    silently skipped the real-model tests would pass without testing anything.
+    """
+    from qoqserve.model_loader import default_gguf_path
+
+    return default_gguf_path()
 
 
 @pytest.fixture(scope="session")

@@ -48,6 +48,7 @@ def run(args) -> int:
             sys.stdout.flush()
     elapsed = time.perf_counter() - start
     sys.stdout.write("\n")
+    sys.stdout.flush()
     if out is not None:
         n = len(out.token_ids)
         print(f"[{n} tokens in {elapsed:.2f}s, {n / elapsed:.1f} tok/s, "

@@ -17,7 +17,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default="auto")
     g.add_argument("--kv-cache-gb", type=float, default=None, help="KV page pool size in GiB")
     g.add_argument("--kv-cache-fraction", type=float, default=0.3,
-                   help="KV pool as a fraction of free memory, when --kv-cache-gb is not given")
+                   help="KV pool as a fraction of free memory when --kv-cache-gb is not given "
+                        "(capped at 2 GiB on CPU)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV page")
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=4096)

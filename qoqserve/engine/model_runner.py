@@ -16,6 +16,8 @@ from qoqserve.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
+_CPU_DEFAULT_KV_BYTES = 2 * 2**30
+
 
 def available_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
@@ -37,8 +39,12 @@ def num_blocks_for_budget(cache: CacheConfig, layout: KVCacheLayout, num_layers:
                           device: torch.device) -> int:
     if cache.num_blocks is not None:
         return cache.num_blocks
-    budget = (cache.kv_cache_gb * 2**30 if cache.kv_cache_gb is not None
-              else cache.kv_cache_fraction * available_memory_bytes(device))
+    if cache.kv_cache_gb is not None:
+        budget = cache.kv_cache_gb * 2**30
+    else:
+        budget = cache.kv_cache_fraction * available_memory_bytes(device)
+        if device.type == "cpu":
+            budget = min(budget, _CPU_DEFAULT_KV_BYTES)
     per_block = layout.bytes_per_token() * cache.block_size * num_layers
     blocks = int(budget // per_block)
     if blocks < 1:

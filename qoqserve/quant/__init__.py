@@ -1,0 +1,1 @@
+"""QoQ (W4A8KV4) quantization: offline transforms and weight quantization."""
