@@ -30,8 +30,12 @@ class CacheConfig:
     kv_cache_gb: float | None = None
     kv_cache_fraction: float = 0.3
     num_blocks: int | None = None   # overrides the budget (tests use tiny pools)
-    kv_cache_dtype: str = "auto"    # "auto" = the model's dtype
+    # "auto": int4 for a QoQ checkpoint calibrated with KV4, else the model dtype;
+    # or "int4", "float16", "bfloat16", "float32"
+    kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
+    # attend to K/V as stored (quantized) in prefill too; perplexity evaluation uses it
+    quantized_prefill: bool = False
 
 
 @dataclass
@@ -46,6 +50,7 @@ class EngineConfig:
     model: str | None = None        # path, or None for the embedded default model
     dtype: str | torch.dtype = "auto"
     device: str = "cpu"
+    w4a8_backend: str = "auto"      # QoQ checkpoints: auto | torch-int8 | sim
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

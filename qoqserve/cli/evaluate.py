@@ -15,6 +15,10 @@ def register(sub, add_engine_args) -> None:
     ppl.add_argument("--json", action="store_true", help="print the result as JSON")
     add_engine_args(ppl)
     ppl.set_defaults(func=run_ppl)
+    from qoqserve.eval import accuracy
+    acc = esub.add_parser("accuracy", help="perplexity of every quantization config (docs/accuracy.md)")
+    accuracy.register_args(acc)
+    acc.set_defaults(func=accuracy.run_cmd)
 
 
 def run_ppl(args) -> int:
@@ -25,6 +29,7 @@ def run_ppl(args) -> int:
 
     kwargs = engine_kwargs(args)
     kwargs["kv_cache_gb"] = kwargs["kv_cache_gb"] or 0.05  # scoring does not use the page pool
+    kwargs["quantized_prefill"] = True  # every position sees K/V as the cache stores them
     engine = LLMEngine(build_engine_config(args.model, **kwargs))
     files = args.files or list(LICENSE_TEXTS)
     ids = engine.tokenizer.encode(read_texts(files))

@@ -5,7 +5,7 @@ import argparse
 import logging
 import sys
 
-from qoqserve.cli import bench, evaluate, generate
+from qoqserve.cli import bench, evaluate, generate, quantize
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -14,7 +14,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="HF checkpoint dir or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default="auto", help="auto|float32|bfloat16|float16")
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    g.add_argument("--kv-cache-dtype", default="auto")
+    g.add_argument("--kv-cache-dtype", default="auto",
+                   choices=["auto", "int4", "float16", "fp16", "bfloat16", "bf16", "float32"],
+                   help="auto: int4 for QoQ KV4 checkpoints, else the model dtype")
+    g.add_argument("--w4a8-backend", default="auto", choices=["auto", "torch-int8", "sim"],
+                   help="how QoQ W4A8 linears run (sim = fp32 fake-quant reference)")
     g.add_argument("--kv-cache-gb", type=float, default=None, help="KV page pool size in GiB")
     g.add_argument("--kv-cache-fraction", type=float, default=0.3,
                    help="KV pool as a fraction of free memory when --kv-cache-gb is not given "
@@ -33,14 +37,15 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len,
-                enable_prefix_caching=not args.no_prefix_caching, seed=args.seed)
+                enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
+                w4a8_backend=args.w4a8_backend)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qoqserve", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (generate, evaluate, bench):
+    for module in (generate, quantize, evaluate, bench):
         module.register(sub, add_engine_args)
     return parser
 

@@ -27,7 +27,9 @@ class LLMEngine:
         self.tokenizer = source.tokenizer
         self.arch = source.arch
         context = config.scheduler.max_model_len or self.arch.max_position_embeddings
-        self.runner = ModelRunner(config, self.arch, source.iter_tensors(), max_positions=context)
+        self.quant_config = source.quant_config
+        self.runner = ModelRunner(config, self.arch, source.iter_tensors(), max_positions=context,
+                                  quant=source.quant_config)
         bs = config.cache.block_size
         # A sequence alone must always fit in the pool, or preemption could not make progress.
         self.max_model_len = min(context, self.runner.num_blocks * bs)

@@ -8,8 +8,9 @@ import torch
 from qoqserve.config import CacheConfig, EngineConfig, parse_dtype
 from qoqserve.engine.sequence import Sequence
 from qoqserve.layers.attention import AttentionMetadata
-from qoqserve.layers.kv_cache import DenseKVCacheLayout, KVCacheLayout
-from qoqserve.layers.linear import Linear
+from qoqserve.layers.kv_cache import DenseKVCacheLayout, Int4KVCacheLayout, KVCacheLayout
+from qoqserve.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod
+from qoqserve.layers.qoq_linear import QoQLinearMethod
 from qoqserve.layers.sampler import Sampler
 from qoqserve.model_loader.arch import ModelArchConfig
 from qoqserve.models.llama import LlamaForCausalLM
@@ -30,9 +31,27 @@ def available_memory_bytes(device: torch.device) -> int:
 
 
 def make_kv_layout(arch: ModelArchConfig, cache: CacheConfig, model_dtype: torch.dtype,
-                   device: str) -> KVCacheLayout:
-    dtype = model_dtype if cache.kv_cache_dtype == "auto" else parse_dtype(cache.kv_cache_dtype, device)
-    return DenseKVCacheLayout(arch.num_kv_heads, arch.head_dim, cache.block_size, dtype)
+                   device: str, quant: dict | None) -> KVCacheLayout:
+    kind = cache.kv_cache_dtype
+    if kind == "auto":
+        # a QoQ checkpoint says whether it was calibrated for KV4
+        kind = "int4" if quant and quant.get("kv_bits") == 4 else "model"
+    if kind == "int4":
+        layout = Int4KVCacheLayout(arch.num_kv_heads, arch.head_dim, cache.block_size)
+    else:
+        dtype = model_dtype if kind == "model" else parse_dtype(kind, device)
+        layout = DenseKVCacheLayout(arch.num_kv_heads, arch.head_dim, cache.block_size, dtype)
+    layout.quantized_prefill = cache.quantized_prefill
+    return layout
+
+
+def make_linear_method(config: EngineConfig, quant: dict | None) -> LinearMethod:
+    if quant is None:
+        return UnquantizedLinearMethod()
+    backend = config.w4a8_backend
+    if backend == "auto":
+        backend = "torch-int8"
+    return QoQLinearMethod(quant["group_size"], backend)
 
 
 def num_blocks_for_budget(cache: CacheConfig, layout: KVCacheLayout, num_layers: int,
@@ -54,14 +73,17 @@ def num_blocks_for_budget(cache: CacheConfig, layout: KVCacheLayout, num_layers:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, arch: ModelArchConfig, tensors, max_positions: int):
+    def __init__(self, config: EngineConfig, arch: ModelArchConfig, tensors, max_positions: int,
+                 quant: dict | None = None):
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         self.block_size = config.cache.block_size
-        self.layout = make_kv_layout(arch, config.cache, self.dtype, config.device)
+        self.layout = make_kv_layout(arch, config.cache, self.dtype, config.device, quant)
+        method = make_linear_method(config, quant)
         with torch.device(self.device):
-            self.model = LlamaForCausalLM(arch, self.layout, self.dtype, max_positions=max_positions)
+            self.model = LlamaForCausalLM(arch, self.layout, self.dtype, linear_method=method,
+                                          max_positions=max_positions)
         self.model.load_weights(tensors)
         self.model.eval()
         self.num_blocks = num_blocks_for_budget(config.cache, self.layout, arch.num_layers, self.device)
@@ -134,15 +156,5 @@ class ModelRunner:
             [(s.token_ids[:s.num_prompt_tokens], s.output_counts) if s.params.has_penalties else None
              for s in seqs])
 
-    @torch.inference_mode()
     def prompt_logprobs(self, token_ids: list[int]) -> torch.Tensor:
-        """Log-probability of each token given the ones before it ([len-1], fp32).
-
-        One uncached causal pass, for perplexity evaluation.
-        """
-        ids = self._tensor(token_ids)
-        meta = AttentionMetadata(is_prefill=True, slot_mapping=None, block_tables=None,
-                                 context_lens=None, query_starts=[0, len(token_ids)], cached_lens=[0])
-        hidden = self.model(ids, torch.arange(len(token_ids), device=self.device), meta, None)
-        logprobs = torch.log_softmax(self.model.compute_logits(hidden[:-1]), dim=-1)
-        return logprobs.gather(1, ids[1:, None])[:, 0].cpu()
+        return self.model.prompt_logprobs(token_ids)

@@ -42,6 +42,8 @@ class PagedAttention(nn.Module):
         if cache is not None and meta.slot_mapping is not None:
             self.layout.write(cache, k, v, meta.slot_mapping)
         if meta.is_prefill:
+            if self.layout.quantized_prefill:
+                k, v = self.layout.fake_quant(k), self.layout.fake_quant(v)
             out = self._prefill(q, k, v, meta, cache)
         else:
             out = self._decode(q, meta, cache)

@@ -13,9 +13,15 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from qoqserve.kernels import qoq_ref
+
 
 class KVCacheLayout(ABC):
     name = "abstract"
+    # Prefill normally attends to the fresh K/V (as QServe does) and only decode
+    # sees stored values. Evaluation sets this so that every position attends to
+    # K/V as stored, the way the fake-quant simulation measures accuracy.
+    quantized_prefill = False
 
     def __init__(self, num_kv_heads: int, head_dim: int, block_size: int):
         self.num_kv_heads = num_kv_heads
@@ -34,6 +40,10 @@ class KVCacheLayout(ABC):
     def write(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               slot_mapping: torch.Tensor) -> None:
         """Store k, v [T, Hkv, D] at flat slots (block * block_size + offset)."""
+
+    def fake_quant(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, Hkv, D] as it reads back after a write (identity for exact layouts)."""
+        return x
 
     @abstractmethod
     def read(self, cache: torch.Tensor, block_tables: torch.Tensor,
@@ -69,3 +79,51 @@ class DenseKVCacheLayout(KVCacheLayout):
         kv = cache[:, block_tables]  # [2, B, n, bs, H, D]
         kv = kv.reshape(2, b, n * self.block_size, self.num_kv_heads, self.head_dim)
         return kv[0].to(dtype), kv[1].to(dtype)
+
+
+class Int4KVCacheLayout(KVCacheLayout):
+    """QoQ KV4: per token, per head asymmetric UINT4 with fp16 scale and zero inline.
+
+    One layer's pool is uint8 [num_blocks, block_size, 2 (K, V), Hkv, D/2 + 4]:
+    for each token, kind and head, D/2 bytes of packed codes (low nibble = even
+    channel) followed by the fp16 scale and the fp16 zero (x = (code - zero) *
+    scale). Keeping the metadata next to the codes makes one page self-contained.
+    """
+    name = "int4"
+
+    def __init__(self, num_kv_heads: int, head_dim: int, block_size: int):
+        super().__init__(num_kv_heads, head_dim, block_size)
+        if head_dim % 2:
+            raise ValueError(f"KV4 needs an even head_dim, got {head_dim}")
+        self.row_bytes = head_dim // 2 + 4
+
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_kv_heads * self.row_bytes
+
+    def allocate(self, num_blocks: int, device: torch.device) -> torch.Tensor:
+        return torch.zeros(num_blocks, self.block_size, 2, self.num_kv_heads, self.row_bytes,
+                           dtype=torch.uint8, device=device)
+
+    def _encode(self, x: torch.Tensor) -> torch.Tensor:
+        codes, scale, zero = qoq_ref.quantize_kv4(x)
+        meta = torch.stack([scale, zero], dim=-1).view(torch.uint8)  # [T, H, 4]
+        return torch.cat([qoq_ref.pack_uint4(codes), meta], dim=-1)
+
+    def _decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        d2 = self.head_dim // 2
+        codes = qoq_ref.unpack_uint4(rows[..., :d2])
+        meta = rows[..., d2:].contiguous().view(torch.float16)  # [..., 2]
+        return qoq_ref.dequantize_kv4(codes, meta[..., 0], meta[..., 1], dtype)
+
+    def write(self, cache, k, v, slot_mapping) -> None:
+        flat = cache.view(-1, 2, self.num_kv_heads, self.row_bytes)
+        flat.index_copy_(0, slot_mapping, torch.stack([self._encode(k), self._encode(v)], dim=1))
+
+    def fake_quant(self, x: torch.Tensor) -> torch.Tensor:
+        return self._decode(self._encode(x), x.dtype)
+
+    def read(self, cache, block_tables, dtype):
+        b, n = block_tables.shape
+        rows = cache[block_tables].view(b, n * self.block_size, 2, self.num_kv_heads, self.row_bytes)
+        kv = self._decode(rows, dtype)
+        return kv[:, :, 0], kv[:, :, 1]

@@ -7,6 +7,7 @@ import os
 import struct
 from typing import Any
 
+from . import qoq_checkpoint
 from .arch import ModelArchConfig
 from .errors import ModelLoadError
 from .source import ModelSource, TensorIter, check_tensor_inventory
@@ -129,23 +130,31 @@ def load_hf_dir(path: str) -> ModelSource:
         if arch.bos_token_id is None and isinstance(gen.get("bos_token_id"), int):
             arch.bos_token_id = gen["bos_token_id"]
 
+    quant_path = os.path.join(path, "quant_config.json")
+    quant = _read_json(quant_path) if os.path.isfile(quant_path) else None
+    group_size = qoq_checkpoint.quant_group_size(quant, quant_path) if quant else None
+
     files = _weight_files(path)
     located: dict[str, tuple[str, int]] = {}  # name -> (file, data offset)
     shapes: dict[str, tuple[int, ...]] = {}
+    dtypes: dict[str, str] = {}
     for file in files:
         for name, (dtype, shape, begin) in read_safetensors_header(file).items():
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
             if name == "lm_head.weight" and arch.tie_word_embeddings:
                 continue  # some exporters store the tied copy anyway
-            if dtype not in _FLOAT_DTYPES:
+            if dtype not in _FLOAT_DTYPES and quant is None:
                 raise ModelLoadError(f"{file}: tensor {name!r} has non-float dtype {dtype} "
-                                     "(pre-quantized checkpoints are not supported)")
+                                     "(only QoQ checkpoints with quant_config.json hold integers)")
             if name in located:
                 raise ModelLoadError(f"{file}: tensor {name!r} also present in {located[name][0]}")
-            located[name], shapes[name] = (file, begin), shape
+            located[name], shapes[name], dtypes[name] = (file, begin), shape, dtype
     where = files[0] if len(files) == 1 else os.path.join(path, "model.safetensors.index.json")
-    check_tensor_inventory(arch, shapes, where)
+    if quant is None:
+        check_tensor_inventory(arch, shapes, where)
+    else:
+        qoq_checkpoint.check_inventory(arch, group_size, {n: (dtypes[n], shapes[n]) for n in shapes}, where)
 
     tokenizer = tokenizer_from_hf_dir(path, arch.eos_token_ids, arch.bos_token_id)
     # one eos list for everyone: stop on any id the config or the tokenizer names
@@ -163,7 +172,10 @@ def load_hf_dir(path: str) -> ModelSource:
                            key=lambda n: located[n][1])
             with safe_open(file, framework="pt") as handle:
                 for name in names:
-                    yield name, handle.get_tensor(name)
+                    tensor = handle.get_tensor(name)
+                    if quant is not None:
+                        qoq_checkpoint.check_values(name, tensor, group_size, file)
+                    yield name, tensor
 
     return ModelSource(path=path, name=_display_name(path), arch=arch, tokenizer=tokenizer,
-                       tensor_iter_factory=iter_tensors)
+                       tensor_iter_factory=iter_tensors, quant_config=quant)

@@ -33,6 +33,8 @@ class ModelSource:
     # Opens the checkpoint afresh on each call so tensors stream one at a time
     tensor_iter_factory: Callable[[], TensorIter] = field(repr=False, compare=False,
                                                           default=lambda: iter(()))
+    # quant_config.json of a QoQ checkpoint (docs/format.md); None = full precision
+    quant_config: dict | None = None
 
     def iter_tensors(self) -> TensorIter:
         """Yield (HF name, tensor) pairs, one tensor materialized at a time."""

@@ -127,6 +127,19 @@ class Tokenizer:
         spelling (e.g. 'Ġhello') use `backend.id_to_token`."""
         return self.backend.decode([int(id)], skip_special_tokens=False)
 
+    def save(self, directory: str) -> None:
+        """tokenizer.json + tokenizer_config.json that tokenizer_from_hf_dir reads back
+        to an identical tokenizer (and transformers' AutoTokenizer can read too)."""
+        self.backend.save(os.path.join(directory, "tokenizer.json"))
+        eos = self.eos_token_ids[0] if self.eos_token_ids else None
+        cfg = {"tokenizer_class": "PreTrainedTokenizerFast",
+               "bos_token": self.token_str(self.bos_token_id) or None,
+               "eos_token": self.token_str(eos) or None,
+               "add_bos_token": self._add_bos, "add_eos_token": self._add_eos,
+               "chat_template": self.chat_template}
+        with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump(cfg, f, indent=2, ensure_ascii=False)
+
     def token_str(self, id: int | None) -> str:
         return "" if id is None else (self.backend.id_to_token(id) or "")
 

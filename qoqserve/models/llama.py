@@ -105,6 +105,18 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head).float()
 
+    @torch.inference_mode()
+    def prompt_logprobs(self, token_ids: list[int]) -> torch.Tensor:
+        """log p(token i+1 | tokens <= i) for each i ([len-1], fp32, CPU): one
+        uncached causal pass, for perplexity."""
+        device = self.embed_tokens.device
+        ids = torch.tensor(token_ids, dtype=torch.long, device=device)
+        meta = AttentionMetadata(is_prefill=True, slot_mapping=None, block_tables=None,
+                                 context_lens=None, query_starts=[0, len(token_ids)], cached_lens=[0])
+        hidden = self(ids, torch.arange(len(token_ids), device=device), meta, None)
+        logprobs = torch.log_softmax(self.compute_logits(hidden[:-1]), dim=-1)
+        return logprobs.gather(1, ids[1:, None])[:, 0].cpu()
+
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (HF names) into the pre-allocated parameters."""
         params = dict(self.named_parameters(remove_duplicate=False))
@@ -129,9 +141,12 @@ class LlamaForCausalLM(nn.Module):
                     raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
             seen.add(f"{target}#{shard}")
         self._check_complete(seen)
-        for module in self.modules():
+        for name, module in self.named_modules():
             if isinstance(module, Linear):
-                module.method.process_weights_after_loading(module)
+                try:
+                    module.method.process_weights_after_loading(module)
+                except ValueError as e:
+                    raise ValueError(f"{name}: {e}") from None
 
     def _map_name(self, name: str) -> tuple[str | None, int | None]:
         if "rotary_emb" in name:
@@ -147,13 +162,20 @@ class LlamaForCausalLM(nn.Module):
         return name, None
 
     def _check_complete(self, seen: set[str]) -> None:
-        expected = set()
+        """Every parameter must have come from the checkpoint: torch.empty leftovers
+        would otherwise compute garbage silently."""
+        top = ["embed_tokens"] + ([] if self.cfg.tie_word_embeddings else ["lm_head"])
+        missing = [n for n in top if f"{n}#None" not in seen]
         for name, module in self.named_modules():
-            if isinstance(module, Linear):
-                shards = range(len(module.output_sizes)) if len(module.output_sizes) > 1 else [None]
-                for pname, _ in module.named_parameters(recurse=False):
-                    expected.update(f"{name}.{pname}#{s}" for s in shards)
-        expected.add("embed_tokens#None")
-        missing = sorted(expected - seen)
+            if isinstance(module, RMSNorm) and f"{name}.weight#None" not in seen:
+                missing.append(f"{name}.weight")
+            if not isinstance(module, Linear):
+                continue
+            for pname, _ in module.named_parameters(recurse=False):
+                # a fused parameter comes whole (quantized checkpoints) or one shard per part
+                key = f"{name}.{pname}"
+                shards = range(len(module.output_sizes))
+                if f"{key}#None" not in seen and not all(f"{key}#{i}" in seen for i in shards):
+                    missing.append(key)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")

@@ -1,0 +1,68 @@
+"""`qoqserve quantize`: a checkpoint -> a QoQ W4A8KV4 checkpoint."""
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+
+def add_quant_args(p) -> None:
+    p.add_argument("--config", default="g64", help="g128 | g64 | chn (or a baseline preset)")
+    p.add_argument("--calib", default=None, help="calibration text file (default: shipped set)")
+    p.add_argument("--calib-samples", type=int, default=None)
+    p.add_argument("--calib-seq-len", type=int, default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--kv-bits", type=int, choices=[4, 16], default=None)
+    p.add_argument("--smooth-alpha", type=float, default=None, help="fixed migration strength")
+    for step in ("rotate", "smooth-attention", "smooth-out", "reorder", "clip", "gptq"):
+        flag = step.replace("-", "_")
+        p.add_argument(f"--{step}", dest=flag, action="store_true", default=None,
+                       help=f"force the {step} step on")
+        p.add_argument(f"--no-{step}", dest=flag, action="store_false", help=f"skip {step}")
+
+
+def quant_config_from_args(args):
+    from qoqserve.quant.config import get_preset
+
+    over = {}
+    for field in ("rotate", "smooth_attention", "smooth_out", "reorder", "clip", "gptq",
+                  "kv_bits", "smooth_alpha", "calib_samples", "calib_seq_len"):
+        value = getattr(args, field, None)
+        if value is not None:
+            over[field] = value
+    return get_preset(args.config, **over)
+
+
+def register(sub, add_engine_args) -> None:
+    p = sub.add_parser("quantize", help="quantize a model with QoQ (W4A8KV4)")
+    p.add_argument("model", nargs="?", default=None,
+                   help="HF dir or .gguf (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("-o", "--output", required=True, help="output checkpoint directory")
+    p.add_argument("--eval", action="store_true",
+                   help="print the perplexity of the result on the license texts")
+    add_quant_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from qoqserve.model_loader import load_model_source
+    from qoqserve.quant.calibration import load_calibration
+    from qoqserve.quant.checkpoint import save_checkpoint
+    from qoqserve.quant.pipeline import quantize_model
+
+    cfg = quant_config_from_args(args)
+    source = load_model_source(args.model)
+    calib = load_calibration(source.tokenizer, args.calib, cfg.calib_samples, cfg.calib_seq_len)
+    print(f"quantizing {source.name} with {cfg.name}: "
+          f"{', '.join(f'{k}={v}' for k, v in dataclasses.asdict(cfg).items() if k != 'smooth_alpha_grid')}",
+          file=sys.stderr)
+    print(f"calibration: {len(calib.samples)} x {len(calib.samples[0])} tokens from {calib.source}",
+          file=sys.stderr)
+    result = quantize_model(source, cfg, calib, args.device)
+    save_checkpoint(result, source, calib, args.output)
+    print(f"wrote {args.output} in {result.seconds:.1f}s (steps: {', '.join(result.steps)})")
+    if args.eval:
+        from qoqserve.eval.perplexity import LICENSE_TEXTS, perplexity, read_texts
+        ids = source.tokenizer.encode(read_texts(LICENSE_TEXTS))
+        res = perplexity(result.model.prompt_logprobs, ids, 512, 512)
+        print(f"perplexity (simulation) {res.ppl:.4f} over {res.num_tokens} tokens")
+    return 0

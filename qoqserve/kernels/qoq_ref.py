@@ -1,0 +1,317 @@
+"""Torch reference of every QoQ numeric (W4A8KV4).
+
+Shared by the offline quantizer and the runtime engine, so a checkpoint is
+quantized with exactly the arithmetic the engine later undoes. Only torch.
+
+Formats (see DESIGN.md "QoQ facts"):
+- group (g64/g128): w ~= s1[n] * s2[n,g] * (u - z[n,g]); s1 fp16, s2/z/u integers.
+- channel:          w ~= s1[n] * (u - z[n]);             s1 fp16, z/u integers.
+- activations: int8 symmetric per token; KV: uint4 asymmetric per token per head.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+PROTECT = 119  # level-1 range: with s2 <= 16, s2*(u-z) of any code stays in int8
+# |a|,|b| <= 128 -> K * 2^14 must stay below 2^31 or the int32 accumulator wraps.
+INT8_MM_MAX_K = (2**31 - 1) // (128 * 128)
+_FP16_TINY = 2.0**-24  # smallest positive fp16 (subnormal)
+
+
+# ----------------------------------------------------------------- packing
+def pack_uint4(u: torch.Tensor) -> torch.Tensor:
+    """[..., K] codes 0..15 -> [..., K//2] bytes; low nibble = even k, high = odd k."""
+    if u.shape[-1] % 2:
+        raise ValueError(f"pack_uint4 needs an even last dim, got {tuple(u.shape)}")
+    u = u.to(torch.uint8)
+    if u.numel() and int(u.max()) > 15:
+        raise ValueError("pack_uint4: codes must be in 0..15")
+    return u[..., 0::2] | (u[..., 1::2] << 4)
+
+
+def unpack_uint4(p: torch.Tensor) -> torch.Tensor:
+    """Inverse of pack_uint4: [..., K//2] bytes -> [..., K] codes."""
+    return torch.stack((p & 0xF, p >> 4), dim=-1).flatten(-2)
+
+
+def _round_up_fp16(v: torch.Tensor) -> torch.Tensor:
+    """Smallest positive fp16 >= v. Scales rounded *down* to fp16 would make the
+    extreme weight exceed the code range and be clamped; rounding up keeps the
+    textbook half-step error bound exact."""
+    h = v.clamp(min=_FP16_TINY).half()
+    low = h.float() < v
+    h = torch.where(low, torch.nextafter(h, torch.full_like(h, float("inf"))), h)
+    if not torch.isfinite(h).all():
+        raise ValueError("weight scale overflows fp16 (|w| too large)")
+    return h
+
+
+def _clip_ratio(clip, n: int, device) -> torch.Tensor:
+    if clip is None:
+        return torch.ones(n, device=device)
+    return torch.as_tensor(clip, dtype=torch.float32, device=device).expand(n)
+
+
+# ------------------------------------------------------- progressive group W4
+@dataclass
+class QWeightGroup:
+    s1: torch.Tensor  # fp16 [N]
+    s2: torch.Tensor  # uint8 [N, K//g], 1..16
+    z: torch.Tensor   # uint8 [N, K//g], 0..15
+    u: torch.Tensor   # uint8 [N, K], 0..15 (unpacked)
+    group_size: int
+
+
+def level1_scale(w: torch.Tensor, clip=None) -> torch.Tensor:
+    """Per-row symmetric INT8 scale s1 = clip*amax/119, as the fp16 that is stored."""
+    amax = w.float().abs().amax(dim=1) * _clip_ratio(clip, w.shape[0], w.device)
+    return _round_up_fp16(amax / PROTECT)
+
+
+def _level1(w: torch.Tensor, s1: torch.Tensor) -> torch.Tensor:
+    return torch.clamp(torch.round(w.float() / s1.float()[:, None]), -PROTECT, PROTECT)
+
+
+def _level2(q1: torch.Tensor):
+    """Integer asymmetric UINT4 over the last dim of an INT8-valued float tensor.
+
+    Zero is kept inside [lo, hi] so z is a true integer in 0..15. The range is
+    <= 238, so s2 <= 16 and s2*15 <= 240 fits uint8. z is additionally kept in
+    [15 - 127//s2, 128//s2], which makes s2*(u-z) fit int8 for all 16 codes,
+    not only for the ones that occur; tests check exhaustively that this never
+    costs more than s2/2 of rounding error.
+    """
+    lo = q1.amin(dim=-1).clamp(max=0)
+    hi = q1.amax(dim=-1).clamp(min=0)
+    s2 = torch.clamp(torch.ceil((hi - lo) / 15), min=1)
+    z_lo = torch.clamp(15 - torch.floor(127 / s2), min=0)
+    z_hi = torch.clamp(torch.floor(128 / s2), max=15)
+    z = torch.minimum(torch.maximum(torch.round(-lo / s2), z_lo), z_hi)
+    u = torch.clamp(torch.round(q1 / s2[..., None]) + z[..., None], 0, 15)
+    return s2, z, u
+
+
+def quantize_group_columns(w_cols: torch.Tensor, s1: torch.Tensor):
+    """Level 2 for one group of columns [N, g] given the stored s1 -> (s2, z, u) uint8."""
+    s2, z, u = _level2(_level1(w_cols, s1))
+    return s2.to(torch.uint8), z.to(torch.uint8), u.to(torch.uint8)
+
+
+def quantize_weight_group(w: torch.Tensor, group_size: int, clip=None) -> QWeightGroup:
+    n, k = w.shape
+    if k % group_size:
+        raise ValueError(f"K={k} is not a multiple of group_size={group_size}")
+    s1 = level1_scale(w, clip)
+    q1 = _level1(w, s1).view(n, k // group_size, group_size)
+    s2, z, u = _level2(q1)
+    return QWeightGroup(s1, s2.to(torch.uint8), z.to(torch.uint8),
+                        u.reshape(n, k).to(torch.uint8), group_size)
+
+
+def group_weight_to_int8(q: QWeightGroup) -> torch.Tensor:
+    n, k = q.u.shape
+    u = q.u.view(n, k // q.group_size, q.group_size).to(torch.int16)
+    w8 = (u - q.z.to(torch.int16)[..., None]) * q.s2.to(torch.int16)[..., None]
+    return w8.reshape(n, k).to(torch.int8)
+
+
+def group_weight_to_float(q: QWeightGroup) -> torch.Tensor:
+    return q.s1.float()[:, None] * group_weight_to_int8(q).float()
+
+
+# ------------------------------------------------------------ per-channel W4
+@dataclass
+class QWeightChannel:
+    s1: torch.Tensor  # fp16 [N]
+    z: torch.Tensor   # uint8 [N], 0..15
+    u: torch.Tensor   # uint8 [N, K], 0..15 (unpacked)
+
+
+def channel_params(w: torch.Tensor, clip=None):
+    """Per-row asymmetric UINT4 (s1 fp16, z float integer); zero kept in range."""
+    r = _clip_ratio(clip, w.shape[0], w.device)
+    lo = w.float().amin(dim=1).clamp(max=0) * r
+    hi = w.float().amax(dim=1).clamp(min=0) * r
+    s1 = _round_up_fp16((hi - lo) / 15)
+    z = torch.clamp(torch.round(-lo / s1.float()), 0, 15)
+    return s1, z
+
+
+def _channel_codes(w, s1, z):
+    return torch.clamp(torch.round(w.float() / s1.float()[:, None]) + z[:, None], 0, 15)
+
+
+def quantize_weight_channel(w: torch.Tensor, clip=None) -> QWeightChannel:
+    s1, z = channel_params(w, clip)
+    return QWeightChannel(s1, z.to(torch.uint8), _channel_codes(w, s1, z).to(torch.uint8))
+
+
+def channel_weight_to_float(q: QWeightChannel) -> torch.Tensor:
+    return q.s1.float()[:, None] * (q.u.float() - q.z.float()[:, None])
+
+
+# ------------------------------------------------- column interface for GPTQ
+class WeightQuantizer:
+    """Quantize-dequantize one column at a time, for either format.
+
+    Row scales (s1, and z in channel mode) are fixed from the original matrix;
+    group params come from prepare_group(), called by GPTQ with the current
+    error-compensated columns of that group (or all up front for static groups).
+    Column indices are always those of the original matrix.
+    """
+
+    def __init__(self, w: torch.Tensor, group_size: int = 0, clip=None):
+        n, k = w.shape
+        self.group_size = int(group_size or 0)
+        if self.group_size:
+            if k % self.group_size:
+                raise ValueError(f"K={k} is not a multiple of group_size={group_size}")
+            self.s1 = level1_scale(w, clip)
+            self.s2 = torch.ones(n, k // self.group_size, device=w.device)
+            self.z = torch.zeros(n, k // self.group_size, device=w.device)
+        else:
+            self.s1, self.z = channel_params(w, clip)
+        self._s1f = self.s1.float()
+        self.u = torch.zeros(n, k, dtype=torch.uint8, device=w.device)
+
+    def prepare_group(self, col: int, w_cols: torch.Tensor) -> None:
+        if not self.group_size:
+            return
+        if col % self.group_size or w_cols.shape[1] != self.group_size:
+            raise ValueError("prepare_group must get one whole, aligned group")
+        s2, z, _ = _level2(_level1(w_cols, self.s1))
+        self.s2[:, col // self.group_size] = s2
+        self.z[:, col // self.group_size] = z
+
+    def prepare_all_groups(self, w: torch.Tensor) -> None:
+        for c in range(0, w.shape[1], self.group_size or w.shape[1] + 1):
+            self.prepare_group(c, w[:, c:c + self.group_size])
+
+    def quant_dequant(self, col: int, x: torch.Tensor) -> torch.Tensor:
+        """Quantize column `col` (values x [N]); records its codes, returns fp32 x_hat."""
+        s1 = self._s1f
+        if self.group_size:
+            g = col // self.group_size
+            s2, z = self.s2[:, g], self.z[:, g]
+            q1 = torch.clamp(torch.round(x.float() / s1), -PROTECT, PROTECT)
+            u = torch.clamp(torch.round(q1 / s2) + z, 0, 15)
+            self.u[:, col] = u.to(torch.uint8)
+            return s1 * (s2 * (u - z))
+        u = torch.clamp(torch.round(x.float() / s1) + self.z, 0, 15)
+        self.u[:, col] = u.to(torch.uint8)
+        return s1 * (u - self.z)
+
+    def result(self):
+        if self.group_size:
+            return QWeightGroup(self.s1, self.s2.to(torch.uint8), self.z.to(torch.uint8),
+                                self.u, self.group_size)
+        return QWeightChannel(self.s1, self.z.to(torch.uint8), self.u)
+
+
+# ------------------------------------------------------------- activations
+def quantize_act_int8(x: torch.Tensor):
+    """Symmetric per-token INT8: x [..., K] -> (int8 [..., K], fp32 scale [...])."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    x_q = torch.clamp(torch.round(xf / scale[..., None]), -127, 127)
+    return x_q.to(torch.int8), scale
+
+
+def act_row_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum of the *unquantized* row, for the per-channel zero-point epilogue."""
+    return x.float().sum(dim=-1)
+
+
+def int8_mm(a: torch.Tensor, b_t: torch.Tensor, _pad_like_cuda: bool = False) -> torch.Tensor:
+    """Exact int32 a[M,K] @ b_t[N,K]^T for int8 operands.
+
+    CPU torch._int_mm accepts any shape; CUDA needs M > 16 and K, N multiples
+    of 8, so there we zero-pad (exact). Where _int_mm cannot run at all we use
+    float64, exact because |sum| < 2^31 < 2^53.
+    """
+    m, k = a.shape
+    n = b_t.shape[0]
+    if k > INT8_MM_MAX_K:
+        raise ValueError(f"K={k} could overflow the int32 accumulator")
+    if a.is_cuda or _pad_like_cuda:
+        kp, np_ = -(-k // 8) * 8, -(-n // 8) * 8
+        a = F.pad(a, (0, kp - k, 0, max(17 - m, 0)))
+        b_t = F.pad(b_t, (0, kp - k, 0, np_ - n))
+    try:
+        out = torch._int_mm(a, b_t.t())
+    except RuntimeError:
+        out = (a.double() @ b_t.double().t()).to(torch.int32)
+    return out[:m, :n]
+
+
+def _flat(x):
+    return x.reshape(-1, x.shape[-1]), x.shape[:-1]
+
+
+def w4a8_group_linear(x, w_int8, s1) -> torch.Tensor:
+    """y = s_a * s1 * (x_q @ w_int8^T) on INT8 math; x [..., K] -> fp32 [..., N]."""
+    x2, lead = _flat(x)
+    x_q, s_a = quantize_act_int8(x2)
+    acc = int8_mm(x_q, w_int8).float()
+    return (acc * s_a[:, None] * s1.float()).reshape(*lead, -1)
+
+
+def w4a8_group_linear_sim(x, w_int8, s1) -> torch.Tensor:
+    """fp32 twin of w4a8_group_linear (w_int8 may be int8 or its float copy)."""
+    x2, lead = _flat(x)
+    x_q, s_a = quantize_act_int8(x2)
+    acc = x_q.float() @ w_int8.float().t()
+    return (acc * s_a[:, None] * s1.float()).reshape(*lead, -1)
+
+
+def _channel_epilogue(acc, s_a, x2, s1, z, lead):
+    s1f = s1.float()
+    y = acc * s_a[:, None] * s1f - act_row_sum(x2)[:, None] * (z.float() * s1f)
+    return y.reshape(*lead, -1)
+
+
+def w4a8_channel_linear(x, u, s1, z) -> torch.Tensor:
+    """y = s_a*s1*(x_q @ u^T) - (z*s1)*rowsum(x) on INT8 math (u = codes 0..15)."""
+    x2, lead = _flat(x)
+    x_q, s_a = quantize_act_int8(x2)
+    u8 = u.view(torch.int8) if u.dtype == torch.uint8 else u.to(torch.int8)  # 0..15: same bits
+    acc = int8_mm(x_q, u8).float()
+    return _channel_epilogue(acc, s_a, x2, s1, z, lead)
+
+
+def w4a8_channel_linear_sim(x, u, s1, z) -> torch.Tensor:
+    x2, lead = _flat(x)
+    x_q, s_a = quantize_act_int8(x2)
+    return _channel_epilogue(x_q.float() @ u.float().t(), s_a, x2, s1, z, lead)
+
+
+# --------------------------------------------------------------------- KV4
+def quantize_kv4(x: torch.Tensor):
+    """Per token, per head asymmetric UINT4 over the last dim of x [T, H, D].
+
+    Returns (codes uint8 [T,H,D], scale fp16 [T,H], zero fp16 [T,H]). The scale
+    floor amax*2^-14 keeps |zero| <= 2^14 representable in fp16 for near-constant
+    heads; it only bites below the fp16 resolution of the values themselves.
+    """
+    xf = x.float()
+    lo, hi = xf.amin(dim=-1), xf.amax(dim=-1)
+    amax = torch.maximum(lo.abs(), hi.abs())
+    scale = torch.maximum((hi - lo) / 15, amax * 2.0**-14).half()
+    scale = torch.where(scale > 0, scale, torch.full_like(scale, _FP16_TINY))
+    zero = (-lo / scale.float()).half()
+    codes = torch.round(xf / scale.float()[..., None] + zero.float()[..., None])
+    return codes.clamp(0, 15).to(torch.uint8), scale, zero
+
+
+def dequantize_kv4(codes, scale, zero, dtype=torch.float16) -> torch.Tensor:
+    deq = (codes.float() - zero.float()[..., None]) * scale.float()[..., None]
+    return deq.to(dtype)
+
+
+def pack_kv4(codes: torch.Tensor) -> torch.Tensor:
+    """[T, H, D] codes -> [T, H, D//2] bytes (same nibble order as weights)."""
+    return pack_uint4(codes)

@@ -1,0 +1,83 @@
+"""W4A8 linear methods for QoQ checkpoints (layout: docs/format.md).
+
+One set of parameters, two ways to execute it:
+* ``sim``: the fake-quant simulation; the INT8 x INT8 products are summed in
+  fp32 (exact for integers below 2^24), so it is the reference for every
+  integer path and fast enough for perplexity sweeps;
+* ``torch-int8``: per-token INT8 activations times the INT8 weight expansion
+  through torch._int_mm (INT32 accumulate), then the s_a * s1 epilogue.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from qoqserve.kernels import qoq_ref
+from qoqserve.layers.linear import Linear, LinearMethod
+
+BACKENDS = ("torch-int8", "sim")
+
+
+def qoq_param_shapes(out_features: int, in_features: int, group_size: int) -> dict:
+    """name -> (shape, dtype) of one quantized linear's checkpoint tensors."""
+    n, k = out_features, in_features
+    shapes = {"qweight": ((n, k // 2), torch.uint8), "s1": ((n,), torch.float16)}
+    if group_size:
+        shapes["s2"] = ((n, k // group_size), torch.uint8)
+        shapes["zeros"] = ((n, k // group_size), torch.uint8)
+    else:
+        shapes["zeros"] = ((n,), torch.uint8)
+    return shapes
+
+
+class QoQLinearMethod(LinearMethod):
+    def __init__(self, group_size: int, backend: str = "torch-int8"):
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown W4A8 backend {backend!r}; choose from {BACKENDS}")
+        self.group_size = group_size
+        self.backend = backend
+        self.name = f"w4a8-{'g%d' % group_size if group_size else 'chn'}/{backend}"
+
+    def create_weights(self, layer: Linear, dtype: torch.dtype) -> None:
+        k = layer.in_features
+        if k % 2 or (self.group_size and k % self.group_size):
+            raise ValueError(f"in_features {k} is not a multiple of the group size {self.group_size}")
+        for name, (shape, pdtype) in qoq_param_shapes(layer.out_features, k, self.group_size).items():
+            param = nn.Parameter(torch.empty(shape, dtype=pdtype), requires_grad=False)
+            param.weight_loader = layer.load_shard  # every tensor is row-indexed by output channel
+            layer.register_parameter(name, param)
+        if layer.has_bias:
+            layer.bias = nn.Parameter(torch.empty(layer.out_features, dtype=dtype), requires_grad=False)
+            layer.bias.weight_loader = layer.load_shard
+
+    def int8_weight(self, layer: Linear) -> torch.Tensor:
+        """The INT8 operand of the GEMM: s2*(u - z) per group, or u itself per channel."""
+        u = qoq_ref.unpack_uint4(layer.qweight)
+        if not self.group_size:
+            return u.to(torch.int8)
+        g = self.group_size
+        n, k = u.shape
+        w = (u.view(n, k // g, g).to(torch.int16) - layer.zeros.to(torch.int16)[..., None])
+        return (w * layer.s2.to(torch.int16)[..., None]).view(n, k).to(torch.int8)
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        if self.group_size:
+            s2, z = layer.s2.to(torch.int32), layer.zeros.to(torch.int32)
+            lo, hi = int((s2 * -z).min()), int((s2 * (15 - z)).max())
+            if lo < -128 or hi > 127:
+                raise ValueError(f"s2*(u - z) leaves the INT8 range ({lo}..{hi}): corrupt s2/zeros")
+        w = self.int8_weight(layer)
+        # Expanded once at load: per-call expansion costs more than the GEMM on CPU.
+        layer.w_expanded = w.float() if self.backend == "sim" else w
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        w = layer.w_expanded
+        if self.group_size:
+            fn = qoq_ref.w4a8_group_linear_sim if self.backend == "sim" else qoq_ref.w4a8_group_linear
+            y = fn(x, w, layer.s1)
+        else:
+            fn = qoq_ref.w4a8_channel_linear_sim if self.backend == "sim" else qoq_ref.w4a8_channel_linear
+            y = fn(x, w, layer.s1, layer.zeros)
+        if layer.has_bias:
+            y = y + layer.bias.float()
+        return y.to(x.dtype)

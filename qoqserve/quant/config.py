@@ -1,0 +1,70 @@
+"""What to quantize and how: one dataclass, plus the named presets."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    name: str = "g64"
+    w_bits: int = 4               # 4, 8, or 16 (weights left alone)
+    group_size: int = 64          # 0 = per output channel
+    progressive: bool = True      # QoQ two-level INT8 -> UINT4 (else plain asymmetric groups)
+    a_bits: int = 8               # 8 = per-token INT8 activations, 16 = unquantized
+    kv_bits: int = 4              # 4 = per-token-per-head UINT4 KV, 16 = unquantized
+    rotate: bool = True           # block-input Hadamard rotation
+    smooth_attention: bool = True
+    smooth_attention_alpha: float = 0.5
+    smooth_out: bool = True       # block-output smoothing (o_proj, down_proj inputs)
+    smooth_alpha: float | None = None  # None: searched per layer over smooth_alpha_grid
+    smooth_alpha_grid: tuple[float, ...] = (0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35)
+    reorder: bool = True          # activation-aware input-channel reordering (group configs)
+    clip: bool = False            # weight clipping ratio search
+    gptq: bool = True             # error-compensating rounding
+    calib_samples: int = 64
+    calib_seq_len: int = 512
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.w_bits not in (4, 8, 16):
+            raise ValueError(f"w_bits must be 4, 8 or 16, got {self.w_bits}")
+        if self.a_bits not in (8, 16) or self.kv_bits not in (4, 16):
+            raise ValueError("a_bits must be 8 or 16 and kv_bits 4 or 16")
+        if self.group_size not in (0, 32, 64, 128, 256):
+            raise ValueError(f"group_size must be 0 (per channel), 32, 64, 128 or 256")
+
+    @property
+    def is_qoq_format(self) -> bool:
+        """True when the result is a W4A8 checkpoint the runtime kernels execute."""
+        return self.w_bits == 4 and self.a_bits == 8 and (self.progressive or self.group_size == 0)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["smooth_alpha_grid"] = list(self.smooth_alpha_grid)
+        return d
+
+
+_QOQ = QuantConfig()
+NO_TRANSFORMS = dict(rotate=False, smooth_attention=False, smooth_out=False, reorder=False,
+                     clip=False, gptq=False)
+
+PRESETS: dict[str, QuantConfig] = {
+    # the QServe configurations
+    "g128": replace(_QOQ, name="g128", group_size=128),
+    "g64": replace(_QOQ, name="g64", group_size=64),
+    "chn": replace(_QOQ, name="chn", group_size=0, reorder=False, clip=True),
+    # round-to-nearest baselines for the accuracy table
+    "rtn-w8a8": QuantConfig(name="rtn-w8a8", w_bits=8, group_size=0, progressive=False,
+                            kv_bits=16, **NO_TRANSFORMS),
+    "rtn-w4a16-g64": QuantConfig(name="rtn-w4a16-g64", group_size=64, progressive=False,
+                                 a_bits=16, kv_bits=16, **NO_TRANSFORMS),
+    "rtn-w4a8kv4-g64": QuantConfig(name="rtn-w4a8kv4-g64", group_size=64, **NO_TRANSFORMS),
+    "rtn-w4a8kv4-chn": QuantConfig(name="rtn-w4a8kv4-chn", group_size=0, **NO_TRANSFORMS),
+    "rtn-kv4": QuantConfig(name="rtn-kv4", w_bits=16, a_bits=16, **NO_TRANSFORMS),
+}
+
+
+def get_preset(name: str, **overrides) -> QuantConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown quantization config {name!r}; choose from {', '.join(PRESETS)}")
+    return replace(PRESETS[name], **overrides)

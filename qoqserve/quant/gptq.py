@@ -1,0 +1,106 @@
+"""GPTQ error-compensating rounding (Frantar et al., 2022) for the QoQ formats.
+
+Columns are quantized left to right; each column's rounding error is spread
+over the not-yet-quantized columns through the Cholesky factor of H^-1, so
+the layer output X W^T (not W itself) is what is preserved.
+"""
+from __future__ import annotations
+
+import torch
+
+from qoqserve.kernels.qoq_ref import WeightQuantizer
+
+
+class HessianAccumulator:
+    """Running H = 2/n * sum_t x_t^T x_t over all calibration tokens.
+
+    The sum is kept in float64 and normalized only when read, so the order and
+    size of the batches does not change the result.
+    """
+
+    def __init__(self, k: int, device=None):
+        self.sum = torch.zeros(k, k, dtype=torch.float64, device=device)
+        self.n = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).to(torch.float64)
+        self.sum.addmm_(x.t(), x)
+        self.n += x.shape[0]
+
+    def hessian(self) -> torch.Tensor:
+        if self.n == 0:
+            raise ValueError("no calibration tokens were added")
+        return (self.sum * (2.0 / self.n)).float()
+
+
+def _inverse_cholesky(h: torch.Tensor, percdamp: float) -> torch.Tensor:
+    """Upper Cholesky factor of (H + damp*I)^-1, raising damping if H is too ill-posed."""
+    k = h.shape[0]
+    eye = torch.eye(k, dtype=h.dtype, device=h.device)
+    damp = percdamp * torch.diag(h).mean()
+    for _ in range(6):
+        l, info = torch.linalg.cholesky_ex(h + damp * eye)
+        if int(info) == 0:
+            hinv = torch.cholesky_inverse(l)
+            u, info = torch.linalg.cholesky_ex(hinv, upper=True)
+            if int(info) == 0:
+                return u
+        damp = damp * 10 if damp > 0 else torch.tensor(1e-6, dtype=h.dtype)
+    raise RuntimeError("Hessian is not positive definite even with heavy damping")
+
+
+def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, quantizer: WeightQuantizer,
+                  block_size: int = 128, percdamp: float = 0.01, act_order: bool = False):
+    """Quantize w [N, K] with GPTQ; returns (quantizer.result(), w_dequant fp32 [N, K]).
+
+    `quantizer` must have been built from this same w (it owns s1 / z). Groups
+    are dynamic (params taken from the compensated weights when their first
+    column is reached) unless act_order, which would visit group members out of
+    order: then groups are static, computed from the original w up front.
+    """
+    n, k = w.shape
+    if hessian.shape != (k, k):
+        raise ValueError(f"hessian must be [{k}, {k}], got {tuple(hessian.shape)}")
+    g = quantizer.group_size
+    if g and not act_order:
+        # a group must lie inside one lazy-update block so that, when its params
+        # are taken, all of its columns already carry the earlier errors
+        block_size = max(block_size // g, 1) * g
+
+    W = w.detach().float().clone()
+    H = hessian.detach().to(torch.float64).clone()
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1  # an input that is always 0: its weights are irrelevant, quantize 0
+    W[:, dead] = 0
+
+    if g and act_order:
+        quantizer.prepare_all_groups(W)
+    perm = torch.arange(k, device=W.device)
+    if act_order:
+        perm = torch.argsort(torch.diag(H), descending=True)
+        W, H = W[:, perm], H[perm][:, perm]
+    perm_list = perm.tolist()
+
+    U = _inverse_cholesky(H, percdamp).float()
+    Q = torch.zeros_like(W)
+    for i1 in range(0, k, block_size):
+        i2 = min(i1 + block_size, k)
+        W1 = W[:, i1:i2].clone()
+        Err1 = torch.zeros_like(W1)
+        U1 = U[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = perm_list[i1 + i]
+            if g and not act_order and col % g == 0:
+                quantizer.prepare_group(col, W1[:, i:i + g])
+            x = W1[:, i]
+            q = quantizer.quant_dequant(col, x)
+            Q[:, i1 + i] = q
+            err = (x - q) / U1[i, i]
+            # rank-1 update of the rest of this block only; later blocks get it in bulk
+            W1[:, i:].addr_(err, U1[i, i:], alpha=-1)
+            Err1[:, i] = err
+        W[:, i2:].addmm_(Err1, U[i1:i2, i2:], alpha=-1)
+
+    if act_order:
+        Q = Q[:, torch.argsort(perm)]
+    return quantizer.result(), Q

@@ -1,0 +1,195 @@
+"""The QoQ pipeline, layer by layer over calibration activations.
+
+rotate (whole model, weights only) -> for each decoder layer: measure ->
+SmoothAttention -> reorder -> smooth (alpha searched) -> measure again ->
+clip search + GPTQ per linear -> run the now-quantized layer to produce the
+next layer's inputs. Only one layer's activations are alive at a time, on
+top of the model and the calibration hidden states.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from qoqserve.kernels import qoq_ref
+from qoqserve.layers.attention import AttentionMetadata
+from qoqserve.layers.kv_cache import DenseKVCacheLayout, Int4KVCacheLayout
+from qoqserve.models.llama import LlamaForCausalLM
+from qoqserve.quant import sim
+from qoqserve.quant.calibration import CalibrationSet
+from qoqserve.quant.clip import search_clip_ratios
+from qoqserve.quant.config import QuantConfig
+from qoqserve.quant.gptq import gptq_quantize
+from qoqserve.quant.layer_stats import LayerCapture, search_alpha
+from qoqserve.quant.transforms.reorder import reorder_down, reorder_out_proj
+from qoqserve.quant.transforms.rotation import rotate_model
+from qoqserve.quant.transforms._common import expand_groups, group_max
+from qoqserve.quant.transforms.smooth import (smooth_attention, smooth_down, smooth_out_proj,
+                                              smooth_scales)
+
+LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+@dataclass
+class QuantResult:
+    model: LlamaForCausalLM
+    config: QuantConfig
+    steps: list[str]
+    layer_info: list[dict] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def build_fp_model(source, cfg: QuantConfig, device: str) -> LlamaForCausalLM:
+    """fp32 model; with KV4 every layer attends to fake-quantized K/V, prefill included."""
+    a = dataclasses.replace(source.arch)  # rotation unties lm_head: never mutate the source's arch
+    if cfg.kv_bits == 4:
+        layout = Int4KVCacheLayout(a.num_kv_heads, a.head_dim, 16)
+        layout.quantized_prefill = True
+    else:
+        layout = DenseKVCacheLayout(a.num_kv_heads, a.head_dim, 16, torch.float32)
+    with torch.device(device):
+        model = LlamaForCausalLM(a, layout, torch.float32, max_positions=max(cfg.calib_seq_len, 4096))
+    model.load_weights(source.iter_tensors())
+    return model.eval()
+
+
+def _meta(num: int, length: int) -> AttentionMetadata:
+    return AttentionMetadata(True, None, None, None, [i * length for i in range(num + 1)], [0] * num)
+
+
+def _run_layer(layer, hidden: torch.Tensor, seq_len: int, chunk: int = 8) -> torch.Tensor:
+    """hidden [S*L, h] through one decoder layer, a few samples at a time."""
+    out = torch.empty_like(hidden)
+    positions = torch.arange(seq_len, device=hidden.device)
+    n = hidden.shape[0] // seq_len
+    for s in range(0, n, chunk):
+        c = min(chunk, n - s)
+        rows = slice(s * seq_len, (s + c) * seq_len)
+        out[rows] = layer(positions.repeat(c), hidden[rows], _meta(c, seq_len), None)
+    return out
+
+
+def _quantize_linear(linear, cap, cfg: QuantConfig, info: dict, name: str) -> None:
+    w = linear.weight.detach().float()
+    if cfg.w_bits == 16:
+        sim.convert_to_fake(linear, w, cfg.a_bits == 8, "fake-a8" if cfg.a_bits == 8 else "fp")
+        return
+    if not cfg.is_qoq_format and not (cfg.w_bits == 4 and cfg.progressive):
+        label = f"fake-w{cfg.w_bits}a{cfg.a_bits}"
+        sim.convert_to_fake(linear, sim.rtn_weight(w, cfg.w_bits, cfg.group_size), cfg.a_bits == 8, label)
+        return
+    g = cfg.group_size
+    clip = None
+    if cfg.clip:
+        def quant_fn(rows, ratios):
+            if g:
+                return qoq_ref.group_weight_to_float(qoq_ref.quantize_weight_group(rows, g, ratios))
+            return qoq_ref.channel_weight_to_float(qoq_ref.quantize_weight_channel(rows, ratios))
+        clip = search_clip_ratios(w, cap.samples[name], quant_fn)
+        info[f"{name}.clip_mean"] = round(float(clip.mean()), 4)
+    quantizer = qoq_ref.WeightQuantizer(w, g, clip)
+    if cfg.gptq:
+        q, _ = gptq_quantize(w, cap.hessians[name].hessian(), quantizer)
+    else:
+        q = (qoq_ref.quantize_weight_group(w, g, clip) if g
+             else qoq_ref.quantize_weight_channel(w, clip))
+    if cfg.a_bits == 8:
+        sim.convert_to_qoq(linear, q, g)
+    else:  # W4A16 in QoQ's weight format: dequantize, keep activations exact
+        deq = qoq_ref.group_weight_to_float(q) if g else qoq_ref.channel_weight_to_float(q)
+        sim.convert_to_fake(linear, deq, False, "fake-w4a16")
+
+
+def _weight_quant_fn(cfg: QuantConfig):
+    """Dequantized RTN weights in the configured format, for the alpha search."""
+    g = cfg.group_size
+    if cfg.w_bits == 16:
+        return lambda w: w
+    if cfg.is_qoq_format or (cfg.w_bits == 4 and cfg.progressive):
+        if g:
+            return lambda w: qoq_ref.group_weight_to_float(qoq_ref.quantize_weight_group(w, g))
+        return lambda w: qoq_ref.channel_weight_to_float(qoq_ref.quantize_weight_channel(w))
+    return lambda w: sim.rtn_weight(w, cfg.w_bits, g)
+
+
+def _transform_layer(layer, cap: LayerCapture, cfg: QuantConfig, arch, info: dict) -> None:
+    h, hkv, d = arch.num_heads, arch.num_kv_heads, arch.head_dim
+    if cfg.smooth_attention and cfg.kv_bits == 4:
+        smooth_attention(layer, cap.key_absmax, cfg.smooth_attention_alpha, h, hkv, d)
+    o_abs, down_abs = cap.absmax["self_attn.o_proj"], cap.absmax["mlp.down_proj"]
+    if cfg.reorder and cfg.group_size:
+        perm = reorder_down(layer, down_abs)
+        down_abs, cap.samples["mlp.down_proj"] = down_abs[perm], cap.samples["mlp.down_proj"][:, perm]
+        perm = reorder_out_proj(layer, o_abs, h, hkv, d)
+        o_abs, cap.samples["self_attn.o_proj"] = o_abs[perm], cap.samples["self_attn.o_proj"][:, perm]
+    if not cfg.smooth_out:
+        return
+    wq, act8 = _weight_quant_fn(cfg), cfg.a_bits == 8
+    w_down = layer.mlp.down_proj.weight.detach()
+    alpha = cfg.smooth_alpha
+    if alpha is None:
+        alpha = search_alpha(cap.samples["mlp.down_proj"], w_down, cfg.smooth_alpha_grid, wq, act8,
+                             lambda a: smooth_scales(down_abs, w_down.abs().amax(dim=0), a))
+    smooth_down(layer, down_abs, alpha)
+    info["alpha_down"] = alpha
+    w_o = layer.self_attn.o_proj.weight.detach()
+    alpha = cfg.smooth_alpha
+    if alpha is None:
+        # the scales smooth_out_proj would use: shared by the query heads of a KV group
+        o_act, o_w = group_max(o_abs.double(), h, hkv, d), group_max(w_o.abs().amax(dim=0).double(), h, hkv, d)
+        alpha = search_alpha(cap.samples["self_attn.o_proj"], w_o, cfg.smooth_alpha_grid, wq, act8,
+                             lambda a: expand_groups(smooth_scales(o_act, o_w, a), h, hkv))
+    smooth_out_proj(layer, o_abs, alpha, h, hkv, d)
+    info["alpha_o"] = alpha
+
+
+def _round_to_storage(model) -> None:
+    """The checkpoint stores the unquantized tensors in fp16; round them here too, so
+    the in-memory simulation is exactly the model a checkpoint load gives back."""
+    for name, p in model.named_parameters():
+        if p.is_floating_point() and p.dtype == torch.float32 and not name.endswith("w_expanded"):
+            p.data.copy_(p.data.half().float())
+
+
+def quantize_model(source, cfg: QuantConfig, calib: CalibrationSet, device: str = "cpu",
+                   progress: bool = True) -> QuantResult:
+    start = time.perf_counter()
+    torch.manual_seed(cfg.seed)
+    model = build_fp_model(source, cfg, device)
+    arch = model.cfg
+    steps = []
+    with torch.no_grad():
+        if cfg.rotate:
+            rotate_model(model, seed=cfg.seed)
+            steps.append("rotate")
+        seq_len = len(calib.samples[0])
+        ids = torch.tensor(calib.samples, device=device).reshape(-1)
+        hidden = torch.nn.functional.embedding(ids, model.embed_tokens)
+        layers = tqdm(model.layers, desc=f"quantize {cfg.name}", unit="layer", disable=not progress)
+        infos = []
+        for layer in layers:
+            info: dict = {}
+            cap = LayerCapture(layer, LINEARS, arch, hessians=False)
+            with cap:
+                _run_layer(layer, hidden, seq_len)
+            _transform_layer(layer, cap, cfg, arch, info)
+            if cfg.w_bits != 16 and (cfg.gptq or cfg.clip):
+                cap = LayerCapture(layer, LINEARS, arch, hessians=cfg.gptq)
+                with cap:
+                    _run_layer(layer, hidden, seq_len)
+            for name in LINEARS:
+                layers.set_postfix_str(name.split(".")[-1])
+                _quantize_linear(layer.get_submodule(name), cap, cfg, info, name)
+            hidden = _run_layer(layer, hidden, seq_len)
+            infos.append(info)
+        if cfg.is_qoq_format:
+            _round_to_storage(model)
+    for flag in ("smooth_attention", "reorder", "smooth_out", "clip", "gptq"):
+        if getattr(cfg, flag) and not (flag == "reorder" and not cfg.group_size) \
+                and not (flag == "smooth_attention" and cfg.kv_bits != 4):
+            steps.append(flag)
+    return QuantResult(model, cfg, steps, infos, time.perf_counter() - start)

@@ -1,0 +1,90 @@
+"""Turning a calibrated fp32 linear into its quantized form, in memory.
+
+QoQ formats become a QoQLinearMethod layer (the same parameters the
+checkpoint stores, executed by the `sim` backend); the baselines of the
+accuracy table (W8A8, plain W4 groups) become FakeQuantLinearMethod layers.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qoqserve.kernels import qoq_ref
+from qoqserve.layers.linear import Linear, LinearMethod
+from qoqserve.layers.qoq_linear import QoQLinearMethod
+
+
+def fake_quant_act_int8(x: torch.Tensor) -> torch.Tensor:
+    x_q, scale = qoq_ref.quantize_act_int8(x)
+    return (x_q.float() * scale[..., None]).to(x.dtype)
+
+
+def rtn_weight(w: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """Baseline round-to-nearest, dequantized: 8-bit symmetric per channel, or
+    4-bit asymmetric min/max per group (per channel when group_size is 0)."""
+    w = w.float()
+    if bits == 8:
+        scale = (w.abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-8)
+        return torch.clamp(torch.round(w / scale), -127, 127) * scale
+    n, k = w.shape
+    g = group_size or k
+    wg = w.reshape(n, k // g, g)
+    lo, hi = wg.amin(-1, keepdim=True).clamp(max=0), wg.amax(-1, keepdim=True).clamp(min=0)
+    scale = ((hi - lo) / 15).clamp(min=1e-8)
+    zero = torch.round(-lo / scale)
+    q = torch.clamp(torch.round(wg / scale) + zero, 0, 2**bits - 1)
+    return ((q - zero) * scale).reshape(n, k)
+
+
+class FakeQuantLinearMethod(LinearMethod):
+    """Dequantized weights, optionally INT8 fake-quantized activations."""
+
+    def __init__(self, quantize_activations: bool, label: str):
+        self.quantize_activations = quantize_activations
+        self.name = label
+
+    def create_weights(self, layer: Linear, dtype: torch.dtype) -> None:
+        layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, dtype=dtype),
+                                    requires_grad=False)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if self.quantize_activations:
+            x = fake_quant_act_int8(x)
+        return F.linear(x, layer.weight, layer.bias if layer.has_bias else None)
+
+
+def _swap_method(layer: Linear, method: LinearMethod) -> torch.Tensor | None:
+    bias = layer.bias.detach().clone() if layer.has_bias else None
+    for name in list(layer._parameters):
+        del layer._parameters[name]
+    layer.method = method
+    method.create_weights(layer, torch.float32)
+    if bias is not None:
+        layer.bias.data.copy_(bias)
+    return bias
+
+
+def convert_to_qoq(layer: Linear, q, group_size: int) -> None:
+    """Install QoQ parameters (QWeightGroup or QWeightChannel) on layer, sim backend."""
+    _swap_method(layer, QoQLinearMethod(group_size, backend="sim"))
+    layer.qweight.data.copy_(qoq_ref.pack_uint4(q.u))
+    layer.s1.data.copy_(q.s1)
+    layer.zeros.data.copy_(q.z)
+    if group_size:
+        layer.s2.data.copy_(q.s2)
+    layer.method.process_weights_after_loading(layer)
+
+
+def convert_to_fake(layer: Linear, w_deq: torch.Tensor, quantize_activations: bool, label: str) -> None:
+    _swap_method(layer, FakeQuantLinearMethod(quantize_activations, label))
+    layer.weight.data.copy_(w_deq)
+
+
+def qoq_tensors(layer: Linear) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors of a converted layer (names relative to the layer)."""
+    names = ["qweight", "s1", "zeros"] + (["s2"] if layer.method.group_size else [])
+    out = {n: getattr(layer, n).detach() for n in names}
+    if layer.has_bias:
+        out["bias"] = layer.bias.detach()
+    return out

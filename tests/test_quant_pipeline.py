@@ -1,0 +1,152 @@
+"""QoQ pipeline end to end on tiny random models: simulation vs FP, checkpoint
+round trip, runtime backends vs simulation, load-time validation."""
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from qoqserve.config import CacheConfig, EngineConfig
+from qoqserve.engine.model_runner import ModelRunner
+from qoqserve.kernels import qoq_ref
+from qoqserve.model_loader import ModelLoadError, load_model_source
+from qoqserve.model_loader.source import ModelSource
+from qoqserve.quant.calibration import CalibrationSet
+from qoqserve.quant.checkpoint import save_checkpoint
+from qoqserve.quant.config import get_preset
+from qoqserve.quant.pipeline import build_fp_model, quantize_model
+
+VOCAB = 512
+
+
+def tiny_source(kind: str, tmp_path) -> ModelSource:
+    """A tiny random model saved as an HF dir with a real (embedded) tokenizer."""
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    if kind == "qwen2":
+        cfg = transformers.Qwen2Config(**common, tie_word_embeddings=True)
+        cfg.architectures = ["Qwen2ForCausalLM"]
+        model = transformers.Qwen2ForCausalLM(cfg)
+    else:
+        cfg = transformers.LlamaConfig(**common, tie_word_embeddings=False)
+        cfg.architectures = ["LlamaForCausalLM"]
+        model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():  # larger, outlier-y weights so quantization has something to do
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+                p[:, :3] *= 8
+            elif "bias" in name:
+                p.normal_(0, 0.3)
+    path = tmp_path / kind
+    model.save_pretrained(path)
+    load_model_source(None).tokenizer.save(str(path))  # any real tokenizer completes the dir
+    return load_model_source(str(path))
+
+
+def calib(n=8, seq=64, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return CalibrationSet(torch.randint(0, VOCAB, (n, seq), generator=g).tolist(), "0" * 64, "random")
+
+
+def _full(model, ids):
+    from qoqserve.layers.attention import AttentionMetadata
+    t = torch.tensor(ids)
+    meta = AttentionMetadata(True, None, None, None, [0, len(ids)], [0])
+    with torch.inference_mode():
+        return model.compute_logits(model(t, torch.arange(len(ids)), meta, None))
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tiny")
+    return {k: tiny_source(k, tmp) for k in ("llama", "qwen2")}
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("preset", ["g64", "chn"])
+def test_qoq_simulation_tracks_fp_and_checkpoint_round_trips(sources, kind, preset, tmp_path):
+    source = sources[kind]
+    cfg = get_preset(preset, calib_samples=8, calib_seq_len=64)
+    result = quantize_model(source, cfg, calib(), progress=False)
+    ids = calib(1, 96, seed=5).samples[0]
+    fp = _full(build_fp_model(source, get_preset("rtn-kv4", kv_bits=16), "cpu"), ids)
+    q = _full(result.model, ids)
+    # W4A8KV4 on random weights: close in distribution, not equal
+    rel = (q - fp).norm() / fp.norm()
+    assert rel < 0.35, rel
+    assert (q.argmax(-1) == fp.argmax(-1)).float().mean() > 0.5
+
+    out = tmp_path / "ckpt"
+    save_checkpoint(result, source, calib(), str(out))
+    quant = json.loads((out / "quant_config.json").read_text())
+    assert quant["group_size"] == cfg.group_size and quant["kv_bits"] == 4
+    assert "rotate" in quant["steps"] and "gptq" in quant["steps"]
+    # the checkpoint, loaded by the engine with the sim backend, IS the simulation
+    loaded = load_model_source(str(out))
+    engine_cfg = EngineConfig(model=str(out), dtype="float32", w4a8_backend="sim",
+                              cache=CacheConfig(num_blocks=8, quantized_prefill=True))
+    runner = ModelRunner(engine_cfg, loaded.arch, loaded.iter_tensors(), 512, loaded.quant_config)
+    sim_logits = _full(runner.model, ids)
+    # only difference: fp16 storage of embeddings/norms/lm_head
+    torch.testing.assert_close(sim_logits, q, atol=2e-2 * q.abs().max().item(), rtol=0)
+    # INT8 GEMMs (torch._int_mm) vs the fp32 simulation of the same checkpoint
+    engine_cfg.w4a8_backend = "torch-int8"
+    runner8 = ModelRunner(engine_cfg, loaded.arch, loaded.iter_tensors(), 512, loaded.quant_config)
+    torch.testing.assert_close(_full(runner8.model, ids), sim_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_exported_codes_satisfy_the_format(sources, tmp_path):
+    cfg = get_preset("g64", calib_samples=4, calib_seq_len=64)
+    result = quantize_model(sources["llama"], cfg, calib(4), progress=False)
+    save_checkpoint(result, sources["llama"], calib(4), str(tmp_path))
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    layers = [k[:-len(".qweight")] for k in tensors if k.endswith(".qweight")]
+    assert len(layers) == 8
+    for p in layers:
+        s2, z = tensors[p + ".s2"].int(), tensors[p + ".zeros"].int()
+        assert s2.min() >= 1 and s2.max() <= 16 and z.max() <= 15
+        assert (s2 * -z).min() >= -128 and (s2 * (15 - z)).max() <= 127
+        u = qoq_ref.unpack_uint4(tensors[p + ".qweight"])
+        assert u.max() <= 15
+
+
+def _corrupt(tmp_path, source, fn):
+    cfg = get_preset("g64", calib_samples=4, calib_seq_len=64, gptq=False)
+    result = quantize_model(source, cfg, calib(4), progress=False)
+    save_checkpoint(result, source, calib(4), str(tmp_path))
+    path = str(tmp_path / "model.safetensors")
+    tensors = load_file(path)
+    fn(tensors)
+    save_file(tensors, path)
+    src = load_model_source(str(tmp_path))
+    from qoqserve.models.llama import LlamaForCausalLM
+    from qoqserve.engine.model_runner import make_linear_method
+    from qoqserve.layers.kv_cache import DenseKVCacheLayout
+    model = LlamaForCausalLM(src.arch, DenseKVCacheLayout(2, 32, 16, torch.float32), torch.float32,
+                             linear_method=make_linear_method(EngineConfig(), src.quant_config))
+    model.load_weights(src.iter_tensors())
+
+
+def test_corrupt_zero_point_is_named(sources, tmp_path):
+    name = "model.layers.1.mlp.down_proj.zeros"
+    with pytest.raises(ModelLoadError, match=name.replace(".", r"\.")):
+        _corrupt(tmp_path, sources["llama"], lambda t: t[name].__setitem__((0, 0), 40))
+
+
+def test_group_scale_out_of_int8_range_is_named(sources, tmp_path):
+    def bump(t):
+        t["model.layers.0.self_attn.o_proj.s2"][0, 0] = 100
+        t["model.layers.0.self_attn.o_proj.zeros"][0, 0] = 5
+    with pytest.raises(ValueError, match="o_proj.*INT8"):
+        _corrupt(tmp_path, sources["llama"], bump)
+
+
+def test_wrong_shape_and_missing_tensor_are_named(sources, tmp_path):
+    with pytest.raises(ModelLoadError, match="qkv_proj.s1"):
+        _corrupt(tmp_path, sources["llama"],
+                 lambda t: t.__setitem__("model.layers.0.self_attn.qkv_proj.s1", torch.ones(3).half()))
+    with pytest.raises(ModelLoadError, match="missing"):
+        _corrupt(tmp_path, sources["llama"], lambda t: t.pop("model.layers.1.mlp.gate_up_proj.s2"))
