@@ -51,6 +51,7 @@ class EngineConfig:
     dtype: str | torch.dtype = "auto"
     device: str = "cpu"
     w4a8_backend: str = "auto"      # QoQ checkpoints: auto | torch-int8 | sim
+    quantization: str | None = None  # full-precision checkpoints: None or "w8a8" (at load)
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -19,6 +19,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: int4 for QoQ KV4 checkpoints, else the model dtype")
     g.add_argument("--w4a8-backend", default="auto", choices=["auto", "torch-int8", "sim"],
                    help="how QoQ W4A8 linears run (sim = fp32 fake-quant reference)")
+    g.add_argument("--quantization", default=None, choices=["w8a8"],
+                   help="quantize a full-precision checkpoint at load (W8A8 baseline)")
     g.add_argument("--kv-cache-gb", type=float, default=None, help="KV page pool size in GiB")
     g.add_argument("--kv-cache-fraction", type=float, default=0.3,
                    help="KV pool as a fraction of free memory when --kv-cache-gb is not given "
@@ -38,7 +40,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len,
                 enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
-                w4a8_backend=args.w4a8_backend)
+                w4a8_backend=args.w4a8_backend, quantization=args.quantization)
 
 
 def build_parser() -> argparse.ArgumentParser:

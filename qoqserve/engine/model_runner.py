@@ -11,6 +11,7 @@ from qoqserve.layers.attention import AttentionMetadata
 from qoqserve.layers.kv_cache import DenseKVCacheLayout, Int4KVCacheLayout, KVCacheLayout
 from qoqserve.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod
 from qoqserve.layers.qoq_linear import QoQLinearMethod
+from qoqserve.layers.w8a8_linear import W8A8LinearMethod
 from qoqserve.layers.sampler import Sampler
 from qoqserve.model_loader.arch import ModelArchConfig
 from qoqserve.models.llama import LlamaForCausalLM
@@ -47,6 +48,11 @@ def make_kv_layout(arch: ModelArchConfig, cache: CacheConfig, model_dtype: torch
 
 def make_linear_method(config: EngineConfig, quant: dict | None) -> LinearMethod:
     if quant is None:
+        if config.quantization == "w8a8":
+            return W8A8LinearMethod()
+        if config.quantization is not None:
+            raise ValueError(f"unknown --quantization {config.quantization!r} (only w8a8 is "
+                             "applied at load; QoQ W4A8 needs a checkpoint from `qoqserve quantize`)")
         return UnquantizedLinearMethod()
     backend = config.w4a8_backend
     if backend == "auto":
@@ -72,6 +78,23 @@ def num_blocks_for_budget(cache: CacheConfig, layout: KVCacheLayout, num_layers:
     return blocks
 
 
+def resident_bytes(module: torch.nn.Module) -> int:
+    """Bytes of every tensor the module keeps alive: parameters, buffers, and the
+    derived tensors linear methods cache as attributes (each storage once)."""
+    seen, total = set(), 0
+    for m in module.modules():
+        tensors = list(m._parameters.values()) + list(m._buffers.values())
+        tensors += [v for v in vars(m).values() if isinstance(v, torch.Tensor)]
+        for t in tensors:
+            if t is None or t.device.type == "meta":
+                continue
+            key = t.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+    return total
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, arch: ModelArchConfig, tensors, max_positions: int,
                  quant: dict | None = None):
@@ -94,10 +117,11 @@ class ModelRunner:
                  self.num_blocks, self.block_size, self.layout.name, self.layout.bytes_per_token())
 
     def stats(self) -> dict:
-        weight_bytes = sum(p.numel() * p.element_size() for p in
-                           {id(p): p for p in self.model.parameters()}.values())
         paths = sorted({m.method.describe(m) for m in self.model.modules() if isinstance(m, Linear)})
-        return {"weight_bytes": weight_bytes, "kv_layout": self.layout.name,
+        return {"weight_bytes": resident_bytes(self.model),
+                "linear_weight_bytes": sum(resident_bytes(m) for m in self.model.modules()
+                                           if isinstance(m, Linear)),
+                "kv_layout": self.layout.name,
                 "kv_bytes_per_token": self.layout.bytes_per_token() * len(self.kv_caches),
                 "num_kv_blocks": self.num_blocks, "block_size": self.block_size,
                 "linear_paths": paths, "dtype": str(self.dtype).replace("torch.", "")}

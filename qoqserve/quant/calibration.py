@@ -65,7 +65,7 @@ def load_calibration(tokenizer, path: str | None, num_samples: int, seq_len: int
     return CalibrationSet(samples, hashlib.sha256(text.encode()).hexdigest(), os.path.abspath(path))
 
 
-def generate_calibration_text(llm, max_tokens: int = 600, seed: int = 0) -> str:
+def generate_calibration_text(llm, max_tokens: int = 320, seed: int = 0) -> str:
     """The recipe behind the shipped file: one sampled answer per topic x style."""
     from qoqserve.sampling_params import SamplingParams
 
@@ -81,4 +81,4 @@ def generate_calibration_text(llm, max_tokens: int = 600, seed: int = 0) -> str:
 if __name__ == "__main__":  # python -m qoqserve.quant.calibration > qoqserve/data/calibration_en.txt
     from qoqserve.llm import LLM
 
-    print(generate_calibration_text(LLM(dtype="bfloat16", max_num_seqs=64)))
+    print(generate_calibration_text(LLM(dtype="bfloat16", max_num_seqs=128)))

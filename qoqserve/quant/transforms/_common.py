@@ -10,7 +10,8 @@ def heads(layer, num_heads, num_kv_heads, head_dim) -> tuple[int, int, int]:
             head_dim or attn.head_dim)
 
 
-def qkv_slices(layer, num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[slice, slice, slice]:
+def qkv_slices(layer, num_heads: int, num_kv_heads: int,
+               head_dim: int) -> tuple[slice, slice, slice]:
     q, kv = num_heads * head_dim, num_kv_heads * head_dim
     if layer.self_attn.qkv_proj.out_features != q + 2 * kv:
         raise ValueError(f"qkv_proj has {layer.self_attn.qkv_proj.out_features} rows, "

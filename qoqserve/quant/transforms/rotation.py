@@ -16,6 +16,8 @@ from qoqserve.quant.hadamard import orthogonal_matrix
 # float64 inside, so rounding happens once, at the cast back
 from ._common import update as _update
 
+_CHUNK_ROWS = 16384
+
 
 def _untie_lm_head(model) -> None:
     # lm_head gets the final norm folded in, embeddings do not: they must
@@ -59,7 +61,9 @@ def rotate_model(model, seed: int | None = 0) -> torch.Tensor:
         readers += [layer.self_attn.qkv_proj.weight, layer.mlp.gate_up_proj.weight]
         writers += [layer.self_attn.o_proj, layer.mlp.down_proj]
     for w in readers:  # embedding rows are residual vectors: E Q as well
-        _update(w, lambda x: x @ q)
+        # row chunks: a float64 copy of a 128k-vocab embedding would cost GBs
+        for rows in w.split(_CHUNK_ROWS):
+            _update(rows, lambda x: x @ q)
     for lin in writers:  # writers must output (a W^T + b) Q = a (Q^T W)^T + b Q
         _update(lin.weight, lambda x: q.T @ x)
         if lin.has_bias:
