@@ -52,6 +52,9 @@ class EngineConfig:
     device: str = "cpu"
     w4a8_backend: str = "auto"      # QoQ checkpoints: auto | torch-int8 | sim
     quantization: str | None = None  # full-precision checkpoints: None or "w8a8" (at load)
+    # torch.compile the decode attention (fuses page gather + KV4 dequant); the
+    # first step pays the compile (~30 s on 2 cores, cached on disk afterwards)
+    compile: bool = False
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

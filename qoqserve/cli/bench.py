@@ -20,6 +20,32 @@ def register(sub, add_engine_args) -> None:
     add_engine_args(off)
     off.set_defaults(func=run_offline_cmd)
 
+    dec = bsub.add_parser("decode", help="decode throughput per precision (fp32/bf16/w8a8/w4a8kv4)")
+    dec.add_argument("--precisions", nargs="+", default=["fp32", "bf16", "w8a8", "w4a8kv4"])
+    dec.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32, 64])
+    dec.add_argument("--input-len", type=int, default=128)
+    dec.add_argument("--output-len", type=int, default=64)
+    dec.add_argument("--kv-budget-gb", type=float, default=0.25,
+                     help="KV page pool per engine; also the budget of the max-batch column")
+    dec.add_argument("--compile", action="store_true", help="torch.compile the decode attention")
+    dec.add_argument("--json-out", default=None)
+    dec.set_defaults(func=run_decode_cmd)
+
+
+def run_decode_cmd(args) -> int:
+    from qoqserve.bench.decode import as_dicts, bench_decode
+
+    print(f"# {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
+          f"input {args.input_len}, output {args.output_len}, compile={args.compile}")
+    results = bench_decode(args.precisions, args.batch_sizes, args.input_len, args.output_len,
+                           args.kv_budget_gb, args.compile)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"threads": torch.get_num_threads(), "torch": torch.__version__,
+                       "input_len": args.input_len, "output_len": args.output_len,
+                       "compile": args.compile, "results": as_dicts(results)}, f, indent=2)
+    return 0
+
 
 def run_offline_cmd(args) -> int:
     from qoqserve.bench.offline import as_dicts, run_offline

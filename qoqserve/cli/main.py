@@ -17,8 +17,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default="auto",
                    choices=["auto", "int4", "float16", "fp16", "bfloat16", "bf16", "float32"],
                    help="auto: int4 for QoQ KV4 checkpoints, else the model dtype")
-    g.add_argument("--w4a8-backend", default="auto", choices=["auto", "torch-int8", "sim"],
-                   help="how QoQ W4A8 linears run (sim = fp32 fake-quant reference)")
+    g.add_argument("--w4a8-backend", default="auto",
+                   choices=["auto", "torch-int8", "torch-int8-percall", "sim"],
+                   help="how QoQ W4A8 linears run: INT8 weights expanded at load (1 B/weight), "
+                        "expanded per call from packed codes (0.5 B/weight), or the fp32 simulation")
     g.add_argument("--quantization", default=None, choices=["w8a8"],
                    help="quantize a full-precision checkpoint at load (W8A8 baseline)")
     g.add_argument("--kv-cache-gb", type=float, default=None, help="KV page pool size in GiB")
@@ -31,6 +33,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the decode attention (faster decode; ~30 s warm-up)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -40,7 +44,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len,
                 enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
-                w4a8_backend=args.w4a8_backend, quantization=args.quantization)
+                w4a8_backend=args.w4a8_backend, quantization=args.quantization,
+                compile=args.compile)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -22,7 +22,8 @@ class InvalidRequestError(ValueError):
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        source = load_model_source(config.model)
+        from qoqserve.quant.default_checkpoint import resolve_model
+        source = load_model_source(resolve_model(config.model))
         self.model_name = source.name
         self.tokenizer = source.tokenizer
         self.arch = source.arch

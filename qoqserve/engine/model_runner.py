@@ -7,7 +7,7 @@ import torch
 
 from qoqserve.config import CacheConfig, EngineConfig, parse_dtype
 from qoqserve.engine.sequence import Sequence
-from qoqserve.layers.attention import AttentionMetadata
+from qoqserve.layers.attention import AttentionMetadata, PagedAttention, decode_attention
 from qoqserve.layers.kv_cache import DenseKVCacheLayout, Int4KVCacheLayout, KVCacheLayout
 from qoqserve.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod
 from qoqserve.layers.qoq_linear import QoQLinearMethod
@@ -109,6 +109,11 @@ class ModelRunner:
                                           max_positions=max_positions)
         self.model.load_weights(tensors)
         self.model.eval()
+        if config.compile:
+            compiled = torch.compile(decode_attention, dynamic=True)
+            for module in self.model.modules():
+                if isinstance(module, PagedAttention):
+                    module.compiled_decode = compiled
         self.num_blocks = num_blocks_for_budget(config.cache, self.layout, arch.num_layers, self.device)
         self.kv_caches = [self.layout.allocate(self.num_blocks, self.device)
                           for _ in range(arch.num_layers)]

@@ -36,6 +36,8 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.scale = head_dim ** -0.5
         self.layout = layout
+        # torch.compile'd decode_attention, set by the model runner when enabled
+        self.compiled_decode = None
 
     def forward(self, q, k, v, meta: AttentionMetadata, cache: torch.Tensor | None):
         """q: [T, H, D]; k, v: [T, Hkv, D] (post-RoPE). Returns [T, H*D]."""
@@ -79,6 +81,9 @@ class PagedAttention(nn.Module):
         return o[0].transpose(0, 1)
 
     def _decode(self, q, meta, cache):
+        if self.compiled_decode is not None:
+            return self.compiled_decode(self.layout, cache, meta.block_tables, meta.context_lens, q,
+                                        self.scale, self.num_heads)
         # fp32 on CPU: torch's bf16 SDPA with a mask is ~7x slower than fp32 there
         work = torch.float32 if q.device.type == "cpu" else q.dtype
         kc, vc = self.layout.read(cache, meta.block_tables, work)  # [B, L, Hkv, D]
@@ -90,3 +95,22 @@ class PagedAttention(nn.Module):
                                            scale=self.scale,
                                            enable_gqa=self.num_heads != self.num_kv_heads)
         return o[:, :, 0, :].to(q.dtype)
+
+
+def decode_attention(layout: KVCacheLayout, cache: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, q: torch.Tensor, scale: float,
+                     num_heads: int) -> torch.Tensor:
+    """One query per sequence over its paged history, in fp32, GQA by reshape.
+
+    Written as plain tensor math so torch.compile can fuse the page gather,
+    the KV4 unpacking/dequantization and both products into one loop nest
+    instead of materializing the dequantized history.
+    """
+    k, v = layout.read(cache, block_tables, torch.float32)     # [B, L, Hkv, D]
+    b, length, hkv, d = k.shape
+    qg = q.float().reshape(b, hkv, num_heads // hkv, d)
+    scores = torch.einsum("bkgd,blkd->bkgl", qg, k) * scale
+    valid = torch.arange(length, device=q.device)[None, :] < context_lens[:, None]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    out = torch.einsum("bkgl,blkd->bkgd", torch.softmax(scores, dim=-1), v)
+    return out.reshape(b, num_heads, d).to(q.dtype)

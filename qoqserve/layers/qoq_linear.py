@@ -5,7 +5,11 @@ One set of parameters, two ways to execute it:
   fp32 (exact for integers below 2^24), so it is the reference for every
   integer path and fast enough for perplexity sweeps;
 * ``torch-int8``: per-token INT8 activations times the INT8 weight expansion
-  through torch._int_mm (INT32 accumulate), then the s_a * s1 epilogue.
+  through torch._int_mm (INT32 accumulate), then the s_a * s1 epilogue. The
+  expansion s2*(u - z) is done once at load and the packed codes are freed
+  (1 byte per weight resident);
+* ``torch-int8-percall``: the same GEMM, but only the packed codes stay
+  resident (0.5 byte per weight) and each call expands them first.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from torch import nn
 from qoqserve.kernels import qoq_ref
 from qoqserve.layers.linear import Linear, LinearMethod
 
-BACKENDS = ("torch-int8", "sim")
+BACKENDS = ("torch-int8", "torch-int8-percall", "sim")
 
 
 def qoq_param_shapes(out_features: int, in_features: int, group_size: int) -> dict:
@@ -66,12 +70,15 @@ class QoQLinearMethod(LinearMethod):
             lo, hi = int((s2 * -z).min()), int((s2 * (15 - z)).max())
             if lo < -128 or hi > 127:
                 raise ValueError(f"s2*(u - z) leaves the INT8 range ({lo}..{hi}): corrupt s2/zeros")
+        if self.backend == "torch-int8-percall":
+            return
         w = self.int8_weight(layer)
-        # Expanded once at load: per-call expansion costs more than the GEMM on CPU.
         layer.w_expanded = w.float() if self.backend == "sim" else w
+        if self.backend == "torch-int8":
+            layer.qweight = None  # the expansion replaces the packed codes in memory
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        w = layer.w_expanded
+        w = self.int8_weight(layer) if self.backend == "torch-int8-percall" else layer.w_expanded
         if self.group_size:
             fn = qoq_ref.w4a8_group_linear_sim if self.backend == "sim" else qoq_ref.w4a8_group_linear
             y = fn(x, w, layer.s1)

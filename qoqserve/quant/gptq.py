@@ -14,8 +14,8 @@ from qoqserve.kernels.qoq_ref import WeightQuantizer
 class HessianAccumulator:
     """Running H = 2/n * sum_t x_t^T x_t over all calibration tokens.
 
-    The sum is kept in float64 and normalized only when read, so the order and
-    size of the batches does not change the result.
+    Each batch's product is fp32, the running sum fp64 and normalized only when
+    read, so many batches do not accumulate rounding error.
     """
 
     def __init__(self, k: int, device=None):
@@ -23,8 +23,9 @@ class HessianAccumulator:
         self.n = 0
 
     def add(self, x: torch.Tensor) -> None:
-        x = x.reshape(-1, x.shape[-1]).to(torch.float64)
-        self.sum.addmm_(x.t(), x)
+        # fp32 product per batch (fp64 matmul is ~5x slower on CPU), fp64 running sum
+        x = x.reshape(-1, x.shape[-1]).float()
+        self.sum += (x.t() @ x).double()
         self.n += x.shape[0]
 
     def hessian(self) -> torch.Tensor:

@@ -61,6 +61,24 @@ class LayerCapture:
         return False
 
 
+    def permute_inputs(self, name: str, perm: torch.Tensor) -> None:
+        """The linear's inputs were reordered: new channel i is old channel perm[i]."""
+        self.absmax[name] = self.absmax[name][perm]
+        self.samples[name] = self.samples[name][:, perm]
+        if name in self.hessians:
+            acc = self.hessians[name]
+            acc.sum = acc.sum[perm][:, perm]
+
+    def scale_inputs(self, name: str, factor: torch.Tensor) -> None:
+        """The linear's input channel j is now multiplied by factor[j]."""
+        f = factor.to(self.samples[name].device)
+        self.absmax[name] = self.absmax[name] * f.float()
+        self.samples[name] = self.samples[name] * f.float()
+        if name in self.hessians:
+            acc = self.hessians[name]
+            acc.sum = acc.sum * f.double()[:, None] * f.double()[None, :]
+
+
 def search_alpha(x: torch.Tensor, w: torch.Tensor, grid: Sequence[float],
                  quant_w: Callable[[torch.Tensor], torch.Tensor], quant_act: bool,
                  scales_for: Callable[[float], torch.Tensor]) -> float:

@@ -123,9 +123,11 @@ def _transform_layer(layer, cap: LayerCapture, cfg: QuantConfig, arch, info: dic
     o_abs, down_abs = cap.absmax["self_attn.o_proj"], cap.absmax["mlp.down_proj"]
     if cfg.reorder and cfg.group_size:
         perm = reorder_down(layer, down_abs)
-        down_abs, cap.samples["mlp.down_proj"] = down_abs[perm], cap.samples["mlp.down_proj"][:, perm]
+        down_abs = down_abs[perm]
+        cap.permute_inputs("mlp.down_proj", perm)
         perm = reorder_out_proj(layer, o_abs, h, hkv, d)
-        o_abs, cap.samples["self_attn.o_proj"] = o_abs[perm], cap.samples["self_attn.o_proj"][:, perm]
+        o_abs = o_abs[perm]
+        cap.permute_inputs("self_attn.o_proj", perm)
     if not cfg.smooth_out:
         return
     wq, act8 = _weight_quant_fn(cfg), cfg.a_bits == 8
@@ -134,7 +136,7 @@ def _transform_layer(layer, cap: LayerCapture, cfg: QuantConfig, arch, info: dic
     if alpha is None:
         alpha = search_alpha(cap.samples["mlp.down_proj"], w_down, cfg.smooth_alpha_grid, wq, act8,
                              lambda a: smooth_scales(down_abs, w_down.abs().amax(dim=0), a))
-    smooth_down(layer, down_abs, alpha)
+    cap.scale_inputs("mlp.down_proj", 1 / smooth_down(layer, down_abs, alpha))
     info["alpha_down"] = alpha
     w_o = layer.self_attn.o_proj.weight.detach()
     alpha = cfg.smooth_alpha
@@ -143,7 +145,8 @@ def _transform_layer(layer, cap: LayerCapture, cfg: QuantConfig, arch, info: dic
         o_act, o_w = group_max(o_abs.double(), h, hkv, d), group_max(w_o.abs().amax(dim=0).double(), h, hkv, d)
         alpha = search_alpha(cap.samples["self_attn.o_proj"], w_o, cfg.smooth_alpha_grid, wq, act8,
                              lambda a: expand_groups(smooth_scales(o_act, o_w, a), h, hkv))
-    smooth_out_proj(layer, o_abs, alpha, h, hkv, d)
+    s_o = smooth_out_proj(layer, o_abs, alpha, h, hkv, d)
+    cap.scale_inputs("self_attn.o_proj", 1 / expand_groups(s_o, h, hkv))
     info["alpha_o"] = alpha
 
 
@@ -173,14 +176,12 @@ def quantize_model(source, cfg: QuantConfig, calib: CalibrationSet, device: str 
         infos = []
         for layer in layers:
             info: dict = {}
-            cap = LayerCapture(layer, LINEARS, arch, hessians=False)
+            # one measuring pass: the transforms below only permute and rescale the
+            # o_proj / down_proj inputs, so their Hessians and samples follow exactly
+            cap = LayerCapture(layer, LINEARS, arch, hessians=cfg.gptq and cfg.w_bits != 16)
             with cap:
                 _run_layer(layer, hidden, seq_len)
             _transform_layer(layer, cap, cfg, arch, info)
-            if cfg.w_bits != 16 and (cfg.gptq or cfg.clip):
-                cap = LayerCapture(layer, LINEARS, arch, hessians=cfg.gptq)
-                with cap:
-                    _run_layer(layer, hidden, seq_len)
             for name in LINEARS:
                 layers.set_postfix_str(name.split(".")[-1])
                 _quantize_linear(layer.get_submodule(name), cap, cfg, info, name)

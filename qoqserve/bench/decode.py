@@ -1,0 +1,86 @@
+"""Decode throughput per precision and batch size, plus the largest batch a
+fixed KV budget holds. All precisions run in one process, one after another,
+on the same prompts.
+
+Decode throughput = (tokens generated after each sequence's first) / (wall
+time of the decode steps); prefill steps are timed separately.
+"""
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import asdict, dataclass
+
+from qoqserve.bench.offline import make_prompts
+
+PRECISIONS = {
+    # name -> (model override or None, engine kwargs)
+    "fp32": (None, dict(dtype="float32")),
+    "bf16": (None, dict(dtype="bfloat16")),
+    "w8a8": (None, dict(dtype="float32", quantization="w8a8", kv_cache_dtype="bfloat16")),
+    "w4a8kv4": ("qoq", dict(dtype="float32")),
+}
+
+
+@dataclass
+class DecodeResult:
+    precision: str
+    batch: int
+    prefill_s: float
+    decode_s: float
+    decode_tok_per_s: float
+    weight_mb: float
+    kv_bytes_per_token: int
+    max_batch_in_budget: int
+
+
+def run_batch(llm, batch: int, input_len: int, output_len: int) -> tuple[float, float, int]:
+    from qoqserve.sampling_params import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    for i, p in enumerate(make_prompts(batch, input_len, engine.arch.vocab_size, seed=batch)):
+        engine.add_request(f"bench-{batch}-{i}", p, params)
+    prefill = decode = 0.0
+    decoded = 0
+    while engine.has_unfinished():
+        t = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - t
+        if any(len(o.token_ids) == 1 for o in outs):
+            prefill += dt
+        else:
+            decode += dt
+            decoded += len(outs)
+    return prefill, decode, decoded
+
+
+def bench_decode(precisions: list[str], batches: list[int], input_len: int, output_len: int,
+                 kv_budget_gb: float, compile: bool, threads_note: str = "") -> list[DecodeResult]:
+    from qoqserve.llm import LLM
+
+    results = []
+    for name in precisions:
+        model, kwargs = PRECISIONS[name]
+        llm = LLM(model, kv_cache_gb=kv_budget_gb, max_num_seqs=max(batches), compile=compile,
+                  max_num_batched_tokens=max(batches) * input_len, **kwargs)
+        stats = llm.engine.stats()
+        per_seq_blocks = -(-(input_len + output_len) // stats["block_size"])
+        max_batch = stats["num_kv_blocks"] // per_seq_blocks
+        run_batch(llm, min(batches), input_len, 4)  # warm-up (and compile)
+        for b in batches:
+            prefill, decode, decoded = run_batch(llm, b, input_len, output_len)
+            r = DecodeResult(name, b, prefill, decode, decoded / decode, stats["weight_bytes"] / 2**20,
+                             stats["kv_bytes_per_token"], max_batch)
+            results.append(r)
+            print(f"{name:<8} batch {b:>3}: decode {r.decode_tok_per_s:8.1f} tok/s  "
+                  f"(prefill {prefill:5.2f}s, decode {decode:6.2f}s)  weights {r.weight_mb:6.1f} MiB  "
+                  f"KV {r.kv_bytes_per_token} B/token  max batch in {kv_budget_gb} GiB: {max_batch}",
+                  flush=True)
+        del llm
+        gc.collect()
+    return results
+
+
+def as_dicts(results) -> list[dict]:
+    return [asdict(r) for r in results]

@@ -1,0 +1,45 @@
+"""The embedded default model as a QoQ checkpoint, quantized on first use.
+
+`qoqserve serve --model qoq` (or LLM("qoq")) quantizes SmolLM2-135M-Instruct
+with the g64 preset once and reuses the result from the cache directory
+($QOQSERVE_CACHE, else ~/.cache/qoqserve).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+ALIASES = {"qoq": "g64", "qoq-g64": "g64", "qoq-g128": "g128", "qoq-chn": "chn"}
+
+
+def cache_dir() -> str:
+    return os.environ.get("QOQSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "qoqserve")
+
+
+def default_qoq_checkpoint(preset: str = "g64", progress: bool = True) -> str:
+    from qoqserve.model_loader import load_model_source
+    from qoqserve.quant.calibration import load_calibration
+    from qoqserve.quant.checkpoint import save_checkpoint
+    from qoqserve.quant.config import get_preset
+    from qoqserve.quant.pipeline import quantize_model
+
+    out = os.path.join(cache_dir(), f"SmolLM2-135M-Instruct-qoq-{preset}")
+    if os.path.isfile(os.path.join(out, "quant_config.json")):
+        return out
+    print(f"qoqserve: quantizing the embedded model with QoQ {preset} (first use only) -> {out}",
+          file=sys.stderr)
+    source = load_model_source(None)
+    cfg = get_preset(preset)
+    calib = load_calibration(source.tokenizer, None, cfg.calib_samples, cfg.calib_seq_len)
+    result = quantize_model(source, cfg, calib, progress=progress)
+    tmp = out + ".partial"
+    save_checkpoint(result, source, calib, tmp)
+    os.replace(tmp, out)  # never leave a half-written checkpoint under the final name
+    return out
+
+
+def resolve_model(name: str | None) -> str | None:
+    """Map the qoq aliases to their cached checkpoint; other names pass through."""
+    if name is not None and name.lower() in ALIASES:
+        return default_qoq_checkpoint(ALIASES[name.lower()])
+    return name
