@@ -20,7 +20,7 @@ from qoqserve.model_loader import load_model_source
 from qoqserve.models.llama import LlamaForCausalLM
 from qoqserve.quant.hadamard import hadamard_matrix, orthogonal_matrix
 from qoqserve.quant.transforms.reorder import reorder_down, reorder_out_proj
-from qoqserve.quant.transforms.rotation import fold_norms, rotate_model
+from qoqserve.quant.transforms.rotation import fold_norms, rotate_model, rotate_values
 from qoqserve.quant.transforms.smooth import (pair_max, smooth_attention, smooth_down,
                                               smooth_out_proj, smooth_scales)
 from test_model_parity import SMALL, ours_from, tiny_llama3, tiny_qwen2
@@ -151,6 +151,20 @@ def test_fold_norms_and_rotation_preserve_logits(make):
     for n in [model.norm] + [m for layer in model.layers
                              for m in (layer.input_layernorm, layer.post_attention_layernorm)]:
         assert torch.all(n.weight == 1)
+
+
+@MAKERS
+def test_value_rotation_preserves_logits_and_mixes_channels(make):
+    model, arch = tiny(make)
+    before = logits(model, IDS)
+    d = arch.head_dim
+    v0 = (arch.num_heads + arch.num_kv_heads) * d
+    v_before = model.layers[0].self_attn.qkv_proj.weight[v0:v0 + d].clone()
+    r = rotate_values(model, seed=3)
+    assert_same(before, logits(model, IDS))
+    assert torch.allclose(r @ r.T, torch.eye(d, dtype=r.dtype), atol=1e-12)
+    v_after = model.layers[0].self_attn.qkv_proj.weight[v0:v0 + d]
+    torch.testing.assert_close(v_after.double(), r.T @ v_before.double(), atol=1e-6, rtol=1e-6)
 
 
 @MAKERS

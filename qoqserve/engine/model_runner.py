@@ -118,6 +118,17 @@ class ModelRunner:
         self.kv_caches = [self.layout.allocate(self.num_blocks, self.device)
                           for _ in range(arch.num_layers)]
         self.sampler = Sampler(config.seed)
+        self._log_load()
+
+    def _log_load(self) -> None:
+        paths: dict[str, int] = {}
+        for m in self.model.modules():
+            if isinstance(m, Linear):
+                paths[m.method.describe(m)] = paths.get(m.method.describe(m), 0) + 1
+        linears = [m for m in self.model.modules() if isinstance(m, Linear)]
+        log.info("linear kernel paths: %s; linear weights %.1f MiB resident, model %.1f MiB",
+                 ", ".join(f"{p} x{n}" for p, n in paths.items()),
+                 sum(resident_bytes(m) for m in linears) / 2**20, resident_bytes(self.model) / 2**20)
         log.info("KV cache: %d pages x %d tokens, %s, %d bytes/token/layer",
                  self.num_blocks, self.block_size, self.layout.name, self.layout.bytes_per_token())
 

@@ -13,6 +13,9 @@ class QuantConfig:
     a_bits: int = 8               # 8 = per-token INT8 activations, 16 = unquantized
     kv_bits: int = 4              # 4 = per-token-per-head UINT4 KV, 16 = unquantized
     rotate: bool = True           # block-input Hadamard rotation
+    # per-head rotation of V folded into v_proj/o_proj; off by default: it did not
+    # lower the KV4 loss on SmolLM2 (docs/accuracy.md)
+    rotate_v: bool = False
     smooth_attention: bool = True
     smooth_attention_alpha: float = 0.5
     smooth_out: bool = True       # block-output smoothing (o_proj, down_proj inputs)
@@ -45,7 +48,7 @@ class QuantConfig:
 
 
 _QOQ = QuantConfig()
-NO_TRANSFORMS = dict(rotate=False, smooth_attention=False, smooth_out=False, reorder=False,
+NO_TRANSFORMS = dict(rotate=False, rotate_v=False, smooth_attention=False, smooth_out=False, reorder=False,
                      clip=False, gptq=False)
 
 PRESETS: dict[str, QuantConfig] = {

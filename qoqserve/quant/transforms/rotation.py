@@ -69,3 +69,29 @@ def rotate_model(model, seed: int | None = 0) -> torch.Tensor:
         if lin.has_bias:
             _update(lin.bias, lambda x: x @ q)
     return q
+
+
+@torch.no_grad()
+def rotate_values(model, seed: int | None = 0) -> torch.Tensor:
+    """Rotate every value head by an orthogonal R [D, D], folded into v_proj and o_proj.
+
+    Attention output is P V per head, so V R flows through to the o_proj input
+    as (P V) R and o_proj undoes it with W_o R (per head block). V's channel
+    outliers are spread over the head before KV4 quantization; keys cannot get
+    the same offline treatment because RoPE does not commute with R.
+    """
+    d = model.cfg.head_dim
+    h, hkv = model.cfg.num_heads, model.cfg.num_kv_heads
+    r = orthogonal_matrix(d, None if seed is None else seed + 1, dtype=torch.float64)
+    r = r.to(model.embed_tokens.device)
+    for layer in model.layers:
+        qkv, o = layer.self_attn.qkv_proj, layer.self_attn.o_proj
+        v0 = (h + hkv) * d
+        for j in range(hkv):  # v' = x W_v^T R  ->  W_v' = R^T W_v (rows of head j)
+            rows = slice(v0 + j * d, v0 + (j + 1) * d)
+            _update(qkv.weight[rows], lambda x: r.T @ x)
+            if qkv.has_bias:
+                _update(qkv.bias[rows], lambda x: x @ r)
+        for i in range(h):  # o = out' (W_o R)^T per query head's column block
+            _update(o.weight[:, i * d:(i + 1) * d], lambda x: x @ r)
+    return r
