@@ -67,7 +67,10 @@ def bench_decode(precisions: list[str], batches: list[int], input_len: int, outp
         stats = llm.engine.stats()
         per_seq_blocks = -(-(input_len + output_len) // stats["block_size"])
         max_batch = stats["num_kv_blocks"] // per_seq_blocks
-        run_batch(llm, min(batches), input_len, 4)  # warm-up (and compile)
+        # warm-up; with --compile, batch 1 and batch >1 are separate graphs (dynamo
+        # specializes size 1), so both are compiled before anything is timed
+        for b in sorted({1, 2}):
+            run_batch(llm, b, input_len, 4)
         for b in batches:
             prefill, decode, decoded = run_batch(llm, b, input_len, output_len)
             r = DecodeResult(name, b, prefill, decode, decoded / decode, stats["weight_bytes"] / 2**20,
