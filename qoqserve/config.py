@@ -34,8 +34,9 @@ class CacheConfig:
     # or "int4", "float16", "bfloat16", "float32"
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
-    # attend to K/V as stored (quantized) in prefill too; perplexity evaluation uses it
-    quantized_prefill: bool = False
+    # prefill attends to K/V as stored (e.g. KV4) instead of as computed; None:
+    # whenever the page format is lossier than the activations (see KVCacheLayout)
+    quantized_prefill: bool | None = None
 
 
 @dataclass

@@ -19,6 +19,8 @@ PRECISIONS = {
     "bf16": (None, dict(dtype="bfloat16")),
     "w8a8": (None, dict(dtype="float32", quantization="w8a8", kv_cache_dtype="bfloat16")),
     "w4a8kv4": ("qoq", dict(dtype="float32")),
+    # same checkpoint, bf16 activations between the INT8 GEMMs (embeddings, lm_head, norms)
+    "w4a8kv4-bf16": ("qoq", dict(dtype="bfloat16")),
 }
 
 

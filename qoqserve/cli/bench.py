@@ -21,7 +21,8 @@ def register(sub, add_engine_args) -> None:
     off.set_defaults(func=run_offline_cmd)
 
     dec = bsub.add_parser("decode", help="decode throughput per precision (fp32/bf16/w8a8/w4a8kv4)")
-    dec.add_argument("--precisions", nargs="+", default=["fp32", "bf16", "w8a8", "w4a8kv4"])
+    dec.add_argument("--precisions", nargs="+",
+                     default=["fp32", "bf16", "w8a8", "w4a8kv4", "w4a8kv4-bf16"])
     dec.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32, 64])
     dec.add_argument("--input-len", type=int, default=128)
     dec.add_argument("--output-len", type=int, default=64)

@@ -42,7 +42,11 @@ def make_kv_layout(arch: ModelArchConfig, cache: CacheConfig, model_dtype: torch
     else:
         dtype = model_dtype if kind == "model" else parse_dtype(kind, device)
         layout = DenseKVCacheLayout(arch.num_kv_heads, arch.head_dim, cache.block_size, dtype)
-    layout.quantized_prefill = cache.quantized_prefill
+    if cache.quantized_prefill is not None:
+        layout.quantized_prefill = cache.quantized_prefill
+    else:  # lossy whenever the pages hold less than the activations do
+        layout.quantized_prefill = (isinstance(layout, Int4KVCacheLayout)
+                                    or layout.dtype != model_dtype)
     return layout
 
 

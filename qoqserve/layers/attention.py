@@ -67,6 +67,12 @@ class PagedAttention(nn.Module):
         return torch.cat(outs)
 
     def _sdpa(self, q, k, v, offset: int):
+        # fp64 on CPU (as in _decode): a prompt computed whole and one whose prefix
+        # came from the cache go through different kernels and query counts; in
+        # fp64 their rounding differences vanish when cast back.
+        out_dtype = q.dtype
+        if q.device.type == "cpu":
+            q, k, v = q.double(), k.double(), v.double()
         # [L, H, D] -> [1, H, L, D]
         qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
         gqa = self.num_heads != self.num_kv_heads
@@ -78,14 +84,17 @@ class PagedAttention(nn.Module):
             mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(diagonal=offset)
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale,
                                                enable_gqa=gqa)
-        return o[0].transpose(0, 1)
+        return o[0].transpose(0, 1).to(out_dtype)
 
     def _decode(self, q, meta, cache):
         if self.compiled_decode is not None:
             return self.compiled_decode(self.layout, cache, meta.block_tables, meta.context_lens, q,
                                         self.scale, self.num_heads)
-        # fp32 on CPU: torch's bf16 SDPA with a mask is ~7x slower than fp32 there
-        work = torch.float32 if q.device.type == "cpu" else q.dtype
+        # fp64 on CPU: torch's bf16 SDPA with a mask is ~7x slower than fp32 there,
+        # and the padded length (the longest sequence in the batch) changes the
+        # summation order; in fp64 that difference vanishes when rounding back,
+        # so a request's output does not depend on what else is in the batch.
+        work = torch.float64 if q.device.type == "cpu" else q.dtype
         kc, vc = self.layout.read(cache, meta.block_tables, work)  # [B, L, Hkv, D]
         length = kc.shape[1]
         mask = torch.arange(length, device=q.device)[None, :] < meta.context_lens[:, None]

@@ -18,9 +18,11 @@ from qoqserve.kernels import qoq_ref
 
 class KVCacheLayout(ABC):
     name = "abstract"
-    # Prefill normally attends to the fresh K/V (as QServe does) and only decode
-    # sees stored values. Evaluation sets this so that every position attends to
-    # K/V as stored, the way the fake-quant simulation measures accuracy.
+    # Whether prefill attends to K/V as stored rather than as computed. QServe
+    # attends to the fresh values; we default to the stored ones whenever the
+    # store is lossy, because a prompt whose prefix comes from the prefix cache
+    # can only see stored values: otherwise its output would depend on what
+    # ran before it. It is also exactly what the fake-quant simulation measures.
     quantized_prefill = False
 
     def __init__(self, num_kv_heads: int, head_dim: int, block_size: int):
@@ -68,6 +70,9 @@ class DenseKVCacheLayout(KVCacheLayout):
     def allocate(self, num_blocks: int, device: torch.device) -> torch.Tensor:
         return torch.zeros(2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
                            dtype=self.dtype, device=device)
+
+    def fake_quant(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.dtype).to(x.dtype)
 
     def write(self, cache, k, v, slot_mapping) -> None:
         flat = cache.view(2, -1, self.num_kv_heads, self.head_dim)

@@ -67,18 +67,24 @@ class UnquantizedLinearMethod(LinearMethod):
             layer.bias.weight_loader = layer.load_shard
 
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
-        bias = layer.bias if layer.has_bias else None
-        m = x.shape[0]
-        if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and m < _MIN_ROWS:
-            # MKL's fp32 GEMM changes its summation order for a few small M
-            # (1-3, 5-7, 9-11 seen here); padding keeps each row's result
-            # independent of how many other requests share the batch.
-            x = F.pad(x, (0, 0, 0, _MIN_ROWS - m))
-            return F.linear(x, layer.weight, bias)[:m]
-        return F.linear(x, layer.weight, bias)
+        return batch_invariant_linear(x, layer.weight, layer.bias if layer.has_bias else None)
 
 
 _MIN_ROWS = 12
+
+
+def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor,
+                           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear whose row results do not depend on how many rows there are.
+
+    MKL's fp32 GEMM changes its summation order for a few small M (1-3, 5-7,
+    9-11 seen here); padding to 12 rows keeps each request's result the same
+    whatever else shares its batch.
+    """
+    m = x.shape[0]
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and m < _MIN_ROWS:
+        return F.linear(F.pad(x, (0, 0, 0, _MIN_ROWS - m)), weight, bias)[:m]
+    return F.linear(x, weight, bias)
 
 
 class Linear(nn.Module):

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from qoqserve.layers.attention import AttentionMetadata, PagedAttention
 from qoqserve.layers.kv_cache import KVCacheLayout
-from qoqserve.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod
+from qoqserve.layers.linear import (Linear, LinearMethod, UnquantizedLinearMethod,
+                                    batch_invariant_linear)
 from qoqserve.layers.norm import RMSNorm
 from qoqserve.layers.rotary import RotaryEmbedding
 from qoqserve.model_loader.arch import ModelArchConfig
@@ -103,7 +104,7 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return batch_invariant_linear(hidden, self.lm_head).float()
 
     @torch.inference_mode()
     def prompt_logprobs(self, token_ids: list[int]) -> torch.Tensor:
