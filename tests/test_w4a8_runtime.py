@@ -127,3 +127,18 @@ def test_compiled_decode_attention_matches_eager():
         ref = decode_attention(layout, cache, tables, lens, q, 0.125, 6)
         torch.testing.assert_close(compiled(layout, cache, tables, lens, q, 0.125, 6), ref,
                                    atol=1e-4, rtol=1e-4)
+
+
+def test_mixed_weight_and_kv_formats(ckpt):
+    """W4A8 with full-precision KV, and full-precision weights with KV4, both run."""
+    prompt = calib(1, 24, seed=3).samples[0]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    w4_fp_kv = LLM(ckpt, dtype="float32", num_blocks=16, kv_cache_dtype="float32")
+    assert w4_fp_kv.engine.stats()["kv_layout"] == "float32"
+    assert len(w4_fp_kv.generate([prompt], greedy)[0].token_ids) == 8
+    fp_kv4 = LLM(dtype="float32", kv_cache_gb=0.02, kv_cache_dtype="int4")
+    s = fp_kv4.engine.stats()
+    assert s["kv_layout"] == "int4" and s["linear_paths"] == ["torch-dense"]
+    out = fp_kv4.chat([{"role": "user", "content": "What is the capital of France?"}],
+                      SamplingParams(temperature=0, max_tokens=12))[0]
+    assert "Paris" in out.text

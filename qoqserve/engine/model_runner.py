@@ -114,6 +114,9 @@ class ModelRunner:
         self.model.load_weights(tensors)
         self.model.eval()
         if config.compile:
+            # every (layout, dtype, batch==1) combination is its own graph; several
+            # engines in one process (benchmarks) exceed dynamo's default limit of 8
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             compiled = torch.compile(decode_attention, dynamic=True)
             for module in self.model.modules():
                 if isinstance(module, PagedAttention):
