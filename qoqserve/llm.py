@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
 
 from qoqserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from qoqserve.engine.llm_engine import LLMEngine

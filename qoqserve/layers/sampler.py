@@ -54,7 +54,7 @@ class Sampler:
         tokens: list[int] = []
         want_logprobs = any(p.logprobs for p in params)
         logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        greedy_rows = [i for i, p in enumerate(params) if p.greedy and not p.has_penalties]
+        greedy_rows = {i for i, p in enumerate(params) if p.greedy and not p.has_penalties}
         argmax = logits.argmax(dim=-1).tolist() if greedy_rows else None
         for i, p in enumerate(params):
             if argmax is not None and i in greedy_rows:
