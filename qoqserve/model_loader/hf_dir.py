@@ -174,7 +174,7 @@ def load_hf_dir(path: str) -> ModelSource:
                 for name in names:
                     tensor = handle.get_tensor(name)
                     if quant is not None:
-                        qoq_checkpoint.check_values(name, tensor, group_size, file)
+                        qoq_checkpoint.check_values(name, tensor, file)
                     yield name, tensor
 
     return ModelSource(path=path, name=_display_name(path), arch=arch, tokenizer=tokenizer,

@@ -84,7 +84,7 @@ def check_inventory(arch: ModelArchConfig, group_size: int,
                                  f"expected {dtype or 'a float type'}")
 
 
-def check_values(name: str, t: torch.Tensor, group_size: int, where: str) -> None:
+def check_values(name: str, t: torch.Tensor, where: str) -> None:
     """Ranges that the integer kernels rely on; a violation would compute garbage."""
     def bad(msg: str):
         raise ModelLoadError(f"{where}: tensor {name}: {msg}")

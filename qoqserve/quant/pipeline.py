@@ -85,11 +85,7 @@ def _quantize_linear(linear, cap, cfg: QuantConfig, info: dict, name: str) -> No
     g = cfg.group_size
     clip = None
     if cfg.clip:
-        def quant_fn(rows, ratios):
-            if g:
-                return qoq_ref.group_weight_to_float(qoq_ref.quantize_weight_group(rows, g, ratios))
-            return qoq_ref.channel_weight_to_float(qoq_ref.quantize_weight_channel(rows, ratios))
-        clip = search_clip_ratios(w, cap.samples[name], quant_fn)
+        clip = search_clip_ratios(w, cap.samples[name], lambda rows, r: _qoq_rtn(rows, g, r))
         info[f"{name}.clip_mean"] = round(float(clip.mean()), 4)
     quantizer = qoq_ref.WeightQuantizer(w, g, clip)
     if cfg.gptq:
@@ -113,10 +109,15 @@ def _weight_quant_fn(cfg: QuantConfig):
     if cfg.w_bits == 16:
         return lambda w: w
     if cfg.is_qoq_format or (cfg.w_bits == 4 and cfg.progressive):
-        if g:
-            return lambda w: qoq_ref.group_weight_to_float(qoq_ref.quantize_weight_group(w, g))
-        return lambda w: qoq_ref.channel_weight_to_float(qoq_ref.quantize_weight_channel(w))
+        return lambda w: _qoq_rtn(w, g)
     return lambda w: sim.rtn_weight(w, cfg.w_bits, g)
+
+
+def _qoq_rtn(w: torch.Tensor, group_size: int, clip=None) -> torch.Tensor:
+    """Round-to-nearest in the QoQ format (progressive groups or per channel), dequantized."""
+    if group_size:
+        return qoq_ref.group_weight_to_float(qoq_ref.quantize_weight_group(w, group_size, clip))
+    return qoq_ref.channel_weight_to_float(qoq_ref.quantize_weight_channel(w, clip))
 
 
 def _transform_layer(layer, cap: LayerCapture, cfg: QuantConfig, arch, info: dict) -> None:
@@ -163,8 +164,8 @@ def _needs_statistics(cfg: QuantConfig) -> bool:
 def _round_to_storage(model) -> None:
     """The checkpoint stores the unquantized tensors in fp16; round them here too, so
     the in-memory simulation is exactly the model a checkpoint load gives back."""
-    for name, p in model.named_parameters():
-        if p.is_floating_point() and p.dtype == torch.float32 and not name.endswith("w_expanded"):
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype == torch.float32:
             p.data.copy_(p.data.half().float())
 
 
