@@ -20,6 +20,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False     # return the log-probability of each chosen token
+    top_logprobs: int = 0      # with logprobs: also the k most likely tokens at each step
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -56,6 +57,11 @@ class SamplingParams:
             bad("stop must be a non-empty string or a list of non-empty strings")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids must be non-negative integers")
+        if (not isinstance(self.top_logprobs, int) or isinstance(self.top_logprobs, bool)
+                or not 0 <= self.top_logprobs <= 20):
+            bad(f"top_logprobs must be an integer in [0, 20], got {self.top_logprobs!r}")
+        if self.top_logprobs and not self.logprobs:
+            bad("top_logprobs needs logprobs")
         if not isinstance(self.repetition_penalty, (int, float)) or not 0.0 < self.repetition_penalty <= 10.0:
             bad(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -46,3 +46,93 @@ def hf_gguf_tokenizer(default_gguf_path):
 
     d, f = os.path.split(default_gguf_path)
     return AutoTokenizer.from_pretrained(d, gguf_file=f)
+
+
+class ServerProcess:
+    """`qoqserve serve` in a subprocess on a free 127.0.0.1 port."""
+
+    def __init__(self, args: list[str], api_key: str | None = None):
+        import socket
+        import subprocess
+        import sys
+        import tempfile
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.api_key = api_key
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "qoqserve.cli.main", "serve", *args, "--port", str(self.port)]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 180.0) -> None:
+        import time
+
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(self.base + "/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"server did not come up in {timeout}s:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        with open(self.log.name) as f:
+            return f.read()
+
+    def metrics(self) -> dict[str, float]:
+        """Unlabelled view of /metrics: name -> value (histograms as _sum/_count)."""
+        import httpx
+
+        values = {}
+        for line in httpx.get(self.base + "/metrics", timeout=10).text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                key = name.split("{", 1)[0]
+                values[key] = values.get(key, 0.0) + float(value)
+        return values
+
+    def stop(self, timeout: float = 60.0) -> int:
+        import signal
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+SERVER_ARGS = ["--dtype", "float32", "--kv-cache-gb", "0.25", "--max-model-len", "512",
+               "--max-prompt-tokens", "256", "--max-tokens-limit", "300",
+               "--max-body-bytes", "65536"]
+
+
+@pytest.fixture(scope="session")
+def server(default_gguf_path):
+    """One server on the embedded FP model for all server tests (it keeps an API key)."""
+    proc = ServerProcess([default_gguf_path, *SERVER_ARGS], api_key="test-key")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="session")
+def reference_llm(default_gguf_path):
+    """The offline engine the server's greedy outputs must equal."""
+    from qoqserve.llm import LLM
+
+    return LLM(default_gguf_path, dtype="float32", kv_cache_gb=0.1, max_model_len=512)

@@ -8,10 +8,24 @@ from qoqserve.sampling_params import InvalidSamplingParams, SamplingParams
 def test_greedy_is_argmax_and_logprob_is_log_softmax():
     logits = torch.randn(3, 50)
     params = [SamplingParams(temperature=0, logprobs=True)] * 3
-    toks, lps = Sampler()(logits, params, [None] * 3, [None] * 3)
+    toks, lps, top = Sampler()(logits, params, [None] * 3, [None] * 3)
     assert toks == logits.argmax(-1).tolist()
     ref = torch.log_softmax(logits, -1)
     assert lps == pytest.approx([float(ref[i, t]) for i, t in enumerate(toks)])
+    assert top is None
+
+
+def test_top_logprobs_are_the_most_likely_tokens_per_row():
+    logits = torch.randn(3, 50)
+    params = [SamplingParams(temperature=0, logprobs=True, top_logprobs=k) for k in (0, 1, 5)]
+    toks, lps, top = Sampler()(logits, params, [None] * 3, [None] * 3)
+    ref = torch.log_softmax(logits, -1)
+    assert [len(t) for t in top] == [0, 1, 5]
+    for i, row in enumerate(top):
+        order = ref[i].argsort(descending=True)[:len(row)].tolist()
+        assert [t for t, _ in row] == order
+        assert [lp for _, lp in row] == pytest.approx(ref[i, order].tolist())
+    assert top[2][0][0] == toks[2]  # greedy picks the most likely token
 
 
 def test_top_k_and_top_p_keep_the_right_tokens():
@@ -62,6 +76,7 @@ def test_penalties():
     dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-5), dict(max_tokens=0),
     dict(max_tokens=1.5), dict(stop=[""]), dict(seed="x"), dict(repetition_penalty=0),
     dict(presence_penalty=3), dict(min_tokens=5, max_tokens=2), dict(top_k=True),
+    dict(top_logprobs=21, logprobs=True), dict(top_logprobs=2),
 ])
 def test_invalid_params_are_rejected_with_a_message(kwargs):
     with pytest.raises(InvalidSamplingParams) as e:

@@ -1,11 +1,11 @@
-"""`qoqserve` command line: generate, eval, bench."""
+"""`qoqserve` command line: generate, serve, quantize, eval, bench."""
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
 
-from qoqserve.cli import bench, evaluate, generate, quantize
+from qoqserve.cli import bench, evaluate, generate, quantize, serve
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qoqserve", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (generate, quantize, evaluate, bench):
+    for module in (generate, serve, quantize, evaluate, bench):
         module.register(sub, add_engine_args)
     return parser
 

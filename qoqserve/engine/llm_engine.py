@@ -40,6 +40,7 @@ class LLMEngine:
         self.trackers: dict[str, OutputTracker] = {}
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self._runner_stats = self.runner.stats()  # fixed after load; stats() is called every step
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -80,13 +81,14 @@ class LLMEngine:
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             return []
-        tokens, logprobs = self.runner.run(seqs, is_prefill)
+        tokens, logprobs, top = self.runner.run(seqs, is_prefill)
         if is_prefill:
             self.num_prompt_tokens += sum(len(s) - s.num_cached_tokens for s in seqs)
         self.num_generation_tokens += len(seqs)
         outputs = []
         for i, seq in enumerate(seqs):
-            seq.append(tokens[i], logprobs[i] if logprobs is not None else None)
+            seq.append(tokens[i], logprobs[i] if logprobs is not None else None,
+                       top[i] if top is not None else None)
             self.block_manager.on_token_computed(seq)
             tracker = self.trackers[seq.request_id]
             reason = tracker.on_token(tokens[i])
@@ -99,7 +101,7 @@ class LLMEngine:
     def stats(self) -> dict:
         bm = self.block_manager
         return {
-            **self.runner.stats(),
+            **self._runner_stats,
             "model": self.model_name, "max_model_len": self.max_model_len,
             "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
             "num_free_blocks": bm.num_free_blocks, "kv_usage": bm.usage,

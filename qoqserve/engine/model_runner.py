@@ -186,7 +186,8 @@ class ModelRunner:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> tuple[list[int], list[float] | None]:
+    def run(self, seqs: list[Sequence], is_prefill: bool):
+        """One forward step; returns the sampler's (tokens, logprobs, top_logprobs)."""
         if is_prefill:
             ids, positions, meta = self._prepare_prefill(seqs)
         else:

@@ -19,6 +19,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None
     logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -89,4 +90,5 @@ class OutputTracker:
             token_ids=seq.output_token_ids, text=self.text[:limit], delta_text=delta,
             delta_token_ids=new_tokens, finished=finished, finish_reason=seq.finish_reason,
             logprobs=list(seq.logprobs) if seq.params.logprobs else None,
+            top_logprobs=list(seq.top_logprobs) if seq.params.top_logprobs else None,
             num_cached_tokens=seq.num_cached_tokens, metrics=metrics)

@@ -26,6 +26,7 @@ class Sequence:
     num_cached_tokens: int = 0     # prefix tokens found in the page cache at allocation
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
@@ -59,11 +60,14 @@ class Sequence:
     def block_tokens(self, i: int, block_size: int) -> list[int]:
         return self.token_ids[i * block_size:(i + 1) * block_size]
 
-    def append(self, token_id: int, logprob: float | None) -> None:
+    def append(self, token_id: int, logprob: float | None = None,
+               top: list[tuple[int, float]] | None = None) -> None:
         self.token_ids.append(token_id)
         self.output_counts[token_id] = self.output_counts.get(token_id, 0) + 1
         if logprob is not None:
             self.logprobs.append(logprob)
+        if top is not None:
+            self.top_logprobs.append(top)
         now = time.monotonic()
         if self.first_token_time is None:
             self.first_token_time = now

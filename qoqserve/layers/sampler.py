@@ -48,8 +48,10 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None],
                  penalty_inputs: list[tuple[list[int], dict[int, int]] | None]
-                 ) -> tuple[list[int], list[float] | None]:
-        """logits [B, V] fp32 -> chosen token per row, and its logprob when any row asks."""
+                 ) -> tuple[list[int], list[float] | None, list[list[tuple[int, float]]] | None]:
+        """logits [B, V] -> chosen token per row; when any row asks, each chosen token's
+        logprob and each row's top_logprobs most likely (token, logprob) pairs.
+        Logprobs are of the model's distribution, before penalties and temperature."""
         logits = logits.float().cpu()
         tokens: list[int] = []
         want_logprobs = any(p.logprobs for p in params)
@@ -70,7 +72,12 @@ class Sampler:
             probs = row.softmax(-1)
             gen = generators[i] or self.generator
             tokens.append(int(torch.multinomial(probs, 1, generator=gen)))
-        chosen = None
+        chosen = top = None
         if logprobs is not None:
             chosen = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
-        return tokens, chosen
+            k = max(p.top_logprobs for p in params)
+            if k:
+                vals, ids = logprobs.topk(k, dim=-1)
+                top = [list(zip(ids[i, :p.top_logprobs].tolist(), vals[i, :p.top_logprobs].tolist()))
+                       for i, p in enumerate(params)]
+        return tokens, chosen, top

@@ -1,0 +1,51 @@
+"""`qoqserve serve [MODEL]`: the OpenAI-compatible HTTP server."""
+from __future__ import annotations
+
+import os
+import sys
+
+
+def register(sub, add_engine_args) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
+    p.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                   help="HF dir, .gguf file or a qoq alias (default: the embedded model, QoQ g64, "
+                        "quantized on first use and cached)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("QOQSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $QOQSERVE_API_KEY)")
+    p.add_argument("--served-model-name", default=None, help="model id clients send (default: its name)")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="longest prompt accepted (default: the context window minus one)")
+    p.add_argument("--max-tokens-limit", type=int, default=None,
+                   help="largest max_tokens accepted (default: the context window)")
+    p.add_argument("--graceful-shutdown-s", type=float, default=30.0,
+                   help="on SIGTERM, how long in-flight requests may take to finish before abort")
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from qoqserve.cli.main import engine_kwargs
+    from qoqserve.engine.llm_engine import LLMEngine
+    from qoqserve.llm import build_engine_config
+    from qoqserve.server.launch import serve
+    from qoqserve.server.config import ServerConfig
+
+    if args.model_path and args.model:
+        raise ValueError("give the model either as MODEL or as --model, not both")
+    model = args.model_path or args.model or "qoq"
+    config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
+                          served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
+                          max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
+                          graceful_shutdown_s=args.graceful_shutdown_s)
+    engine = LLMEngine(build_engine_config(model, **engine_kwargs(args)))
+    s = engine.stats()
+    print(f"qoqserve: serving {config.served_model_name or engine.model_name} on "
+          f"http://{config.host}:{config.port}/v1 ({s['dtype']}, KV {s['kv_layout']}, "
+          f"{s['num_kv_blocks']} pages x {s['block_size']}, context {engine.max_model_len})",
+          file=sys.stderr, flush=True)
+    serve(engine, config, log_level="info" if args.verbose else "warning")
+    print("qoqserve: stopped", file=sys.stderr, flush=True)
+    return 0

@@ -1,0 +1,174 @@
+"""The engine loop on its own thread, with an asyncio face for the HTTP server.
+
+Only the engine thread ever touches the LLMEngine: requests and aborts reach it
+through an inbox, and outputs go back to each request's asyncio queue with
+call_soon_threadsafe. A forward pass therefore never blocks the event loop,
+and no engine state is shared between threads.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from qoqserve.engine.llm_engine import LLMEngine
+from qoqserve.engine.output import RequestOutput
+from qoqserve.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self._on_step = on_step
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._stopping = False
+        self._drain_deadline: float | None = None
+        self.stats: dict = engine.stats()  # snapshot, refreshed by the engine thread
+        self._thread = threading.Thread(target=self._loop, name="qoqserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Prompt token ids (validated); pure, so any thread may call it."""
+        return self.engine.tokenize(prompt)
+
+    async def generate(self, request_id: str, prompt: str | list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Yields the request's outputs as steps produce them. Leaving the
+        iteration early (client gone, task cancelled) aborts the request."""
+        if not self.is_alive:
+            raise EngineDeadError("the engine is not running")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._inbox.put(("add", request_id, prompt, params, stream))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def drain(self, grace_s: float) -> None:
+        """Give the requests in flight grace_s seconds, then end them with finish_reason
+        "abort", so their streams close normally instead of being cut."""
+        self._inbox.put(("drain", time.monotonic() + grace_s))
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Abort whatever is still in flight and stop the engine thread."""
+        self._stopping = True  # generate() refuses new work from now on
+        self._inbox.put(("stop",))
+        self._thread.join(timeout)
+
+    # ---- engine thread ------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            # block only when there is nothing to compute
+            block = not self.engine.has_unfinished()
+            try:
+                msg = self._inbox.get(block=block)
+            except queue.Empty:
+                msg = None
+            while msg is not None:
+                if msg[0] == "stop":
+                    self._abort_all(None)
+                    return
+                self._handle(msg)
+                try:
+                    msg = self._inbox.get_nowait()
+                except queue.Empty:
+                    msg = None
+            if self._drain_deadline is not None and time.monotonic() >= self._drain_deadline:
+                self._abort_all(None)
+            if self.engine.has_unfinished():
+                self._step()
+
+    def _handle(self, msg: tuple) -> None:
+        if msg[0] == "add":
+            _, rid, prompt, params, stream = msg
+            try:
+                self.engine.add_request(rid, prompt, params)
+            except Exception as e:  # bad input: the caller gets the error, the loop goes on
+                stream.put(e)
+                return
+            self._streams[rid] = stream
+        elif msg[0] == "drain":
+            self._drain_deadline = msg[1]
+        elif msg[0] == "abort":
+            rid = msg[1]
+            if self._streams.pop(rid, None) is not None:
+                self.engine.abort(rid)
+                self._refresh_stats([])
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            # a bug in a step must not take the server down: fail the requests in
+            # flight (their pages are freed by abort) and keep serving
+            log.exception("engine step failed; aborting %d requests", len(self._streams))
+            self._abort_all(RuntimeError(f"engine step failed: {e}"))
+            return
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            stream.put(out)
+            if out.finished:
+                del self._streams[out.request_id]
+        self._refresh_stats(outputs)
+
+    def _abort_all(self, error: BaseException | None) -> None:
+        for rid, stream in list(self._streams.items()):
+            self.engine.abort(rid)
+            if error is not None:
+                stream.put(error)
+            else:
+                stream.put(RequestOutput(
+                    request_id=rid, prompt_token_ids=[], token_ids=[], text="", delta_text="",
+                    delta_token_ids=[], finished=True, finish_reason="abort"))
+        self._streams.clear()
+        self._refresh_stats([])
+
+    def _refresh_stats(self, outputs: list[RequestOutput]) -> None:
+        self.stats = self.engine.stats()
+        if self._on_step is not None:
+            try:
+                self._on_step(self.engine, outputs)
+            except Exception:
+                log.exception("metrics hook failed")

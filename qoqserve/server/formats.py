@@ -1,0 +1,137 @@
+"""Engine outputs -> OpenAI JSON, for /v1/completions and /v1/chat/completions.
+
+One formatter per request; it remembers what a stream has already sent
+(the chat role, the completion text offset).
+"""
+from __future__ import annotations
+
+import time
+
+from qoqserve.engine.output import RequestOutput
+from qoqserve.model_loader.tokenizer import Tokenizer
+
+
+def _new_token_logprobs(out: RequestOutput, everything: bool):
+    """(token ids, logprobs, top lists) of this output's new tokens, or of all of them."""
+    if out.logprobs is None:
+        return None
+    ids = out.token_ids if everything else out.token_ids[len(out.token_ids) - len(out.delta_token_ids):]
+    n = len(ids)
+    lps = out.logprobs[len(out.logprobs) - n:]
+    tops = out.top_logprobs[len(out.top_logprobs) - n:] if out.top_logprobs else [[] for _ in ids]
+    return ids, lps, tops
+
+
+class _Format:
+    object_name = ""
+    chunk_object_name = ""
+
+    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, num_prompt_tokens: int):
+        self.id = request_id
+        self.model = model
+        self.tokenizer = tokenizer
+        self.num_prompt_tokens = num_prompt_tokens
+        self.created = int(time.time())
+
+    def usage(self, out: RequestOutput) -> dict:
+        n = len(out.token_ids)
+        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": n,
+                "total_tokens": self.num_prompt_tokens + n}
+
+    def _envelope(self, obj: str, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def response(self, out: RequestOutput) -> dict:
+        body = self._envelope(self.object_name, [self.choice(out)])
+        body["usage"] = self.usage(out)
+        return body
+
+    def chunk(self, out: RequestOutput) -> dict | None:
+        choice = self.delta_choice(out)
+        return None if choice is None else self._envelope(self.chunk_object_name, [choice])
+
+    def usage_chunk(self, out: RequestOutput) -> dict:
+        body = self._envelope(self.chunk_object_name, [])
+        body["usage"] = self.usage(out)
+        return body
+
+    def choice(self, out: RequestOutput) -> dict:
+        raise NotImplementedError
+
+    def delta_choice(self, out: RequestOutput) -> dict | None:
+        raise NotImplementedError
+
+
+class CompletionFormat(_Format):
+    object_name = chunk_object_name = "text_completion"
+
+    def __init__(self, *args, echo_text: str = ""):
+        super().__init__(*args)
+        self.echo_text = echo_text
+        self.offset = 0  # characters of completion text sent so far (for text_offset)
+
+    def _logprobs(self, entries, start: int) -> dict | None:
+        if entries is None:
+            return None
+        ids, lps, tops = entries
+        tokens = [self.tokenizer.token_to_str(t) for t in ids]
+        offsets = []
+        for s in tokens:
+            offsets.append(start)
+            start += len(s)
+        return {"tokens": tokens, "token_logprobs": lps, "text_offset": offsets,
+                "top_logprobs": [{self.tokenizer.token_to_str(t): lp for t, lp in top} for top in tops]}
+
+    def choice(self, out: RequestOutput) -> dict:
+        return {"index": 0, "text": self.echo_text + out.text,
+                "logprobs": self._logprobs(_new_token_logprobs(out, True), len(self.echo_text)),
+                "finish_reason": out.finish_reason}
+
+    def delta_choice(self, out: RequestOutput) -> dict | None:
+        text = out.delta_text
+        if self.echo_text:
+            text, self.echo_text = self.echo_text + text, ""
+        if not text and not out.finished and not out.delta_token_ids:
+            return None
+        lp = self._logprobs(_new_token_logprobs(out, False), self.offset)
+        self.offset += len(text)
+        return {"index": 0, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
+
+
+class ChatFormat(_Format):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.sent_role = False
+
+    def _logprobs(self, entries) -> dict | None:
+        if entries is None:
+            return None
+        ids, lps, tops = entries
+
+        def entry(t: int, lp: float) -> dict:
+            s = self.tokenizer.token_to_str(t)
+            return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in top]}
+                            for t, lp, top in zip(ids, lps, tops)]}
+
+    def choice(self, out: RequestOutput) -> dict:
+        return {"index": 0, "message": {"role": "assistant", "content": out.text},
+                "logprobs": self._logprobs(_new_token_logprobs(out, True)),
+                "finish_reason": out.finish_reason}
+
+    def delta_choice(self, out: RequestOutput) -> dict | None:
+        delta: dict = {}
+        if not self.sent_role:
+            delta["role"] = "assistant"
+            self.sent_role = True
+        if out.delta_text:
+            delta["content"] = out.delta_text
+        if not delta and not out.finished and not out.delta_token_ids:
+            return None
+        return {"index": 0, "delta": delta, "logprobs": self._logprobs(_new_token_logprobs(out, False)),
+                "finish_reason": out.finish_reason}

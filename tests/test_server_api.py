@@ -1,0 +1,144 @@
+"""The server through the real openai client: outputs equal the offline engine's."""
+from __future__ import annotations
+
+import math
+
+import httpx
+import pytest
+
+from qoqserve.sampling_params import SamplingParams
+
+PROMPT = "The three primary colors are"
+CHAT = [{"role": "user", "content": "Name a fruit that is yellow."}]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.base + "/v1", api_key=server.api_key, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model_id(client):
+    return client.models.list().data[0].id
+
+
+def test_models_lists_the_served_model(client, reference_llm):
+    models = client.models.list().data
+    assert [m.id for m in models] == [reference_llm.engine.model_name]
+
+
+def test_completion_equals_offline_generate_with_usage(client, model_id, reference_llm):
+    got = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=20, temperature=0)
+    ref = reference_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=20))[0]
+    assert got.choices[0].text == ref.text
+    assert got.choices[0].finish_reason == ref.finish_reason
+    assert got.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert got.usage.completion_tokens == len(ref.token_ids)
+    assert got.usage.total_tokens == got.usage.prompt_tokens + got.usage.completion_tokens
+
+
+def test_chat_equals_offline_chat(client, model_id, reference_llm):
+    got = client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=24, temperature=0)
+    ref = reference_llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=24))[0]
+    assert got.choices[0].message.role == "assistant"
+    assert got.choices[0].message.content == ref.text
+    assert got.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert got.usage.completion_tokens == len(ref.token_ids)
+
+
+def test_streaming_chat_concatenates_to_the_full_answer(client, model_id):
+    full = client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=24, temperature=0)
+    chunks = list(client.chat.completions.create(
+        model=model_id, messages=CHAT, max_tokens=24, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert len([c for c in chunks if c.choices]) > 3  # it really streamed
+
+
+def test_streaming_completion_matches_non_streaming(client, model_id):
+    full = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=16, temperature=0)
+    chunks = list(client.completions.create(model=model_id, prompt=PROMPT, max_tokens=16,
+                                            temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_strings_cut_the_output(client, model_id, reference_llm, stream):
+    ref = reference_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=30))[0].text
+    stop = ref.strip().split()[2]  # a word from the middle of the greedy answer
+    kwargs = dict(model=model_id, prompt=PROMPT, max_tokens=30, temperature=0, stop=[stop])
+    if stream:
+        chunks = list(client.completions.create(stream=True, **kwargs))
+        text, reason = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+    else:
+        out = client.completions.create(**kwargs).choices[0]
+        text, reason = out.text, out.finish_reason
+    assert text == ref[:ref.index(stop)]
+    assert reason == "stop"
+
+
+def test_completion_logprobs_equal_the_engine_logprobs(client, model_id, reference_llm):
+    got = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=8, temperature=0,
+                                    logprobs=3).choices[0].logprobs
+    ref = reference_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8, logprobs=True,
+                                                        top_logprobs=3))[0]
+    tok = reference_llm.tokenizer
+    assert got.tokens == [tok.token_to_str(t) for t in ref.token_ids]
+    assert got.token_logprobs == pytest.approx(ref.logprobs, abs=1e-5)
+    for top, ref_top, chosen, lp in zip(got.top_logprobs, ref.top_logprobs, got.tokens, got.token_logprobs):
+        assert len(top) == 3
+        assert top[chosen] == pytest.approx(lp, abs=1e-5)  # greedy: the chosen token is the best
+        assert list(top.values()) == pytest.approx([v for _, v in ref_top], abs=1e-5)
+    assert got.text_offset[0] == 0 and got.text_offset == sorted(got.text_offset)
+
+
+def test_chat_logprobs_with_top_logprobs(client, model_id):
+    out = client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=6, temperature=0,
+                                         logprobs=True, top_logprobs=2).choices[0]
+    content = out.logprobs.content
+    assert len(content) == 6
+    assert "".join(c.token for c in content) == out.message.content
+    for c in content:
+        assert c.logprob <= 0 and len(c.top_logprobs) == 2
+        assert c.top_logprobs[0].token == c.token and c.top_logprobs[0].logprob == pytest.approx(c.logprob)
+        assert bytes(c.bytes).decode() == c.token
+        assert sum(math.exp(t.logprob) for t in c.top_logprobs) <= 1.0 + 1e-6
+
+
+def test_seeded_sampling_is_reproducible(client, model_id):
+    kw = dict(model=model_id, prompt=PROMPT, max_tokens=12, temperature=1.0, top_p=0.9, seed=7)
+    a = client.completions.create(**kw).choices[0].text
+    b = client.completions.create(**kw).choices[0].text
+    assert a == b
+
+
+def test_token_id_prompt_and_echo(client, model_id, reference_llm):
+    ids = reference_llm.tokenizer.encode(PROMPT)
+    by_ids = client.completions.create(model=model_id, prompt=ids, max_tokens=6, temperature=0)
+    by_text = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=6, temperature=0,
+                                        echo=True)
+    assert by_text.choices[0].text == PROMPT + by_ids.choices[0].text
+
+
+def test_health_and_metrics_count_the_work(server, client, model_id):
+    assert httpx.get(server.base + "/health").status_code == 200
+    before = server.metrics()
+    client.completions.create(model=model_id, prompt=PROMPT, max_tokens=5, temperature=0,
+                              extra_body={"ignore_eos": True})
+    after = server.metrics()
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 5
+    assert after["vllm:request_success_total"] - before.get("vllm:request_success_total", 0) == 1
+    assert after["vllm:e2e_request_latency_seconds_count"] > before.get(
+        "vllm:e2e_request_latency_seconds_count", 0)
+    assert after["vllm:prefix_cache_queries_total"] > before["vllm:prefix_cache_queries_total"]
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:time_to_first_token_seconds_sum", "vllm:time_per_output_token_seconds_sum",
+                 "vllm:num_preemptions_total", "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total"):
+        assert name in after
