@@ -51,7 +51,10 @@ class EngineConfig:
     model: str | None = None        # path, or None for the embedded default model
     dtype: str | torch.dtype = "auto"
     device: str = "cpu"
-    w4a8_backend: str = "auto"      # QoQ checkpoints: auto | torch-int8 | sim
+    w4a8_backend: str = "auto"      # QoQ checkpoints: auto | torch-int8 | torch-int8-percall | sim | triton
+    # "auto": the Triton kernels on CUDA, torch elsewhere; "triton" on CPU only
+    # runs in Triton's interpreter (TRITON_INTERPRET=1), which the tests use
+    kernels: str = "auto"
     quantization: str | None = None  # full-precision checkpoints: None or "w8a8" (at load)
     # torch.compile the decode attention (fuses page gather + KV4 dequant); the
     # first step pays the compile (~30 s on 2 cores, cached on disk afterwards)

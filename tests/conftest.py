@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import os
 
-import pytest
+# The Triton kernels run in Triton's interpreter on CPU; the flag is read when
+# kernels are defined, so it must be set before any of them is imported.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")

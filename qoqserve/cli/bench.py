@@ -32,6 +32,30 @@ def register(sub, add_engine_args) -> None:
     dec.add_argument("--json-out", default=None)
     dec.set_defaults(func=run_decode_cmd)
 
+    ker = bsub.add_parser("kernels", help="GPU kernels: W4A8 GEMM vs cuBLAS INT8 vs FP16, "
+                                          "KV4 decode attention vs FP16")
+    ker.add_argument("--device", default="cuda")
+    ker.add_argument("--iters", type=int, default=20)
+    ker.add_argument("--tiny", action="store_true",
+                     help="tiny shapes: a smoke test of the code paths (CPU: TRITON_INTERPRET=1)")
+    ker.add_argument("--json-out", default=None)
+    ker.set_defaults(func=run_kernels_cmd)
+
+
+def run_kernels_cmd(args) -> int:
+    from qoqserve.bench.kernels import as_dicts, format_rows, run
+
+    rows = run(args.device, args.tiny, args.iters)
+    name = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.machine()
+    print(f"# {name}, torch {torch.__version__}, median of {args.iters} runs"
+          + (" (tiny shapes: smoke test, timings meaningless)" if args.tiny else ""))
+    print(format_rows(rows))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"device": name, "torch": torch.__version__, "tiny": args.tiny,
+                       "rows": as_dicts(rows)}, f, indent=2)
+    return 0
+
 
 def run_decode_cmd(args) -> int:
     from qoqserve.bench.decode import as_dicts, bench_decode

@@ -18,9 +18,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    choices=["auto", "int4", "float16", "fp16", "bfloat16", "bf16", "float32"],
                    help="auto: int4 for QoQ KV4 checkpoints, else the model dtype")
     g.add_argument("--w4a8-backend", default="auto",
-                   choices=["auto", "torch-int8", "torch-int8-percall", "sim"],
+                   choices=["auto", "torch-int8", "torch-int8-percall", "sim", "triton"],
                    help="how QoQ W4A8 linears run: INT8 weights expanded at load (1 B/weight), "
-                        "expanded per call from packed codes (0.5 B/weight), or the fp32 simulation")
+                        "expanded per call from packed codes (0.5 B/weight), the fp32 simulation, "
+                        "or the Triton GEMM (CUDA; auto picks it there)")
+    g.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"],
+                   help="auto: Triton kernels on CUDA (W4A8 GEMM, fused quant, KV4 attention), "
+                        "torch on CPU")
     g.add_argument("--quantization", default=None, choices=["w8a8"],
                    help="quantize a full-precision checkpoint at load (W8A8 baseline)")
     g.add_argument("--kv-cache-gb", type=float, default=None, help="KV page pool size in GiB")
@@ -44,7 +48,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len,
                 enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
-                w4a8_backend=args.w4a8_backend, quantization=args.quantization,
+                w4a8_backend=args.w4a8_backend, kernels=args.kernels,
+                quantization=args.quantization,
                 compile=args.compile)
 
 

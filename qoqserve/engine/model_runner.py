@@ -8,7 +8,8 @@ import torch
 from qoqserve.config import CacheConfig, EngineConfig, parse_dtype
 from qoqserve.engine.sequence import Sequence
 from qoqserve.layers.attention import AttentionMetadata, PagedAttention, decode_attention
-from qoqserve.layers.kv_cache import DenseKVCacheLayout, Int4KVCacheLayout, KVCacheLayout
+from qoqserve.layers.kv_cache import (DenseKVCacheLayout, Int4KVCacheLayout, KVCacheLayout,
+                                      TritonInt4KVCacheLayout)
 from qoqserve.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod
 from qoqserve.layers.qoq_linear import QoQLinearMethod
 from qoqserve.layers.w8a8_linear import W8A8LinearMethod
@@ -31,14 +32,32 @@ def available_memory_bytes(device: torch.device) -> int:
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
 
+def resolve_kernels(config: EngineConfig) -> str:
+    """'triton' or 'torch': which kernels the quantized layers and KV4 pages use."""
+    from qoqserve.kernels.triton import interpreting, triton_available
+
+    kind = config.kernels
+    if kind == "auto":
+        return "triton" if config.device.startswith("cuda") and triton_available() else "torch"
+    if kind not in ("torch", "triton"):
+        raise ValueError(f"unknown kernels {kind!r}; choose auto, torch or triton")
+    if kind == "triton":
+        if not triton_available():
+            raise ValueError("kernels='triton' needs the triton package")
+        if not config.device.startswith("cuda") and not interpreting():
+            raise ValueError("Triton kernels on CPU run only in the interpreter (TRITON_INTERPRET=1)")
+    return kind
+
+
 def make_kv_layout(arch: ModelArchConfig, cache: CacheConfig, model_dtype: torch.dtype,
-                   device: str, quant: dict | None) -> KVCacheLayout:
+                   device: str, quant: dict | None, kernels: str = "torch") -> KVCacheLayout:
     kind = cache.kv_cache_dtype
     if kind == "auto":
         # a QoQ checkpoint says whether it was calibrated for KV4
         kind = "int4" if quant and quant.get("kv_bits") == 4 else "model"
     if kind == "int4":
-        layout = Int4KVCacheLayout(arch.num_kv_heads, arch.head_dim, cache.block_size)
+        cls = TritonInt4KVCacheLayout if kernels == "triton" else Int4KVCacheLayout
+        layout = cls(arch.num_kv_heads, arch.head_dim, cache.block_size)
     else:
         dtype = model_dtype if kind == "model" else parse_dtype(kind, device)
         layout = DenseKVCacheLayout(arch.num_kv_heads, arch.head_dim, cache.block_size, dtype)
@@ -50,7 +69,7 @@ def make_kv_layout(arch: ModelArchConfig, cache: CacheConfig, model_dtype: torch
     return layout
 
 
-def make_linear_method(config: EngineConfig, quant: dict | None) -> LinearMethod:
+def make_linear_method(config: EngineConfig, quant: dict | None, kernels: str = "torch") -> LinearMethod:
     if quant is None:
         if config.quantization == "w8a8":
             return W8A8LinearMethod()
@@ -60,7 +79,7 @@ def make_linear_method(config: EngineConfig, quant: dict | None) -> LinearMethod
         return UnquantizedLinearMethod()
     backend = config.w4a8_backend
     if backend == "auto":
-        backend = "torch-int8"
+        backend = "triton" if kernels == "triton" else "torch-int8"
     return QoQLinearMethod(quant["group_size"], backend)
 
 
@@ -106,8 +125,9 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         self.block_size = config.cache.block_size
-        self.layout = make_kv_layout(arch, config.cache, self.dtype, config.device, quant)
-        method = make_linear_method(config, quant)
+        self.kernels = resolve_kernels(config)
+        self.layout = make_kv_layout(arch, config.cache, self.dtype, config.device, quant, self.kernels)
+        method = make_linear_method(config, quant, self.kernels)
         with torch.device(self.device):
             self.model = LlamaForCausalLM(arch, self.layout, self.dtype, linear_method=method,
                                           max_positions=max_positions)
@@ -136,15 +156,16 @@ class ModelRunner:
         log.info("linear kernel paths: %s; linear weights %.1f MiB resident, model %.1f MiB",
                  ", ".join(f"{p} x{n}" for p, n in paths.items()),
                  sum(resident_bytes(m) for m in linears) / 2**20, resident_bytes(self.model) / 2**20)
-        log.info("KV cache: %d pages x %d tokens, %s, %d bytes/token/layer",
-                 self.num_blocks, self.block_size, self.layout.name, self.layout.bytes_per_token())
+        log.info("KV cache: %d pages x %d tokens, %s (%s kernels), %d bytes/token/layer",
+                 self.num_blocks, self.block_size, self.layout.name, self.layout.kernel,
+                 self.layout.bytes_per_token())
 
     def stats(self) -> dict:
         paths = sorted({m.method.describe(m) for m in self.model.modules() if isinstance(m, Linear)})
         return {"weight_bytes": resident_bytes(self.model),
                 "linear_weight_bytes": sum(resident_bytes(m) for m in self.model.modules()
                                            if isinstance(m, Linear)),
-                "kv_layout": self.layout.name,
+                "kv_layout": self.layout.name, "kv_kernel": self.layout.kernel,
                 "kv_bytes_per_token": self.layout.bytes_per_token() * len(self.kv_caches),
                 "num_kv_blocks": self.num_blocks, "block_size": self.block_size,
                 "linear_paths": paths, "dtype": str(self.dtype).replace("torch.", "")}

@@ -87,6 +87,9 @@ class PagedAttention(nn.Module):
         return o[0].transpose(0, 1).to(out_dtype)
 
     def _decode(self, q, meta, cache):
+        if self.layout.has_decode_kernel:
+            return self.layout.decode_attention(q, cache, meta.block_tables, meta.context_lens,
+                                                self.scale)
         if self.compiled_decode is not None:
             return self.compiled_decode(self.layout, cache, meta.block_tables, meta.context_lens, q,
                                         self.scale, self.num_heads)

@@ -24,6 +24,8 @@ class KVCacheLayout(ABC):
     # can only see stored values: otherwise its output would depend on what
     # ran before it. It is also exactly what the fake-quant simulation measures.
     quantized_prefill = False
+    kernel = "torch"              # which code writes and reads the pages (load log, stats)
+    has_decode_kernel = False     # True: decode_attention() replaces the torch decode path
 
     def __init__(self, num_kv_heads: int, head_dim: int, block_size: int):
         self.num_kv_heads = num_kv_heads
@@ -46,6 +48,11 @@ class KVCacheLayout(ABC):
     def fake_quant(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, Hkv, D] as it reads back after a write (identity for exact layouts)."""
         return x
+
+    def decode_attention(self, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+                         context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        """A fused kernel: q [B, H, D] over each sequence's pages -> [B, H, D]."""
+        raise NotImplementedError
 
     @abstractmethod
     def read(self, cache: torch.Tensor, block_tables: torch.Tensor,
@@ -132,3 +139,17 @@ class Int4KVCacheLayout(KVCacheLayout):
         rows = cache[block_tables].view(b, n * self.block_size, 2, self.num_kv_heads, self.row_bytes)
         kv = self._decode(rows, dtype)
         return kv[:, :, 0], kv[:, :, 1]
+
+
+class TritonInt4KVCacheLayout(Int4KVCacheLayout):
+    """The same KV4 pages, written and read by the Triton kernels (the CUDA path)."""
+    kernel = "triton"
+    has_decode_kernel = True
+
+    def write(self, cache, k, v, slot_mapping) -> None:
+        from qoqserve.kernels.triton.kv4_attention import kv4_write
+        kv4_write(cache, k, v, slot_mapping)
+
+    def decode_attention(self, q, cache, block_tables, context_lens, scale):
+        from qoqserve.kernels.triton.kv4_attention import kv4_decode_attention
+        return kv4_decode_attention(q, cache, block_tables, context_lens, scale)

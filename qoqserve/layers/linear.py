@@ -10,6 +10,10 @@ A method has three hooks, as in vLLM:
 * ``process_weights_after_loading`` turns what was loaded into what ``apply``
   wants (repacking, caching an expanded copy, ...), once;
 * ``apply`` computes ``x @ W.T (+ b)``.
+
+Two optional hooks let a method fuse the op that produces its input (the
+RMSNorm before qkv/gate_up, the SiLU*mul before down_proj) with its own input
+preparation, e.g. INT8 quantization; ``apply`` then receives what they return.
 """
 from __future__ import annotations
 
@@ -37,6 +41,15 @@ class LinearMethod(ABC):
     def describe(self, layer: "Linear") -> str:
         """Kernel path used by this layer, for the load-time log and stats."""
         return self.name
+
+    def input_from_norm(self, norm: nn.Module, h: torch.Tensor):
+        """This layer's input when it is norm(h)."""
+        return norm(h)
+
+    def input_from_silu_mul(self, gate_up: torch.Tensor):
+        """This layer's input when it is silu(gate) * up of a fused gate_up output."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
 
 def _shard_loader(param: torch.Tensor, loaded: torch.Tensor, shard: int | None,
@@ -110,8 +123,14 @@ class Linear(nn.Module):
     def load_shard(self, param: torch.Tensor, loaded: torch.Tensor, shard: int | None) -> None:
         _shard_loader(param, loaded, shard, self.offsets)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x) -> torch.Tensor:
         return self.method.apply(self, x)
+
+    def input_from_norm(self, norm: nn.Module, h: torch.Tensor):
+        return self.method.input_from_norm(norm, h)
+
+    def input_from_silu_mul(self, gate_up: torch.Tensor):
+        return self.method.input_from_silu_mul(gate_up)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.output_sizes}, bias={self.has_bias}, "

@@ -9,9 +9,14 @@ One set of parameters, two ways to execute it:
   expansion s2*(u - z) is done once at load and the packed codes are freed
   (1 byte per weight resident);
 * ``torch-int8-percall``: the same GEMM, but only the packed codes stay
-  resident (0.5 byte per weight) and each call expands them first.
+  resident (0.5 byte per weight) and each call expands them first;
+* ``triton``: the CUDA path. The packed codes stay resident (0.5 byte per
+  weight) and are expanded in registers inside the GEMM main loop; the input
+  is quantized by a kernel fused with the RMSNorm or SiLU*mul that makes it.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -19,7 +24,15 @@ from torch import nn
 from qoqserve.kernels import qoq_ref
 from qoqserve.layers.linear import Linear, LinearMethod
 
-BACKENDS = ("torch-int8", "torch-int8-percall", "sim")
+BACKENDS = ("torch-int8", "torch-int8-percall", "sim", "triton")
+
+
+class QuantizedActivation(NamedTuple):
+    """A per-token INT8 activation as the fused kernels hand it to the GEMM."""
+    q: torch.Tensor       # int8 [M, K]
+    scale: torch.Tensor   # fp32 [M]
+    row_sum: torch.Tensor  # fp32 [M], of the unquantized rows (per-channel epilogue)
+    dtype: torch.dtype    # of the unquantized activation: the GEMM's output dtype
 
 
 def qoq_param_shapes(out_features: int, in_features: int, group_size: int) -> dict:
@@ -64,20 +77,47 @@ class QoQLinearMethod(LinearMethod):
         w = (u.view(n, k // g, g).to(torch.int16) - layer.zeros.to(torch.int16)[..., None])
         return (w * layer.s2.to(torch.int16)[..., None]).view(n, k).to(torch.int8)
 
+    def input_from_norm(self, norm, h):
+        if self.backend != "triton":
+            return norm(h)
+        from qoqserve.kernels.triton.act_quant import rmsnorm_quant
+        return QuantizedActivation(*rmsnorm_quant(h, norm.weight, norm.eps), h.dtype)
+
+    def input_from_silu_mul(self, gate_up):
+        if self.backend != "triton":
+            return super().input_from_silu_mul(gate_up)
+        from qoqserve.kernels.triton.act_quant import silu_mul_quant
+        return QuantizedActivation(*silu_mul_quant(gate_up), gate_up.dtype)
+
+    def _apply_triton(self, layer: Linear, x) -> torch.Tensor:
+        from qoqserve.kernels.triton.act_quant import quant_int8
+        from qoqserve.kernels.triton.w4a8_gemm import w4a8_gemm
+        if not isinstance(x, QuantizedActivation):  # o_proj's input: a standalone quant
+            lead = x.shape[:-1]
+            x = QuantizedActivation(*quant_int8(x.reshape(-1, x.shape[-1])), x.dtype)
+        else:
+            lead = x.q.shape[:-1]
+        y = w4a8_gemm(x.q, x.scale, layer.qweight, layer.s1, layer.zeros,
+                      layer.s2 if self.group_size else None, self.group_size, x.row_sum,
+                      layer.bias if layer.has_bias else None, out_dtype=x.dtype)
+        return y.reshape(*lead, -1)
+
     def process_weights_after_loading(self, layer: Linear) -> None:
         if self.group_size:
             s2, z = layer.s2.to(torch.int32), layer.zeros.to(torch.int32)
             lo, hi = int((s2 * -z).min()), int((s2 * (15 - z)).max())
             if lo < -128 or hi > 127:
                 raise ValueError(f"s2*(u - z) leaves the INT8 range ({lo}..{hi}): corrupt s2/zeros")
-        if self.backend == "torch-int8-percall":
+        if self.backend in ("torch-int8-percall", "triton"):
             return
         w = self.int8_weight(layer)
         layer.w_expanded = w.float() if self.backend == "sim" else w
         if self.backend == "torch-int8":
             layer.qweight = None  # the expansion replaces the packed codes in memory
 
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: Linear, x) -> torch.Tensor:
+        if self.backend == "triton":
+            return self._apply_triton(layer, x)
         w = self.int8_weight(layer) if self.backend == "torch-int8-percall" else layer.w_expanded
         if self.group_size:
             fn = qoq_ref.w4a8_group_linear_sim if self.backend == "sim" else qoq_ref.w4a8_group_linear

@@ -35,7 +35,7 @@ class Attention(nn.Module):
 
     def forward(self, positions, x, meta: AttentionMetadata, cache):
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        t = x.shape[0]
+        t = positions.shape[0]
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
@@ -50,8 +50,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, method, dtype)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.down_proj.input_from_silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -63,8 +62,10 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, method, dtype)
 
     def forward(self, positions, h, meta, cache):
-        h = h + self.self_attn(positions, self.input_layernorm(h), meta, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        # the consuming linear may fuse the norm with quantizing its input
+        x = self.self_attn.qkv_proj.input_from_norm(self.input_layernorm, h)
+        h = h + self.self_attn(positions, x, meta, cache)
+        return h + self.mlp(self.mlp.gate_up_proj.input_from_norm(self.post_attention_layernorm, h))
 
 
 # checkpoint name suffix -> (module attribute path, shard index of a fused layer)
