@@ -55,7 +55,7 @@ def hf_gguf_tokenizer(default_gguf_path):
 class ServerProcess:
     """`qoqserve serve` in a subprocess on a free 127.0.0.1 port."""
 
-    def __init__(self, args: list[str], api_key: str | None = None):
+    def __init__(self, args: list[str], api_key: str | None = None, env: dict | None = None):
         import socket
         import subprocess
         import sys
@@ -70,7 +70,8 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "qoqserve.cli.main", "serve", *args, "--port", str(self.port)]
         if api_key:
             cmd += ["--api-key", api_key]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
         self._wait_ready()
 
     def _wait_ready(self, timeout: float = 180.0) -> None:

@@ -43,3 +43,31 @@ def test_quantized_engine_is_batch_invariant(quantized):
     assert batched == alone
     stats = llm.engine.stats()
     assert stats["kv_layout"] == "int4" and stats["num_free_blocks"] == stats["num_kv_blocks"]
+
+
+def test_plain_qoqserve_serve_runs_the_cached_qoq_checkpoint(quantized, tmp_path):
+    """`qoqserve serve` with no model serves the embedded model's QoQ g64 checkpoint
+    from the cache (here: the quick one, placed where the first use would put it)."""
+    import shutil
+
+    from openai import OpenAI
+
+    from conftest import ServerProcess
+    from qoqserve.sampling_params import SamplingParams
+
+    _, path = quantized
+    shutil.copytree(path, tmp_path / "SmolLM2-135M-Instruct-qoq-g64")
+    srv = ServerProcess(["--max-model-len", "512", "--kv-cache-gb", "0.05"],
+                        env={"QOQSERVE_CACHE": str(tmp_path)})
+    try:
+        client = OpenAI(base_url=srv.base + "/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        assert model == "SmolLM2-135M-Instruct-qoq-g64"
+        msgs = [{"role": "user", "content": "What is the capital of France?"}]
+        got = client.chat.completions.create(model=model, messages=msgs, max_tokens=16, temperature=0)
+        ref = LLM(path, dtype="float32", kv_cache_gb=0.05).chat(
+            msgs, SamplingParams(temperature=0, max_tokens=16))[0]
+        assert got.choices[0].message.content == ref.text
+        assert "int4" in srv.output()  # the KV4 pages the checkpoint asks for
+    finally:
+        assert srv.stop() == 0
