@@ -142,3 +142,33 @@ def test_mixed_weight_and_kv_formats(ckpt):
     out = fp_kv4.chat([{"role": "user", "content": "What is the capital of France?"}],
                       SamplingParams(temperature=0, max_tokens=12))[0]
     assert "Paris" in out.text
+
+
+def test_kv8_pages_round_trip_within_half_a_step_and_cost_about_half_of_fp16():
+    from qoqserve.layers.kv_cache import Int8KVCacheLayout
+
+    layout = Int8KVCacheLayout(2, 64, 16)
+    assert layout.bytes_per_token() == 2 * 2 * (64 + 2)
+    assert layout.bytes_per_token() / DenseKVCacheLayout(2, 64, 16, torch.float16).bytes_per_token() < 0.52
+    torch.manual_seed(0)
+    k, v = torch.randn(20, 2, 64) * 3, torch.randn(20, 2, 64)
+    k[3, 1] = 0  # an all-zero head
+    cache = layout.allocate(4, "cpu")
+    slots = torch.randperm(64)[:20]
+    layout.write(cache, k, v, slots)
+    tables = torch.arange(4)[None]
+    rk, rv = layout.read(cache, tables, torch.float32)
+    for x, r in ((k, rk[0, slots]), (v, rv[0, slots])):
+        step = (x.abs().amax(-1, keepdim=True) / 127).half().float()
+        assert ((x - r).abs() <= step * 0.5 * (1 + 1e-3) + 1e-7).all()
+        assert torch.equal(r, layout.fake_quant(x))
+
+
+def test_fp_model_runs_with_kv8_pages_close_to_fp():
+    prompt = "The capital of France is"
+    params = SamplingParams(temperature=0, max_tokens=8)
+    fp = LLM(dtype="float32", kv_cache_gb=0.05).generate(prompt, params)[0]
+    kv8 = LLM(dtype="float32", kv_cache_gb=0.05, kv_cache_dtype="int8")
+    assert kv8.engine.stats()["kv_layout"] == "int8"
+    out = kv8.generate(prompt, params)[0]
+    assert out.token_ids[:4] == fp.token_ids[:4]

@@ -41,6 +41,106 @@ def register(sub, add_engine_args) -> None:
     ker.add_argument("--json-out", default=None)
     ker.set_defaults(func=run_kernels_cmd)
 
+    thr = bsub.add_parser("throughput", help="QServe protocol: max batch in a memory budget, "
+                                             "output tok/s per precision")
+    thr.add_argument("--model", default=None,
+                     help="model path, synthetic:llama-3-8b etc., or default: the embedded model")
+    thr.add_argument("--precisions", nargs="+", default=["bf16", "w8a8", "w4a8kv8", "w4a8kv4"])
+    thr.add_argument("--input-len", type=int, default=1024)
+    thr.add_argument("--output-len", type=int, default=512)
+    thr.add_argument("--device", default="cpu")
+    thr.add_argument("--memory-gb", type=float, default=None,
+                     help="budget for weights + KV (default on CUDA: 90%% of the device)")
+    thr.add_argument("--reserve-gb", type=float, default=0.0, help="kept for activations")
+    thr.add_argument("--max-batch", type=int, default=256)
+    thr.add_argument("--json-out", default=None)
+    thr.set_defaults(func=run_throughput_cmd)
+
+    mem = bsub.add_parser("memory", help="weights, KV bytes/token, pages and max sequences per precision")
+    mem.add_argument("--model", default=None)
+    mem.add_argument("--precisions", nargs="+", default=["fp16", "bf16", "w8a8", "w4a8kv8", "w4a8kv4"])
+    mem.add_argument("--device", default="cuda", help="cuda: packed W4 weights; cpu: INT8 expansion")
+    mem.add_argument("--memory-gb", type=float, default=None, help="total budget for weights + KV")
+    mem.add_argument("--kv-budget-gb", type=float, default=None, help="or a fixed KV budget")
+    mem.add_argument("--reserve-gb", type=float, default=0.0)
+    mem.add_argument("--seq-len", type=int, default=1536, help="tokens per sequence (input + output)")
+    mem.add_argument("--group-size", type=int, default=128)
+    mem.add_argument("--json-out", default=None)
+    mem.set_defaults(func=run_memory_cmd)
+
+    srv = bsub.add_parser("serve", help="load generator for any OpenAI-compatible server "
+                                        "(throughput, TTFT, TPOT, ITL, e2e)")
+    srv.add_argument("--base-url", default="http://127.0.0.1:8000")
+    srv.add_argument("--model", default=None, help="model id (default: the server's first)")
+    srv.add_argument("--api-key", default=None)
+    srv.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    srv.add_argument("--num-requests", type=int, default=128)
+    load = srv.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", type=int, default=None, help="closed loop: N clients (default 32)")
+    load.add_argument("--request-rate", type=float, default=None, help="open loop: Poisson req/s")
+    srv.add_argument("--input-words", type=int, default=75, help="prompt length in words (~1.3 tokens each)")
+    srv.add_argument("--input-jitter", type=float, default=0.0, help="uniform +- fraction")
+    srv.add_argument("--output-len", type=int, default=128)
+    srv.add_argument("--output-jitter", type=float, default=0.0)
+    srv.add_argument("--no-ignore-eos", action="store_true")
+    srv.add_argument("--seed", type=int, default=0)
+    srv.add_argument("--json-out", default=None)
+    srv.set_defaults(func=run_serve_cmd)
+
+
+def run_throughput_cmd(args) -> int:
+    from qoqserve.bench.throughput import as_dicts, bench_throughput
+
+    print(f"# {args.device}, torch {torch.__version__}; input {args.input_len}, output "
+          f"{args.output_len}, memory {args.memory_gb} GiB, EOS ignored")
+    results = bench_throughput(args.model, args.precisions, args.input_len, args.output_len,
+                               args.device, args.memory_gb, args.reserve_gb, args.max_batch)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"device": args.device, "torch": torch.__version__, "results": as_dicts(results)},
+                      f, indent=2)
+    return 0
+
+
+def run_memory_cmd(args) -> int:
+    from qoqserve.bench.memory import as_dicts, format_plans, plan_memory
+    from qoqserve.bench.precisions import get_precision, model_for
+    from qoqserve.model_loader import load_model_source
+
+    if (args.memory_gb is None) == (args.kv_budget_gb is None):
+        raise ValueError("give exactly one of --memory-gb and --kv-budget-gb")
+    plans = []
+    for name in args.precisions:
+        p = get_precision(name)
+        # only the architecture is read: QoQ precisions need no checkpoint here
+        arch = load_model_source(model_for(get_precision("fp16"), args.model)).arch
+        gb = (lambda v: None if v is None else int(v * 2**30))
+        plans.append(plan_memory(arch, p, args.device, args.seq_len, budget_bytes=gb(args.kv_budget_gb),
+                                 memory_bytes=gb(args.memory_gb), reserve_bytes=gb(args.reserve_gb),
+                                 group_size=args.group_size))
+    print(format_plans(plans))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(as_dicts(plans), f, indent=2)
+    return 0
+
+
+def run_serve_cmd(args) -> int:
+    from qoqserve.bench.serve import LoadConfig, format_summary, run_load
+
+    cfg = LoadConfig(base_url=args.base_url, model=args.model, api_key=args.api_key,
+                     endpoint=args.endpoint, num_requests=args.num_requests,
+                     concurrency=None if args.request_rate else (args.concurrency or 32),
+                     request_rate=args.request_rate, input_words=args.input_words,
+                     input_jitter=args.input_jitter, output_len=args.output_len,
+                     output_jitter=args.output_jitter, ignore_eos=not args.no_ignore_eos, seed=args.seed)
+    summary = run_load(cfg)
+    print(format_summary(summary))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(summary, f, indent=2)
+    return 0 if summary["failed"] == 0 else 1
+
 
 def run_kernels_cmd(args) -> int:
     from qoqserve.bench.kernels import as_dicts, format_rows, run

@@ -15,8 +15,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", help="auto|float32|bfloat16|float16")
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     g.add_argument("--kv-cache-dtype", default="auto",
-                   choices=["auto", "int4", "float16", "fp16", "bfloat16", "bf16", "float32"],
-                   help="auto: int4 for QoQ KV4 checkpoints, else the model dtype")
+                   choices=["auto", "int4", "int8", "float16", "fp16", "bfloat16", "bf16", "float32"],
+                   help="auto: int4 for QoQ KV4 checkpoints (int8 for KV8 ones), else the model dtype")
     g.add_argument("--w4a8-backend", default="auto",
                    choices=["auto", "torch-int8", "torch-int8-percall", "sim", "triton"],
                    help="how QoQ W4A8 linears run: INT8 weights expanded at load (1 B/weight), "

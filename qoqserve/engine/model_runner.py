@@ -8,8 +8,8 @@ import torch
 from qoqserve.config import CacheConfig, EngineConfig, parse_dtype
 from qoqserve.engine.sequence import Sequence
 from qoqserve.layers.attention import AttentionMetadata, PagedAttention, decode_attention
-from qoqserve.layers.kv_cache import (DenseKVCacheLayout, Int4KVCacheLayout, KVCacheLayout,
-                                      TritonInt4KVCacheLayout)
+from qoqserve.layers.kv_cache import (DenseKVCacheLayout, Int4KVCacheLayout, Int8KVCacheLayout,
+                                      KVCacheLayout, TritonInt4KVCacheLayout)
 from qoqserve.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod
 from qoqserve.layers.qoq_linear import QoQLinearMethod
 from qoqserve.layers.w8a8_linear import W8A8LinearMethod
@@ -54,17 +54,19 @@ def make_kv_layout(arch: ModelArchConfig, cache: CacheConfig, model_dtype: torch
     kind = cache.kv_cache_dtype
     if kind == "auto":
         # a QoQ checkpoint says whether it was calibrated for KV4
-        kind = "int4" if quant and quant.get("kv_bits") == 4 else "model"
+        kind = {4: "int4", 8: "int8"}.get((quant or {}).get("kv_bits"), "model")
     if kind == "int4":
         cls = TritonInt4KVCacheLayout if kernels == "triton" else Int4KVCacheLayout
         layout = cls(arch.num_kv_heads, arch.head_dim, cache.block_size)
+    elif kind == "int8":
+        layout = Int8KVCacheLayout(arch.num_kv_heads, arch.head_dim, cache.block_size)
     else:
         dtype = model_dtype if kind == "model" else parse_dtype(kind, device)
         layout = DenseKVCacheLayout(arch.num_kv_heads, arch.head_dim, cache.block_size, dtype)
     if cache.quantized_prefill is not None:
         layout.quantized_prefill = cache.quantized_prefill
     else:  # lossy whenever the pages hold less than the activations do
-        layout.quantized_prefill = (isinstance(layout, Int4KVCacheLayout)
+        layout.quantized_prefill = (not isinstance(layout, DenseKVCacheLayout)
                                     or layout.dtype != model_dtype)
     return layout
 

@@ -315,3 +315,15 @@ def dequantize_kv4(codes, scale, zero, dtype=torch.float16) -> torch.Tensor:
 def pack_kv4(codes: torch.Tensor) -> torch.Tensor:
     """[T, H, D] codes -> [T, H, D//2] bytes (same nibble order as weights)."""
     return pack_uint4(codes)
+
+
+# --------------------------------------------------------------------- KV8
+def quantize_kv8(x: torch.Tensor):
+    """Per token, per head symmetric INT8 over the last dim of x [T, H, D]:
+    (codes int8 [T,H,D], scale fp16 [T,H]); x ~= code * scale."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1)
+    scale = (amax / 127).half()
+    scale = torch.where(scale > 0, scale, torch.full_like(scale, _FP16_TINY))
+    codes = torch.clamp(torch.round(xf / scale.float()[..., None]), -127, 127)
+    return codes.to(torch.int8), scale

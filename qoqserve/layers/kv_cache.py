@@ -141,6 +141,49 @@ class Int4KVCacheLayout(KVCacheLayout):
         return kv[:, :, 0], kv[:, :, 1]
 
 
+class Int8KVCacheLayout(KVCacheLayout):
+    """KV8: per token, per head symmetric INT8 codes followed by one fp16 scale.
+
+    One layer's pool is uint8 [num_blocks, block_size, 2 (K, V), Hkv, D + 2]
+    (the codes' bytes, then the scale's), self-contained like the KV4 pages.
+    """
+    name = "int8"
+
+    def __init__(self, num_kv_heads: int, head_dim: int, block_size: int):
+        super().__init__(num_kv_heads, head_dim, block_size)
+        self.row_bytes = head_dim + 2
+
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_kv_heads * self.row_bytes
+
+    def allocate(self, num_blocks: int, device: torch.device) -> torch.Tensor:
+        return torch.zeros(num_blocks, self.block_size, 2, self.num_kv_heads, self.row_bytes,
+                           dtype=torch.uint8, device=device)
+
+    def _encode(self, x: torch.Tensor) -> torch.Tensor:
+        codes, scale = qoq_ref.quantize_kv8(x)
+        return torch.cat([codes.view(torch.uint8), scale[..., None].view(torch.uint8)], dim=-1)
+
+    def _decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        d = self.head_dim
+        codes = rows[..., :d].contiguous().view(torch.int8).float()
+        scale = rows[..., d:].contiguous().view(torch.float16).float()  # [..., 1]
+        return (codes * scale).to(dtype)
+
+    def write(self, cache, k, v, slot_mapping) -> None:
+        flat = cache.view(-1, 2, self.num_kv_heads, self.row_bytes)
+        flat.index_copy_(0, slot_mapping, torch.stack([self._encode(k), self._encode(v)], dim=1))
+
+    def fake_quant(self, x: torch.Tensor) -> torch.Tensor:
+        return self._decode(self._encode(x), x.dtype)
+
+    def read(self, cache, block_tables, dtype):
+        b, n = block_tables.shape
+        rows = cache[block_tables].view(b, n * self.block_size, 2, self.num_kv_heads, self.row_bytes)
+        kv = self._decode(rows, dtype)
+        return kv[:, :, 0], kv[:, :, 1]
+
+
 class TritonInt4KVCacheLayout(Int4KVCacheLayout):
     """The same KV4 pages, written and read by the Triton kernels (the CUDA path)."""
     kernel = "triton"

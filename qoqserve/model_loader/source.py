@@ -117,7 +117,8 @@ def _is_gguf(path: str) -> bool:
 
 
 def load_model_source(path: str | None) -> ModelSource:
-    """Resolve `path` (None/"default", an HF model directory or a .gguf file).
+    """Resolve `path` (None/"default", an HF model directory, a .gguf file, or
+    synthetic:NAME[:FORMAT] random weights of a real architecture).
 
     Headers and sizes are validated here, so a broken checkpoint fails now
     rather than halfway through weight loading.
@@ -125,7 +126,10 @@ def load_model_source(path: str | None) -> ModelSource:
     # imported here because both loaders import this module
     from .gguf_file import load_gguf
     from .hf_dir import load_hf_dir
+    from .synthetic import is_synthetic, load_synthetic
 
+    if is_synthetic(path):
+        return load_synthetic(path)
     if path is None or path.strip().lower() in DEFAULT_MODEL_ALIASES:
         src = load_gguf(default_gguf_path())
         src.name = DEFAULT_MODEL_NAME

@@ -1,0 +1,89 @@
+"""`qoqserve bench memory`: what a model costs in memory at each precision.
+
+Weight bytes are computed from the shapes and the resident format of each
+linear method (the tests check them against what the engine really holds);
+KV bytes per token come from the KV layout classes themselves. Under a total
+memory budget, the KV pool is what the weights and a reserve leave, and the
+concurrent-sequence count follows from the pages one sequence needs.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from qoqserve.bench.precisions import Precision
+from qoqserve.config import parse_dtype
+from qoqserve.model_loader.arch import ModelArchConfig
+from qoqserve.model_loader.qoq_checkpoint import linear_shapes
+
+
+@dataclass
+class MemoryPlan:
+    precision: str
+    weight_bytes: int
+    linear_weight_bytes: int
+    kv_bytes_per_token: int      # all layers, K and V, metadata included
+    kv_budget_bytes: int
+    num_pages: int
+    block_size: int
+    seq_len: int
+    max_concurrent_seqs: int
+
+
+def linear_bytes(n: int, k: int, weights: str, group_size: int, packed: bool, elem: int) -> int:
+    """Resident bytes of one [n, k] linear in the given format."""
+    if weights == "fp":
+        return n * k * elem
+    if weights == "w8a8":
+        return n * k + n * 4                       # int8 weight + fp32 scale per row
+    codes = n * k // 2 if packed else n * k        # packed UINT4 (GPU, per-call) or INT8 expansion
+    meta = n * 2 + (2 * n * (k // group_size) if group_size else n)  # s1 fp16; s2+zeros or zeros
+    return codes + meta
+
+
+def plan_memory(arch: ModelArchConfig, p: Precision, device: str, seq_len: int,
+                budget_bytes: int | None = None, memory_bytes: int | None = None,
+                reserve_bytes: int = 0, group_size: int = 128, block_size: int = 16,
+                max_positions: int | None = None) -> MemoryPlan:
+    from qoqserve.engine.model_runner import make_kv_layout
+    from qoqserve.config import CacheConfig
+
+    dtype = parse_dtype(p.dtype, device)
+    elem = torch.empty((), dtype=dtype).element_size()
+    packed = device.startswith("cuda")  # the Triton GEMM reads packed codes; CPU expands at load
+    lin = sum(linear_bytes(n, k, p.weights, group_size, packed, elem)
+              for n, k in linear_shapes(arch).values())
+    if arch.attention_bias:
+        lin += arch.num_layers * (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim * elem
+    embed = arch.vocab_size * arch.hidden_size * elem * (1 if arch.tie_word_embeddings else 2)
+    norms = (2 * arch.num_layers + 1) * arch.hidden_size * elem
+    # the fp32 RoPE cos/sin tables of every position the engine allows
+    rope = 2 * (max_positions or arch.max_position_embeddings) * arch.head_dim * 4
+    weights = lin + embed + norms + rope
+    kv_kind = {"16bit": "float16" if device.startswith("cuda") else "bfloat16", "auto": "auto"}.get(p.kv, p.kv)
+    quant = {"kv_bits": 4} if (p.weights == "qoq" and kv_kind == "auto") else None
+    layout = make_kv_layout(arch, CacheConfig(block_size=block_size, kv_cache_dtype=kv_kind), dtype,
+                            device, quant)
+    per_token = layout.bytes_per_token() * arch.num_layers
+    if budget_bytes is None:
+        if memory_bytes is None:
+            raise ValueError("give a KV budget or a total memory budget")
+        budget_bytes = max(memory_bytes - weights - reserve_bytes, 0)
+    pages = budget_bytes // (per_token * block_size)
+    return MemoryPlan(p.name, weights, lin, per_token, budget_bytes, pages, block_size, seq_len,
+                      pages // math.ceil(seq_len / block_size))
+
+
+def as_dicts(plans) -> list[dict]:
+    return [asdict(x) for x in plans]
+
+
+def format_plans(plans: list[MemoryPlan]) -> str:
+    lines = ["| precision | weights GiB | KV bytes/token | KV budget GiB | pages | max seqs |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for x in plans:
+        lines.append(f"| {x.precision} | {x.weight_bytes / 2**30:.3f} | {x.kv_bytes_per_token} | "
+                     f"{x.kv_budget_bytes / 2**30:.2f} | {x.num_pages} | {x.max_concurrent_seqs} |")
+    return "\n".join(lines)
