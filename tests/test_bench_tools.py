@@ -67,3 +67,20 @@ def test_load_generator_counts_tokens_and_latencies(server):
                                num_requests=4, concurrency=None, request_rate=20.0, output_len=4),
                     progress=False)
     assert chat["completed"] == 4 and chat["output_tokens"] == 16
+
+
+def test_plots_are_written_as_png(tmp_path):
+    from qoqserve.bench.plots import plot_latency_vs_load, plot_throughput_vs_batch
+
+    rows = [{"precision": p, "batch": b, "decode_tok_per_s": b * k} for p, k in (("bf16", 10), ("w4a8kv4", 25))
+            for b in (1, 8, 32)]
+    plot_throughput_vs_batch(rows, str(tmp_path / "t.png"))
+
+    def summary(c, ms):
+        pct = {"mean": ms, "p50": ms, "p90": ms * 1.5, "p99": ms * 2}
+        return {"config": {"concurrency": c, "request_rate": None}, "ttft_s": pct, "tpot_s": pct}
+    plot_latency_vs_load({"ours": [summary(c, c * 1e-3) for c in (1, 8, 32)],
+                          "peer": [summary(c, c * 2e-3) for c in (1, 8, 32)]}, str(tmp_path / "l.png"))
+    for name in ("t.png", "l.png"):
+        data = (tmp_path / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000

@@ -76,8 +76,10 @@ def register(sub, add_engine_args) -> None:
     srv.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     srv.add_argument("--num-requests", type=int, default=128)
     load = srv.add_mutually_exclusive_group()
-    load.add_argument("--concurrency", type=int, default=None, help="closed loop: N clients (default 32)")
-    load.add_argument("--request-rate", type=float, default=None, help="open loop: Poisson req/s")
+    load.add_argument("--concurrency", type=int, nargs="+", default=None,
+                      help="closed loop: N clients (default 32); several values run a sweep")
+    load.add_argument("--request-rate", type=float, nargs="+", default=None,
+                      help="open loop: Poisson req/s; several values run a sweep")
     srv.add_argument("--input-words", type=int, default=75, help="prompt length in words (~1.3 tokens each)")
     srv.add_argument("--input-jitter", type=float, default=0.0, help="uniform +- fraction")
     srv.add_argument("--output-len", type=int, default=128)
@@ -86,6 +88,35 @@ def register(sub, add_engine_args) -> None:
     srv.add_argument("--seed", type=int, default=0)
     srv.add_argument("--json-out", default=None)
     srv.set_defaults(func=run_serve_cmd)
+
+    plot = bsub.add_parser("plot", help="PNG plots of benchmark JSON")
+    plot.add_argument("kind", choices=["throughput", "latency"])
+    plot.add_argument("inputs", nargs="+",
+                      help="throughput: a `bench decode`/`bench throughput` JSON; latency: "
+                           "LABEL=FILE for each `bench serve` sweep JSON")
+    plot.add_argument("-o", "--out", required=True)
+    plot.add_argument("--title", default="")
+    plot.set_defaults(func=run_plot_cmd)
+
+
+def run_plot_cmd(args) -> int:
+    from qoqserve.bench.plots import load_json, plot_latency_vs_load, plot_throughput_vs_batch
+
+    if args.kind == "throughput":
+        rows = []
+        for path in args.inputs:
+            data = load_json(path)
+            rows += data["results"] if isinstance(data, dict) else data
+        plot_throughput_vs_batch(rows, args.out, args.title)
+    else:
+        sweeps = {}
+        for item in args.inputs:
+            label, _, path = item.rpartition("=")
+            data = load_json(path)
+            sweeps[label or path] = data if isinstance(data, list) else [data]
+        plot_latency_vs_load(sweeps, args.out, args.title)
+    print(f"wrote {args.out}")
+    return 0
 
 
 def run_throughput_cmd(args) -> int:
@@ -128,18 +159,24 @@ def run_memory_cmd(args) -> int:
 def run_serve_cmd(args) -> int:
     from qoqserve.bench.serve import LoadConfig, format_summary, run_load
 
-    cfg = LoadConfig(base_url=args.base_url, model=args.model, api_key=args.api_key,
-                     endpoint=args.endpoint, num_requests=args.num_requests,
-                     concurrency=None if args.request_rate else (args.concurrency or 32),
-                     request_rate=args.request_rate, input_words=args.input_words,
-                     input_jitter=args.input_jitter, output_len=args.output_len,
-                     output_jitter=args.output_jitter, ignore_eos=not args.no_ignore_eos, seed=args.seed)
-    summary = run_load(cfg)
-    print(format_summary(summary))
+    loads = ([(None, r) for r in args.request_rate] if args.request_rate
+             else [(c, None) for c in (args.concurrency or [32])])
+    summaries = []
+    for concurrency, rate in loads:
+        cfg = LoadConfig(base_url=args.base_url, model=args.model, api_key=args.api_key,
+                         endpoint=args.endpoint, num_requests=args.num_requests,
+                         concurrency=concurrency, request_rate=rate, input_words=args.input_words,
+                         input_jitter=args.input_jitter, output_len=args.output_len,
+                         output_jitter=args.output_jitter, ignore_eos=not args.no_ignore_eos,
+                         seed=args.seed)
+        summary = run_load(cfg)
+        print(f"# {'rate %g req/s' % rate if rate else 'concurrency %d' % concurrency}")
+        print(format_summary(summary), flush=True)
+        summaries.append(summary)
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump(summary, f, indent=2)
-    return 0 if summary["failed"] == 0 else 1
+            json.dump(summaries if len(summaries) > 1 else summaries[0], f, indent=2)
+    return 0 if all(s["failed"] == 0 for s in summaries) else 1
 
 
 def run_kernels_cmd(args) -> int:
