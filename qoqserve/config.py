@@ -52,8 +52,9 @@ class EngineConfig:
     dtype: str | torch.dtype = "auto"
     device: str = "cpu"
     w4a8_backend: str = "auto"      # QoQ checkpoints: auto | torch-int8 | torch-int8-percall | sim | triton
-    # "auto": the Triton kernels on CUDA, torch elsewhere; "triton" on CPU only
-    # runs in Triton's interpreter (TRITON_INTERPRET=1), which the tests use
+    # "auto": the Triton kernels on CUDA; on CPU ("cpu") the C KV4 decode kernel
+    # where a compiler builds it, else torch; "torch": torch only. "triton" on
+    # CPU only runs in Triton's interpreter (TRITON_INTERPRET=1), for the tests
     kernels: str = "auto"
     quantization: str | None = None  # full-precision checkpoints: None or "w8a8" (at load)
     # torch.compile the decode attention (fuses page gather + KV4 dequant); the

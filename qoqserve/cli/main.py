@@ -22,9 +22,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="how QoQ W4A8 linears run: INT8 weights expanded at load (1 B/weight), "
                         "expanded per call from packed codes (0.5 B/weight), the fp32 simulation, "
                         "or the Triton GEMM (CUDA; auto picks it there)")
-    g.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"],
-                   help="auto: Triton kernels on CUDA (W4A8 GEMM, fused quant, KV4 attention), "
-                        "torch on CPU")
+    g.add_argument("--kernels", default="auto", choices=["auto", "torch", "cpu", "triton"],
+                   help="auto: Triton kernels on CUDA (W4A8 GEMM, fused quant, KV4 attention); on "
+                        "CPU the C KV4 decode kernel (built on first use) and torch; torch: torch only")
     g.add_argument("--quantization", default=None, choices=["w8a8"],
                    help="quantize a full-precision checkpoint at load (W8A8 baseline)")
     g.add_argument("--kv-cache-gb", type=float, default=None, help="KV page pool size in GiB")

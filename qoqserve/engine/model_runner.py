@@ -8,8 +8,8 @@ import torch
 from qoqserve.config import CacheConfig, EngineConfig, parse_dtype
 from qoqserve.engine.sequence import Sequence
 from qoqserve.layers.attention import AttentionMetadata, PagedAttention, decode_attention
-from qoqserve.layers.kv_cache import (DenseKVCacheLayout, Int4KVCacheLayout, Int8KVCacheLayout,
-                                      KVCacheLayout, TritonInt4KVCacheLayout)
+from qoqserve.layers.kv_cache import (CpuInt4KVCacheLayout, DenseKVCacheLayout, Int4KVCacheLayout,
+                                      Int8KVCacheLayout, KVCacheLayout, TritonInt4KVCacheLayout)
 from qoqserve.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod
 from qoqserve.layers.qoq_linear import QoQLinearMethod
 from qoqserve.layers.w8a8_linear import W8A8LinearMethod
@@ -33,14 +33,17 @@ def available_memory_bytes(device: torch.device) -> int:
 
 
 def resolve_kernels(config: EngineConfig) -> str:
-    """'triton' or 'torch': which kernels the quantized layers and KV4 pages use."""
+    """Which kernels the quantized layers and KV4 pages use: 'triton' (CUDA),
+    'cpu' (the C kernels where they build, else torch) or 'torch' (torch only)."""
     from qoqserve.kernels.triton import interpreting, triton_available
 
     kind = config.kernels
     if kind == "auto":
-        return "triton" if config.device.startswith("cuda") and triton_available() else "torch"
-    if kind not in ("torch", "triton"):
-        raise ValueError(f"unknown kernels {kind!r}; choose auto, torch or triton")
+        if config.device.startswith("cuda"):
+            return "triton" if triton_available() else "torch"
+        return "cpu"
+    if kind not in ("torch", "triton", "cpu"):
+        raise ValueError(f"unknown kernels {kind!r}; choose auto, torch, cpu or triton")
     if kind == "triton":
         if not triton_available():
             raise ValueError("kernels='triton' needs the triton package")
@@ -56,7 +59,12 @@ def make_kv_layout(arch: ModelArchConfig, cache: CacheConfig, model_dtype: torch
         # a QoQ checkpoint says whether it was calibrated for KV4
         kind = {4: "int4", 8: "int8"}.get((quant or {}).get("kv_bits"), "model")
     if kind == "int4":
-        cls = TritonInt4KVCacheLayout if kernels == "triton" else Int4KVCacheLayout
+        cls = Int4KVCacheLayout
+        if kernels == "triton":
+            cls = TritonInt4KVCacheLayout
+        elif kernels == "cpu" and device == "cpu":
+            from qoqserve.kernels.cpu import kv4_decode
+            cls = CpuInt4KVCacheLayout if kv4_decode.available() else Int4KVCacheLayout
         layout = cls(arch.num_kv_heads, arch.head_dim, cache.block_size)
     elif kind == "int8":
         layout = Int8KVCacheLayout(arch.num_kv_heads, arch.head_dim, cache.block_size)

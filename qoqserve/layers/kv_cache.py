@@ -196,3 +196,14 @@ class TritonInt4KVCacheLayout(Int4KVCacheLayout):
     def decode_attention(self, q, cache, block_tables, context_lens, scale):
         from qoqserve.kernels.triton.kv4_attention import kv4_decode_attention
         return kv4_decode_attention(q, cache, block_tables, context_lens, scale)
+
+
+class CpuInt4KVCacheLayout(Int4KVCacheLayout):
+    """The same KV4 pages; decode attention by the C kernel (qoqserve/kernels/cpu),
+    which dequantizes codes on the fly instead of materializing the history."""
+    kernel = "c"
+    has_decode_kernel = True
+
+    def decode_attention(self, q, cache, block_tables, context_lens, scale):
+        from qoqserve.kernels.cpu.kv4_decode import kv4_decode_attention
+        return kv4_decode_attention(q, cache, block_tables, context_lens, scale)

@@ -1,0 +1,151 @@
+#!/usr/bin/env python
+"""Serving benchmark, ours and peers, one after another in one run, same load.
+
+Each system is started, waited for (/v1/models), driven by `qoqserve bench
+serve` at each concurrency of the sweep, and stopped before the next one
+starts, so no two compete for the CPU. Peers are optional: pass the command
+that starts each (installed as docs/benchmarks.md says; nothing of theirs is
+in this repository). Results: one JSON per system plus a markdown table and a
+latency-vs-load plot in --out.
+
+    python scripts/bench_serving.py --out docs/benchmarks/serving_cpu \
+        --peer "llama.cpp=llama-server -m MODEL.gguf --port {port} -np 32 -c 16384 -t 2" \
+        --peer "vLLM-CPU=vllm serve HF_DIR --port {port} --dtype bfloat16"
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+from qoqserve.bench.plots import plot_latency_vs_load
+from qoqserve.bench.serve import LoadConfig, format_summary, run_load
+
+OURS = {
+    "qoqserve W4A8KV4": "{py} -m qoqserve.cli.main serve qoq --dtype bfloat16 --compile --port {port} "
+                        "--max-num-seqs 64",
+    "qoqserve BF16": "{py} -m qoqserve.cli.main serve default --dtype bfloat16 --compile --port {port} "
+                     "--max-num-seqs 64",
+}
+
+
+def wait_up(base: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(base + "/v1/models", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"server at {base} not up after {timeout}s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def bench_system(name: str, cmd: str, args) -> list[dict]:
+    port = args.port
+    base = f"http://127.0.0.1:{port}"
+    log = open(os.path.join(args.out, f"{slug(name)}.log"), "w")
+    proc = subprocess.Popen(shlex.split(cmd.format(port=port, py=sys.executable)), stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    summaries = []
+    try:
+        wait_up(base, proc, args.startup_timeout)
+        # warm-up: compiled graphs (batch 1 and batch > 1), caches, first allocations
+        for n, c in ((2, 1), (8, 8)):
+            run_load(LoadConfig(base_url=base, num_requests=n, concurrency=c, output_len=8,
+                                input_words=args.input_words), progress=False)
+        for c in args.concurrency:
+            n = max(args.requests_per_stream * c, args.min_requests)
+            cfg = LoadConfig(base_url=base, num_requests=n, concurrency=c, input_words=args.input_words,
+                             output_len=args.output_len, seed=args.seed)
+            s = run_load(cfg, progress=False)
+            s["system"] = name
+            s["command"] = cmd
+            print(f"## {name}, {c} concurrent streams\n{format_summary(s)}", flush=True)
+            summaries.append(s)
+    finally:
+        stop(proc)
+        log.close()
+    with open(os.path.join(args.out, f"{slug(name)}.json"), "w") as f:
+        json.dump(summaries, f, indent=2)
+    return summaries
+
+
+def slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name.lower()).strip("_")
+
+
+def table(results: dict[str, list[dict]], concurrency: int) -> str:
+    lines = [f"| system | {concurrency} streams: output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | "
+             "single stream TPOT p50 ms | failed |", "| --- | --- | --- | --- | --- | --- |"]
+    for name, runs in results.items():
+        at = next((s for s in runs if s["config"]["concurrency"] == concurrency), None)
+        one = next((s for s in runs if s["config"]["concurrency"] == 1), None)
+        if at is None:
+            continue
+        lines.append(
+            f"| {name} | {at['output_tok_per_s']:.1f} | {at['ttft_s']['p50'] * 1e3:.0f} / "
+            f"{at['ttft_s']['p99'] * 1e3:.0f} | {at['tpot_s']['p50'] * 1e3:.1f} / {at['tpot_s']['p99'] * 1e3:.1f} | "
+            f"{one['tpot_s']['p50'] * 1e3:.1f} | {at['failed']} |" if one else
+            f"| {name} | {at['output_tok_per_s']:.1f} | - | - | - | {at['failed']} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--peer", action="append", default=[], help="NAME=COMMAND with {port}")
+    ap.add_argument("--only", nargs="*", default=None, help="run only these systems")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--requests-per-stream", type=int, default=3)
+    ap.add_argument("--min-requests", type=int, default=8)
+    ap.add_argument("--input-words", type=int, default=75)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--port", type=int, default=8321)
+    ap.add_argument("--startup-timeout", type=float, default=900)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    systems = dict(OURS)
+    for item in args.peer:
+        name, _, cmd = item.partition("=")
+        systems[name] = cmd
+    if args.only:
+        systems = {k: v for k, v in systems.items() if k in args.only}
+    results = {}
+    for name, cmd in systems.items():
+        try:
+            results[name] = bench_system(name, cmd, args)
+        except Exception as e:  # one system failing must not lose the others' numbers
+            print(f"## {name}: FAILED: {e}", flush=True)
+    # earlier runs of systems not rerun this time are not mixed in: one run, one table
+    md = table(results, max(args.concurrency))
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(md + "\n")
+    print(md)
+    plot_latency_vs_load(results, os.path.join(args.out, "latency_vs_load.png"),
+                         f"{args.input_words} words in, {args.output_len} tokens out")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
