@@ -141,3 +141,29 @@ def reference_llm(default_gguf_path):
     from qoqserve.llm import LLM
 
     return LLM(default_gguf_path, dtype="float32", kv_cache_gb=0.1, max_model_len=512)
+
+
+def make_kv4_pages(heads: int, hkv: int, d: int, lens: list[int], bs: int = 16,
+                   num_blocks: int = 64, seed: int = 0):
+    """KV4 pages holding random K/V for sequences of the given lengths, their
+    pages scattered over the pool: (layout, cache, block tables, lengths)."""
+    import torch
+
+    from qoqserve.layers.kv_cache import Int4KVCacheLayout
+
+    torch.manual_seed(seed)
+    layout = Int4KVCacheLayout(hkv, d, bs)
+    cache = layout.allocate(num_blocks, "cpu")
+    perm = torch.randperm(num_blocks).tolist()
+    width = max(-(-n // bs) for n in lens)
+    tables, used = [], 0
+    for n in lens:
+        nb = -(-n // bs)
+        tables.append(perm[used:used + nb] + [0] * (width - nb))
+        used += nb
+    tables = torch.tensor(tables)
+    for i, n in enumerate(lens):
+        pos = torch.arange(n)
+        slots = tables[i, pos // bs] * bs + pos % bs
+        layout.write(cache, torch.randn(n, hkv, d) * 2, torch.randn(n, hkv, d), slots)
+    return layout, cache, tables, torch.tensor(lens)

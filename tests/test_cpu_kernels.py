@@ -6,25 +6,7 @@ import torch
 
 from qoqserve.kernels.cpu import kv4_decode
 from qoqserve.layers.attention import AttentionMetadata, PagedAttention
-from qoqserve.layers.kv_cache import Int4KVCacheLayout
-
-
-def _pages(heads, hkv, d, lens, bs=16, num_blocks=64, seed=0):
-    torch.manual_seed(seed)
-    layout = Int4KVCacheLayout(hkv, d, bs)
-    cache = layout.allocate(num_blocks, "cpu")
-    perm = torch.randperm(num_blocks).tolist()  # pages scattered over the pool
-    width = max(-(-n // bs) for n in lens)
-    tables, used = [], 0
-    for n in lens:
-        nb = -(-n // bs)
-        tables.append(perm[used:used + nb] + [0] * (width - nb))
-        used += nb
-    tables = torch.tensor(tables)
-    for i, n in enumerate(lens):
-        pos = torch.arange(n)
-        layout.write(cache, torch.randn(n, hkv, d) * 2, torch.randn(n, hkv, d), tables[i, pos // bs] * bs + pos % bs)
-    return layout, cache, tables, torch.tensor(lens)
+from conftest import make_kv4_pages
 
 
 def test_the_kernel_builds_here():
@@ -34,7 +16,7 @@ def test_the_kernel_builds_here():
 @pytest.mark.parametrize("heads,hkv,d", [(9, 3, 64), (4, 4, 128), (8, 2, 80)])
 def test_c_decode_attention_matches_the_torch_path(heads, hkv, d):
     lens = [1, 17, 50, 100]
-    layout, cache, tables, ctx = _pages(heads, hkv, d, lens)
+    layout, cache, tables, ctx = make_kv4_pages(heads, hkv, d, lens)
     q = torch.randn(len(lens), heads, d)
     got = kv4_decode.kv4_decode_attention(q, cache, tables, ctx, d ** -0.5)
     attn = PagedAttention(heads, hkv, d, layout)
@@ -44,7 +26,7 @@ def test_c_decode_attention_matches_the_torch_path(heads, hkv, d):
 
 def test_c_decode_attention_of_a_sequence_does_not_depend_on_its_batch():
     lens = [33, 7, 120, 64, 5]
-    _, cache, tables, ctx = _pages(9, 3, 64, lens, seed=1)
+    _, cache, tables, ctx = make_kv4_pages(9, 3, 64, lens, seed=1)
     q = torch.randn(len(lens), 9, 64)
     batched = kv4_decode.kv4_decode_attention(q, cache, tables, ctx, 0.125)
     for i, n in enumerate(lens):
@@ -54,7 +36,7 @@ def test_c_decode_attention_of_a_sequence_does_not_depend_on_its_batch():
 
 
 def test_bf16_queries_come_back_in_bf16():
-    layout, cache, tables, ctx = _pages(4, 2, 64, [10, 20])
+    layout, cache, tables, ctx = make_kv4_pages(4, 2, 64, [10, 20])
     q = torch.randn(2, 4, 64).bfloat16()
     out = kv4_decode.kv4_decode_attention(q, cache, tables, ctx, 0.125)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape

@@ -17,6 +17,7 @@ from qoqserve.kernels.triton.w4a8_gemm import w4a8_gemm
 from qoqserve.layers.attention import AttentionMetadata, PagedAttention
 from qoqserve.layers.kv_cache import Int4KVCacheLayout
 from qoqserve.layers.norm import RMSNorm
+from conftest import make_kv4_pages
 
 DEVICE = os.environ.get("QOQSERVE_TEST_DEVICE", "cpu")
 
@@ -123,24 +124,9 @@ def test_kv4_write_is_byte_identical_to_the_torch_layout(hkv, d):
 
 @pytest.mark.parametrize("heads,hkv,d", [(6, 2, 64), (4, 4, 128), (8, 2, 80)])
 def test_kv4_decode_attention_matches_the_torch_path(heads, hkv, d):
-    bs, num_blocks = 16, 40
-    layout = Int4KVCacheLayout(hkv, d, bs)
-    cache = layout.allocate(num_blocks, "cpu")
-    lens = [1, 17, 50, 100]  # ragged, one shorter than a page
-    perm = torch.randperm(num_blocks).tolist()  # pages scattered over the pool
-    width = max(-(-n // bs) for n in lens)
-    tables, used = [], 0
-    for n in lens:
-        nb = -(-n // bs)
-        tables.append(perm[used:used + nb] + [0] * (width - nb))
-        used += nb
-    tables = torch.tensor(tables)
-    for i, n in enumerate(lens):
-        pos = torch.arange(n)
-        slots = tables[i, pos // bs] * bs + pos % bs
-        layout.write(cache, torch.randn(n, hkv, d), torch.randn(n, hkv, d), slots)
+    lens = [1, 17, 50, 100]  # ragged, one shorter than a page; pages scattered over the pool
+    layout, cache, tables, ctx = make_kv4_pages(heads, hkv, d, lens, num_blocks=40)
     q = torch.randn(len(lens), heads, d)
-    ctx = torch.tensor(lens)
     got = kv4_decode_attention(*on_device(q, cache, tables, ctx), d ** -0.5).cpu()
     attn = PagedAttention(heads, hkv, d, layout)
     meta = AttentionMetadata(is_prefill=False, slot_mapping=None, block_tables=tables, context_lens=ctx)

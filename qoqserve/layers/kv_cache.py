@@ -93,13 +93,47 @@ class DenseKVCacheLayout(KVCacheLayout):
         return kv[0].to(dtype), kv[1].to(dtype)
 
 
-class Int4KVCacheLayout(KVCacheLayout):
+class QuantizedRowKVCacheLayout(KVCacheLayout):
+    """Pages of uint8 rows [num_blocks, block_size, 2 (K, V), Hkv, row_bytes]: each
+    row is one token's codes for one head followed by its own scale (and zero),
+    so a page is self-contained. Subclasses say how a row is encoded."""
+
+    row_bytes = 0
+
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_kv_heads * self.row_bytes
+
+    def allocate(self, num_blocks: int, device: torch.device) -> torch.Tensor:
+        return torch.zeros(num_blocks, self.block_size, 2, self.num_kv_heads, self.row_bytes,
+                           dtype=torch.uint8, device=device)
+
+    @abstractmethod
+    def _encode(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, H, D] values -> [T, H, row_bytes] rows."""
+
+    @abstractmethod
+    def _decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[..., row_bytes] rows -> [..., D] values."""
+
+    def write(self, cache, k, v, slot_mapping) -> None:
+        flat = cache.view(-1, 2, self.num_kv_heads, self.row_bytes)
+        flat.index_copy_(0, slot_mapping, torch.stack([self._encode(k), self._encode(v)], dim=1))
+
+    def fake_quant(self, x: torch.Tensor) -> torch.Tensor:
+        return self._decode(self._encode(x), x.dtype)
+
+    def read(self, cache, block_tables, dtype):
+        b, n = block_tables.shape
+        rows = cache[block_tables].view(b, n * self.block_size, 2, self.num_kv_heads, self.row_bytes)
+        kv = self._decode(rows, dtype)
+        return kv[:, :, 0], kv[:, :, 1]
+
+
+class Int4KVCacheLayout(QuantizedRowKVCacheLayout):
     """QoQ KV4: per token, per head asymmetric UINT4 with fp16 scale and zero inline.
 
-    One layer's pool is uint8 [num_blocks, block_size, 2 (K, V), Hkv, D/2 + 4]:
-    for each token, kind and head, D/2 bytes of packed codes (low nibble = even
-    channel) followed by the fp16 scale and the fp16 zero (x = (code - zero) *
-    scale). Keeping the metadata next to the codes makes one page self-contained.
+    A row is D/2 bytes of packed codes (low nibble = even channel) followed by
+    the fp16 scale and the fp16 zero: x = (code - zero) * scale.
     """
     name = "int4"
 
@@ -108,13 +142,6 @@ class Int4KVCacheLayout(KVCacheLayout):
         if head_dim % 2:
             raise ValueError(f"KV4 needs an even head_dim, got {head_dim}")
         self.row_bytes = head_dim // 2 + 4
-
-    def bytes_per_token(self) -> int:
-        return 2 * self.num_kv_heads * self.row_bytes
-
-    def allocate(self, num_blocks: int, device: torch.device) -> torch.Tensor:
-        return torch.zeros(num_blocks, self.block_size, 2, self.num_kv_heads, self.row_bytes,
-                           dtype=torch.uint8, device=device)
 
     def _encode(self, x: torch.Tensor) -> torch.Tensor:
         codes, scale, zero = qoq_ref.quantize_kv4(x)
@@ -127,38 +154,15 @@ class Int4KVCacheLayout(KVCacheLayout):
         meta = rows[..., d2:].contiguous().view(torch.float16)  # [..., 2]
         return qoq_ref.dequantize_kv4(codes, meta[..., 0], meta[..., 1], dtype)
 
-    def write(self, cache, k, v, slot_mapping) -> None:
-        flat = cache.view(-1, 2, self.num_kv_heads, self.row_bytes)
-        flat.index_copy_(0, slot_mapping, torch.stack([self._encode(k), self._encode(v)], dim=1))
 
-    def fake_quant(self, x: torch.Tensor) -> torch.Tensor:
-        return self._decode(self._encode(x), x.dtype)
-
-    def read(self, cache, block_tables, dtype):
-        b, n = block_tables.shape
-        rows = cache[block_tables].view(b, n * self.block_size, 2, self.num_kv_heads, self.row_bytes)
-        kv = self._decode(rows, dtype)
-        return kv[:, :, 0], kv[:, :, 1]
-
-
-class Int8KVCacheLayout(KVCacheLayout):
-    """KV8: per token, per head symmetric INT8 codes followed by one fp16 scale.
-
-    One layer's pool is uint8 [num_blocks, block_size, 2 (K, V), Hkv, D + 2]
-    (the codes' bytes, then the scale's), self-contained like the KV4 pages.
-    """
+class Int8KVCacheLayout(QuantizedRowKVCacheLayout):
+    """KV8: per token, per head symmetric INT8; a row is the D code bytes, then
+    the fp16 scale: x = code * scale."""
     name = "int8"
 
     def __init__(self, num_kv_heads: int, head_dim: int, block_size: int):
         super().__init__(num_kv_heads, head_dim, block_size)
         self.row_bytes = head_dim + 2
-
-    def bytes_per_token(self) -> int:
-        return 2 * self.num_kv_heads * self.row_bytes
-
-    def allocate(self, num_blocks: int, device: torch.device) -> torch.Tensor:
-        return torch.zeros(num_blocks, self.block_size, 2, self.num_kv_heads, self.row_bytes,
-                           dtype=torch.uint8, device=device)
 
     def _encode(self, x: torch.Tensor) -> torch.Tensor:
         codes, scale = qoq_ref.quantize_kv8(x)
@@ -169,19 +173,6 @@ class Int8KVCacheLayout(KVCacheLayout):
         codes = rows[..., :d].contiguous().view(torch.int8).float()
         scale = rows[..., d:].contiguous().view(torch.float16).float()  # [..., 1]
         return (codes * scale).to(dtype)
-
-    def write(self, cache, k, v, slot_mapping) -> None:
-        flat = cache.view(-1, 2, self.num_kv_heads, self.row_bytes)
-        flat.index_copy_(0, slot_mapping, torch.stack([self._encode(k), self._encode(v)], dim=1))
-
-    def fake_quant(self, x: torch.Tensor) -> torch.Tensor:
-        return self._decode(self._encode(x), x.dtype)
-
-    def read(self, cache, block_tables, dtype):
-        b, n = block_tables.shape
-        rows = cache[block_tables].view(b, n * self.block_size, 2, self.num_kv_heads, self.row_bytes)
-        kv = self._decode(rows, dtype)
-        return kv[:, :, 0], kv[:, :, 1]
 
 
 class TritonInt4KVCacheLayout(Int4KVCacheLayout):
