@@ -82,7 +82,7 @@ def make_kv_layout(arch: ModelArchConfig, cache: CacheConfig, model_dtype: torch
 def make_linear_method(config: EngineConfig, quant: dict | None, kernels: str = "torch") -> LinearMethod:
     if quant is None:
         if config.quantization == "w8a8":
-            return W8A8LinearMethod()
+            return W8A8LinearMethod(native_cpu_ops=kernels == "cpu")
         if config.quantization is not None:
             raise ValueError(f"unknown --quantization {config.quantization!r} (only w8a8 is "
                              "applied at load; QoQ W4A8 needs a checkpoint from `qoqserve quantize`)")
@@ -90,7 +90,7 @@ def make_linear_method(config: EngineConfig, quant: dict | None, kernels: str = 
     backend = config.w4a8_backend
     if backend == "auto":
         backend = "triton" if kernels == "triton" else "torch-int8"
-    return QoQLinearMethod(quant["group_size"], backend)
+    return QoQLinearMethod(quant["group_size"], backend, native_cpu_ops=kernels == "cpu")
 
 
 def num_blocks_for_budget(cache: CacheConfig, layout: KVCacheLayout, num_layers: int,

@@ -47,13 +47,42 @@ def qoq_param_shapes(out_features: int, in_features: int, group_size: int) -> di
     return shapes
 
 
+def int8_linear(x: torch.Tensor, w_int8: torch.Tensor, s1: torch.Tensor, zeros: torch.Tensor | None,
+                bias: torch.Tensor | None, native: bool) -> torch.Tensor:
+    """x @ (s1 * (w - z))^T on INT8 math, in x's dtype: per-token INT8 x, INT32
+    GEMM, epilogue. zeros: per-channel zero points (w = the 0..15 codes), or None
+    (w is already the signed INT8 operand). native: the activation quantization
+    and epilogue run as one C pass each (bit-identical to the torch reference)."""
+    from qoqserve.kernels.cpu import w4a8_ops
+
+    x2, lead = x.reshape(-1, x.shape[-1]), x.shape[:-1]
+    if native and w4a8_ops.supports(x2):
+        x_q, s_a = w4a8_ops.quantize_act_int8(x2)
+        w8 = w_int8.view(torch.int8) if w_int8.dtype == torch.uint8 else w_int8
+        acc = qoq_ref.int8_mm(x_q, w8)
+        rowsum = zs1 = None
+        if zeros is not None:
+            rowsum, zs1 = qoq_ref.act_row_sum(x2), zeros.float() * s1.float()
+        return w4a8_ops.epilogue(acc, s_a, s1, x.dtype, rowsum, zs1, bias).reshape(*lead, -1)
+    if zeros is None:
+        y = qoq_ref.w4a8_group_linear(x, w_int8, s1)
+    else:
+        y = qoq_ref.w4a8_channel_linear(x, w_int8, s1, zeros)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
 class QoQLinearMethod(LinearMethod):
-    def __init__(self, group_size: int, backend: str = "torch-int8"):
+    def __init__(self, group_size: int, backend: str = "torch-int8", native_cpu_ops: bool = False):
         if backend not in BACKENDS:
             raise ValueError(f"unknown W4A8 backend {backend!r}; choose from {BACKENDS}")
         self.group_size = group_size
         self.backend = backend
+        self.native = native_cpu_ops and backend.startswith("torch-int8")
         self.name = f"w4a8-{'g%d' % group_size if group_size else 'chn'}/{backend}"
+        if self.native:
+            self.name += "+c"
 
     def create_weights(self, layer: Linear, dtype: torch.dtype) -> None:
         k = layer.in_features
@@ -119,12 +148,13 @@ class QoQLinearMethod(LinearMethod):
         if self.backend == "triton":
             return self._apply_triton(layer, x)
         w = self.int8_weight(layer) if self.backend == "torch-int8-percall" else layer.w_expanded
+        bias = layer.bias if layer.has_bias else None
+        if self.backend != "sim":
+            return int8_linear(x, w, layer.s1, None if self.group_size else layer.zeros, bias, self.native)
         if self.group_size:
-            fn = qoq_ref.w4a8_group_linear_sim if self.backend == "sim" else qoq_ref.w4a8_group_linear
-            y = fn(x, w, layer.s1)
+            y = qoq_ref.w4a8_group_linear_sim(x, w, layer.s1)
         else:
-            fn = qoq_ref.w4a8_channel_linear_sim if self.backend == "sim" else qoq_ref.w4a8_channel_linear
-            y = fn(x, w, layer.s1, layer.zeros)
-        if layer.has_bias:
-            y = y + layer.bias.float()
+            y = qoq_ref.w4a8_channel_linear_sim(x, w, layer.s1, layer.zeros)
+        if bias is not None:
+            y = y + bias.float()
         return y.to(x.dtype)

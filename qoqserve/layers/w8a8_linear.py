@@ -10,7 +10,9 @@ from qoqserve.layers.linear import Linear, UnquantizedLinearMethod
 
 
 class W8A8LinearMethod(UnquantizedLinearMethod):
-    name = "w8a8/torch-int8"
+    def __init__(self, native_cpu_ops: bool = False):
+        self.native = native_cpu_ops
+        self.name = "w8a8/torch-int8" + ("+c" if native_cpu_ops else "")
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         w = layer.weight.detach().float()
@@ -22,10 +24,9 @@ class W8A8LinearMethod(UnquantizedLinearMethod):
         layer.weight = None
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        y = qoq_ref.w4a8_group_linear(x, layer.w_int8, layer.w_scale)  # same INT8 GEMM + epilogue
-        if layer.has_bias:
-            y = y + layer.bias.float()
-        return y.to(x.dtype)
+        from qoqserve.layers.qoq_linear import int8_linear  # the same INT8 GEMM + epilogue
+        return int8_linear(x, layer.w_int8, layer.w_scale, None,
+                           layer.bias if layer.has_bias else None, self.native)
 
     def weight_bytes(self, layer: Linear) -> int:
         return layer.w_int8.numel() + layer.w_scale.numel() * 4

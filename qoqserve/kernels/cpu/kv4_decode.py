@@ -2,64 +2,20 @@
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-import threading
 
 import torch
 
-log = logging.getLogger(__name__)
+from qoqserve.kernels.cpu.build import load_library
 
-_SOURCE = os.path.join(os.path.dirname(__file__), "kv4_decode.c")
 # -fassociative-math lets the dot products vectorize; no finite-math flags,
 # the softmax starts from -inf
-_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
-          "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC"]
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_failed = False
+_FLAGS = ["-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+_SIGNATURES = {"kv4_decode_attention": (
+    ctypes.c_int, [ctypes.c_void_p] * 5 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int])}
 
 
-def _build() -> str:
-    from qoqserve.quant.default_checkpoint import cache_dir
-
-    with open(_SOURCE, "rb") as f:
-        tag = hashlib.sha256(f.read() + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    out_dir = os.path.join(cache_dir(), "kernels")
-    path = os.path.join(out_dir, f"kv4_decode-{tag}.so")
-    if os.path.isfile(path):
-        return path
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise RuntimeError("no C compiler (cc/gcc) found")
-    os.makedirs(out_dir, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
-    subprocess.run([cc, *_FLAGS, "-o", tmp, _SOURCE, "-lm"], check=True, capture_output=True)
-    os.replace(tmp, path)  # atomic: a concurrent process never loads a half-written file
-    return path
-
-
-def load() -> ctypes.CDLL | None:
-    """The compiled kernel, or None (logged once) when it cannot be built."""
-    global _lib, _failed
-    with _lock:
-        if _lib is None and not _failed:
-            try:
-                lib = ctypes.CDLL(_build())
-                fn = lib.kv4_decode_attention
-                fn.restype = ctypes.c_int
-                fn.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int] * 6 + [ctypes.c_float]
-                               + [ctypes.c_int])
-                _lib = lib
-            except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
-                _failed = True
-                log.warning("CPU KV4 decode kernel unavailable (%s); using the torch path", e)
-        return _lib
+def load():
+    return load_library("kv4_decode", _FLAGS, _SIGNATURES)
 
 
 def available() -> bool:

@@ -1,0 +1,59 @@
+"""Build a C file of this package into a shared library on first use (system
+compiler, -march=native, cached under the qoqserve cache by source hash) and
+load it with ctypes. One failure is logged once; callers fall back to torch."""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+
+log = logging.getLogger(__name__)
+
+_BASE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+_lock = threading.Lock()
+_libs: dict[str, ctypes.CDLL | None] = {}
+
+
+def _build(source: str, flags: list[str]) -> str:
+    from qoqserve.quant.default_checkpoint import cache_dir
+
+    all_flags = _BASE_FLAGS + flags
+    with open(source, "rb") as f:
+        tag = hashlib.sha256(f.read() + " ".join(all_flags).encode()).hexdigest()[:16]
+    out_dir = os.path.join(cache_dir(), "kernels")
+    stem = os.path.splitext(os.path.basename(source))[0]
+    path = os.path.join(out_dir, f"{stem}-{tag}.so")
+    if os.path.isfile(path):
+        return path
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc/gcc) found")
+    os.makedirs(out_dir, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    subprocess.run([cc, *all_flags, "-o", tmp, source, "-lm"], check=True, capture_output=True)
+    os.replace(tmp, path)  # atomic: a concurrent process never loads a half-written file
+    return path
+
+
+def load_library(name: str, flags: list[str], signatures: dict[str, tuple]) -> ctypes.CDLL | None:
+    """qoqserve/kernels/cpu/<name>.c as a loaded library with the given
+    {function: (restype, [argtypes])}, or None when it cannot be built here."""
+    with _lock:
+        if name not in _libs:
+            source = os.path.join(os.path.dirname(__file__), f"{name}.c")
+            try:
+                lib = ctypes.CDLL(_build(source, flags))
+                for fn_name, (restype, argtypes) in signatures.items():
+                    fn = getattr(lib, fn_name)
+                    fn.restype, fn.argtypes = restype, argtypes
+                _libs[name] = lib
+            except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
+                _libs[name] = None
+                log.warning("CPU kernel %s unavailable (%s); using the torch path", name, e)
+        return _libs[name]
