@@ -1,9 +1,17 @@
 #!/usr/bin/env python
-"""Why rotation hurts round-to-nearest on the embedded model: the relative
-output error of each linear under QoQ RTN g64 weights, with the real
-activations of one 256-token calibration sample, before and after the
-block-input rotation (weights only; activations and KV stay exact)."""
+"""Why rotation hurts round-to-nearest on the embedded model.
+
+1. The relative output error of each linear under QoQ RTN g64 weights, with
+   the real activations of one 256-token calibration sample, before and after
+   the block-input rotation (weights only; activations and KV stay exact).
+2. W4A16 RTN g64 perplexity (first 4096 tokens of the license texts, 512
+   windows) of the plain model, with the RMSNorm weights folded into the
+   linears (what rotation needs first), and folded + rotated.
+"""
 import torch
+
+from qoqserve.eval.perplexity import LICENSE_TEXTS, perplexity, read_texts
+from qoqserve.quant.transforms.rotation import fold_norms
 
 from qoqserve.layers.linear import Linear
 from qoqserve.model_loader import load_model_source
@@ -43,5 +51,31 @@ def main():
         print(f"{kind:13s}  plain {sum(a) / len(a):.4f} ({max(a):.4f})   rotated {sum(b) / len(b):.4f} ({max(b):.4f})")
 
 
+def rtn_ppl(src, ids, transform):
+    names = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+    with torch.no_grad():
+        model = build_fp_model(src, get_preset("rtn-w4a16-g64", kv_bits=16), "cpu")
+        transform(model)
+        for layer in model.layers:
+            for n in names:
+                lin = layer.get_submodule(n)
+                lin.weight.data.copy_(_qoq_rtn(lin.weight.data.float(), 64))
+        return perplexity(model.prompt_logprobs, ids, 512, 512).ppl
+
+
+def main_ppl():
+    src = load_model_source(None)
+    ids = src.tokenizer.encode(read_texts(LICENSE_TEXTS))[:4096]
+    with torch.no_grad():
+        fp = perplexity(build_fp_model(src, get_preset("rtn-w4a16-g64", kv_bits=16), "cpu")
+                        .prompt_logprobs, ids, 512, 512).ppl
+    print(f"FP32: {fp:.3f}")
+    for label, fn in (("plain", lambda m: None), ("norms folded", fold_norms),
+                      ("norms folded + rotated", lambda m: rotate_model(m, seed=0))):
+        p = rtn_ppl(src, ids, fn)
+        print(f"W4A16 RTN g64, {label}: {p:.3f} ({100 * (p / fp - 1):+.1f}%)", flush=True)
+
+
 if __name__ == "__main__":
     main()
+    main_ppl()
