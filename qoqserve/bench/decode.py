@@ -12,17 +12,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from qoqserve.bench.offline import make_prompts
-
-PRECISIONS = {
-    # name -> (model override or None, engine kwargs)
-    "fp32": (None, dict(dtype="float32")),
-    "bf16": (None, dict(dtype="bfloat16")),
-    "w8a8": (None, dict(dtype="float32", quantization="w8a8", kv_cache_dtype="bfloat16")),
-    "w4a8kv4": ("qoq", dict(dtype="float32")),
-    # same checkpoint, bf16 activations between the INT8 GEMMs (embeddings, lm_head, norms)
-    "w4a8kv4-bf16": ("qoq", dict(dtype="bfloat16")),
-}
-
+from qoqserve.bench.precisions import engine_kwargs, get_precision, model_for
 
 @dataclass
 class DecodeResult:
@@ -63,9 +53,9 @@ def bench_decode(precisions: list[str], batches: list[int], input_len: int, outp
 
     results = []
     for name in precisions:
-        model, kwargs = PRECISIONS[name]
-        llm = LLM(model, kv_cache_gb=kv_budget_gb, max_num_seqs=max(batches), compile=compile,
-                  max_num_batched_tokens=max(batches) * input_len, **kwargs)
+        p = get_precision(name)
+        llm = LLM(model_for(p, None), kv_cache_gb=kv_budget_gb, max_num_seqs=max(batches), compile=compile,
+                  max_num_batched_tokens=max(batches) * input_len, **engine_kwargs(p, "cpu"))
         stats = llm.engine.stats()
         per_seq_blocks = -(-(input_len + output_len) // stats["block_size"])
         max_batch = stats["num_kv_blocks"] // per_seq_blocks

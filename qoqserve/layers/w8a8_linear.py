@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qoqserve.kernels import qoq_ref
 from qoqserve.layers.linear import Linear, UnquantizedLinearMethod
 
 

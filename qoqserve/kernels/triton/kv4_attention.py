@@ -12,9 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from qoqserve.kernels.qoq_ref import _FP16_TINY
 from qoqserve.kernels.triton.common import fp16_from_bytes, rint, unpack_uint4
-
-_FP16_TINY = 2.0 ** -24
 
 
 @triton.jit
