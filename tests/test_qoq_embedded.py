@@ -1,4 +1,7 @@
 """The embedded model as a QoQ W4A8KV4 checkpoint through the real runtime."""
+import json
+import shutil
+
 import pytest
 
 from qoqserve.eval.perplexity import LICENSE_TEXTS, perplexity, read_texts
@@ -45,18 +48,42 @@ def test_quantized_engine_is_batch_invariant(quantized):
     assert stats["kv_layout"] == "int4" and stats["num_free_blocks"] == stats["num_kv_blocks"]
 
 
+def _stamp_as_current(ckpt_dir):
+    """The quick checkpoint passes the cache check as if made with the g64 preset."""
+    quant_path = ckpt_dir / "quant_config.json"
+    quant = json.loads(quant_path.read_text())
+    quant["config"] = get_preset("g64").to_dict()
+    quant_path.write_text(json.dumps(quant))
+
+
+def test_stale_cached_checkpoint_is_not_reused(quantized, tmp_path):
+    from qoqserve.quant.default_checkpoint import _is_current
+
+    _, path = quantized
+    cached = tmp_path / "ckpt"
+    shutil.copytree(path, cached)
+    assert not _is_current(str(cached), "g64")  # quick config != the g64 preset
+    _stamp_as_current(cached)
+    assert _is_current(str(cached), "g64")
+    quant = json.loads((cached / "quant_config.json").read_text())
+    quant["version"] = 1  # what an older qoqserve wrote
+    (cached / "quant_config.json").write_text(json.dumps(quant))
+    assert not _is_current(str(cached), "g64")
+    assert not _is_current(str(tmp_path / "absent"), "g64")
+
+
 def test_plain_qoqserve_serve_runs_the_cached_qoq_checkpoint(quantized, tmp_path):
     """`qoqserve serve` with no model serves the embedded model's QoQ g64 checkpoint
     from the cache (here: the quick one, placed where the first use would put it)."""
-    import shutil
-
     from openai import OpenAI
 
     from conftest import ServerProcess
     from qoqserve.sampling_params import SamplingParams
 
     _, path = quantized
-    shutil.copytree(path, tmp_path / "SmolLM2-135M-Instruct-qoq-g64")
+    cached = tmp_path / "SmolLM2-135M-Instruct-qoq-g64"
+    shutil.copytree(path, cached)
+    _stamp_as_current(cached)
     srv = ServerProcess(["--max-model-len", "512", "--kv-cache-gb", "0.05"],
                         env={"QOQSERVE_CACHE": str(tmp_path)})
     try:

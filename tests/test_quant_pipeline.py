@@ -69,8 +69,11 @@ def sources(tmp_path_factory):
 @pytest.mark.parametrize("preset", ["g64", "chn"])
 def test_qoq_simulation_tracks_fp_and_checkpoint_round_trips(sources, kind, preset, tmp_path):
     source = sources[kind]
-    cfg = get_preset(preset, calib_samples=8, calib_seq_len=64)
+    # SmoothAttention (off by default) on: these random models have outlier inputs it
+    # helps with, and its per-layer search then runs and round-trips too
+    cfg = get_preset(preset, calib_samples=8, calib_seq_len=64, smooth_attention=True)
     result = quantize_model(source, cfg, calib(), progress=False)
+    assert all("alpha_attn" in info for info in result.layer_info)
     ids = calib(1, 96, seed=5).samples[0]
     fp = _full(build_fp_model(source, get_preset("rtn-kv4", kv_bits=16), "cpu"), ids)
     q = _full(result.model, ids)
@@ -84,12 +87,17 @@ def test_qoq_simulation_tracks_fp_and_checkpoint_round_trips(sources, kind, pres
     quant = json.loads((out / "quant_config.json").read_text())
     assert quant["group_size"] == cfg.group_size and quant["kv_bits"] == 4
     assert "rotate" in quant["steps"] and "gptq" in quant["steps"]
+    assert quant["key_transform"] and "key_transform" in quant["steps"]
     # the checkpoint, loaded by the engine with the sim backend, IS the simulation
     loaded = load_model_source(str(out))
     engine_cfg = EngineConfig(model=str(out), dtype="float32", w4a8_backend="sim",
                               cache=CacheConfig(num_blocks=8, quantized_prefill=True))
     runner = ModelRunner(engine_cfg, loaded.arch, loaded.iter_tensors(), 512, loaded.quant_config)
     sim_logits = _full(runner.model, ids)
+    for mine, theirs in zip(result.model.layers, runner.model.layers):
+        a, b = mine.self_attn.key_transform, theirs.self_attn.key_transform
+        assert torch.equal(a.rotation, b.rotation) and a.shift.abs().max() > 0
+        torch.testing.assert_close(a.shift, b.shift, atol=0, rtol=0)  # rounded to fp16 in the sim too
     # only difference: fp16 storage of embeddings/norms/lm_head
     torch.testing.assert_close(sim_logits, q, atol=2e-2 * q.abs().max().item(), rtol=0)
     # INT8 GEMMs (torch._int_mm) vs the fp32 simulation of the same checkpoint
@@ -125,8 +133,10 @@ def _corrupt(tmp_path, source, fn):
     from qoqserve.models.llama import LlamaForCausalLM
     from qoqserve.engine.model_runner import make_linear_method
     from qoqserve.layers.kv_cache import DenseKVCacheLayout
+    from qoqserve.model_loader.qoq_checkpoint import uses_key_transform
     model = LlamaForCausalLM(src.arch, DenseKVCacheLayout(2, 32, 16, torch.float32), torch.float32,
-                             linear_method=make_linear_method(EngineConfig(), src.quant_config))
+                             linear_method=make_linear_method(EngineConfig(), src.quant_config),
+                             key_transform=uses_key_transform(src.quant_config))
     model.load_weights(src.iter_tensors())
 
 
@@ -150,3 +160,8 @@ def test_wrong_shape_and_missing_tensor_are_named(sources, tmp_path):
                  lambda t: t.__setitem__("model.layers.0.self_attn.qkv_proj.s1", torch.ones(3).half()))
     with pytest.raises(ModelLoadError, match="missing"):
         _corrupt(tmp_path, sources["llama"], lambda t: t.pop("model.layers.1.mlp.gate_up_proj.s2"))
+    with pytest.raises(ModelLoadError, match="missing.*key_transform"):
+        _corrupt(tmp_path, sources["llama"], lambda t: t.pop("model.layers.0.self_attn.key_transform.shift"))
+    with pytest.raises(ModelLoadError, match="key_transform.rotation.*NaN"):
+        _corrupt(tmp_path, sources["llama"],
+                 lambda t: t["model.layers.1.self_attn.key_transform.rotation"].__setitem__((0, 0), float("nan")))

@@ -4,6 +4,10 @@ from __future__ import annotations
 import dataclasses
 import sys
 
+# QuantConfig switches that get --STEP / --no-STEP flags
+STEP_FLAGS = ("rotate", "smooth_attention", "key_transform", "smooth_out", "reorder", "clip", "gptq",
+              "group_search")
+
 
 def add_quant_args(p) -> None:
     p.add_argument("--config", default="g64", help="g128 | g64 | chn (or a baseline preset)")
@@ -13,8 +17,8 @@ def add_quant_args(p) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--kv-bits", type=int, choices=[4, 16], default=None)
     p.add_argument("--smooth-alpha", type=float, default=None, help="fixed migration strength")
-    for step in ("rotate", "smooth-attention", "smooth-out", "reorder", "clip", "gptq"):
-        flag = step.replace("-", "_")
+    for flag in STEP_FLAGS:
+        step = flag.replace("_", "-")
         p.add_argument(f"--{step}", dest=flag, action="store_true", default=None,
                        help=f"force the {step} step on")
         p.add_argument(f"--no-{step}", dest=flag, action="store_false", help=f"skip {step}")
@@ -24,8 +28,7 @@ def quant_config_from_args(args):
     from qoqserve.quant.config import get_preset
 
     over = {}
-    for field in ("rotate", "smooth_attention", "smooth_out", "reorder", "clip", "gptq",
-                  "kv_bits", "smooth_alpha", "calib_samples", "calib_seq_len"):
+    for field in STEP_FLAGS + ("kv_bits", "smooth_alpha", "calib_samples", "calib_seq_len"):
         value = getattr(args, field, None)
         if value is not None:
             over[field] = value

@@ -15,6 +15,7 @@ from qoqserve.layers.qoq_linear import QoQLinearMethod
 from qoqserve.layers.w8a8_linear import W8A8LinearMethod
 from qoqserve.layers.sampler import Sampler
 from qoqserve.model_loader.arch import ModelArchConfig
+from qoqserve.model_loader.qoq_checkpoint import uses_key_transform
 from qoqserve.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -140,7 +141,8 @@ class ModelRunner:
         method = make_linear_method(config, quant, self.kernels)
         with torch.device(self.device):
             self.model = LlamaForCausalLM(arch, self.layout, self.dtype, linear_method=method,
-                                          max_positions=max_positions)
+                                          max_positions=max_positions,
+                                          key_transform=uses_key_transform(quant))
         self.model.load_weights(tensors)
         self.model.eval()
         if config.compile:

@@ -23,14 +23,19 @@ MAIN_ROWS = ["rtn-w8a8", "rtn-kv4", "rtn-w4a16-g64", "rtn-w4a8kv4-chn", "rtn-w4a
 
 
 def ablation_rows():
-    """QoQ g64, adding one step at a time to round-to-nearest W4A8KV4 g64."""
+    """QoQ g64, adding one step at a time to round-to-nearest W4A8KV4 g64, then
+    the variants that are off by default, each measured against the preset."""
     base = get_preset("g64", **NO_TRANSFORMS)
     rows, steps = [], {}
-    # the last step (gptq) completes the g64 preset, which is its own row
-    for step in ("rotate", "smooth_attention", "reorder", "smooth_out"):
+    # the last step (group_search) completes the g64 preset, which is its own row
+    for step in ("rotate", "key_transform", "reorder", "smooth_out", "gptq"):
         steps[step] = True
         rows.append(replace(base, name="RTN g64 +" + " +".join(s.replace("_", "-") for s in steps),
                             **steps))
+    rows.append(replace(get_preset("g64"), name="QoQ g64 + SmoothAttention (alpha searched per layer)",
+                        smooth_attention=True))
+    rows.append(replace(get_preset("rtn-kv4"), name="KV4 only + rotate + key-transform", rotate=True,
+                        key_transform=True))
     return rows
 
 

@@ -163,9 +163,12 @@ class WeightQuantizer:
     Column indices are always those of the original matrix.
     """
 
-    def __init__(self, w: torch.Tensor, group_size: int = 0, clip=None):
+    def __init__(self, w: torch.Tensor, group_size: int = 0, clip=None, group_params=None):
         n, k = w.shape
         self.group_size = int(group_size or 0)
+        # optional (level-1 values [N, g], first column) -> (s2, z): the offline
+        # quantizer's error search; None = round-to-nearest ranges (_level2)
+        self.group_params = group_params
         if self.group_size:
             if k % self.group_size:
                 raise ValueError(f"K={k} is not a multiple of group_size={group_size}")
@@ -182,7 +185,10 @@ class WeightQuantizer:
             return
         if col % self.group_size or w_cols.shape[1] != self.group_size:
             raise ValueError("prepare_group must get one whole, aligned group")
-        s2, z, _ = _level2(_level1(w_cols, self.s1))
+        if self.group_params is not None:
+            s2, z = self.group_params(w_cols.float() / self._s1f[:, None], col)
+        else:
+            s2, z, _ = _level2(_level1(w_cols, self.s1))
         self.s2[:, col // self.group_size] = s2
         self.z[:, col // self.group_size] = z
 
@@ -203,6 +209,13 @@ class WeightQuantizer:
         u = torch.clamp(torch.round(x.float() / s1) + self.z, 0, 15)
         self.u[:, col] = u.to(torch.uint8)
         return s1 * (u - self.z)
+
+    def quantize_all(self, w: torch.Tensor):
+        """Round-to-nearest with this quantizer's group params (no error feedback)."""
+        self.prepare_all_groups(w)
+        for c in range(w.shape[1]):
+            self.quant_dequant(c, w[:, c])
+        return self.result()
 
     def result(self):
         if self.group_size:

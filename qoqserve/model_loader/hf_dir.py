@@ -154,7 +154,8 @@ def load_hf_dir(path: str) -> ModelSource:
     if quant is None:
         check_tensor_inventory(arch, shapes, where)
     else:
-        qoq_checkpoint.check_inventory(arch, group_size, {n: (dtypes[n], shapes[n]) for n in shapes}, where)
+        qoq_checkpoint.check_inventory(arch, group_size, {n: (dtypes[n], shapes[n]) for n in shapes}, where,
+                                       qoq_checkpoint.uses_key_transform(quant))
 
     tokenizer = tokenizer_from_hf_dir(path, arch.eos_token_ids, arch.bos_token_id)
     # one eos list for everyone: stop on any id the config or the tokenizer names

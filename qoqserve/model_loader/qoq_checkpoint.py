@@ -14,7 +14,9 @@ from .arch import ModelArchConfig
 from .errors import ModelLoadError
 
 FORMAT_NAME = "qoq-w4a8"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# version 2 added the optional per-layer key transform (quant_config "key_transform")
+READABLE_VERSIONS = (1, 2)
 _ST_DTYPE = {torch.uint8: "U8", torch.float16: "F16"}
 _FLOAT = {"F32", "F16", "BF16"}
 
@@ -22,13 +24,20 @@ _FLOAT = {"F32", "F16", "BF16"}
 def quant_group_size(quant: dict[str, Any], where: str) -> int:
     if quant.get("format") != FORMAT_NAME:
         raise ModelLoadError(f"{where}: format {quant.get('format')!r} is not {FORMAT_NAME!r}")
-    if quant.get("version") != FORMAT_VERSION:
+    if quant.get("version") not in READABLE_VERSIONS:
         raise ModelLoadError(f"{where}: format version {quant.get('version')!r} is not supported "
-                             f"(this qoqserve reads version {FORMAT_VERSION})")
+                             f"(this qoqserve reads versions {', '.join(map(str, READABLE_VERSIONS))})")
+    if not isinstance(quant.get("key_transform", False), bool):
+        raise ModelLoadError(f"{where}: key_transform must be true or false")
     g = quant.get("group_size")
     if not isinstance(g, int) or g < 0:
         raise ModelLoadError(f"{where}: invalid group_size {g!r}")
     return g
+
+
+def uses_key_transform(quant: dict[str, Any] | None) -> bool:
+    """The checkpoint's attention has a KeyTransform (layers/key_transform.py)."""
+    return bool(quant and quant.get("key_transform", False))
 
 
 def linear_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, int]]:
@@ -45,7 +54,8 @@ def linear_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, int]]:
     return out
 
 
-def expected_tensors(arch: ModelArchConfig, group_size: int) -> dict[str, tuple[tuple[int, ...], str | None]]:
+def expected_tensors(arch: ModelArchConfig, group_size: int,
+                     key_transform: bool = False) -> dict[str, tuple[tuple[int, ...], str | None]]:
     """name -> (shape, safetensors dtype or None for any float)."""
     from qoqserve.layers.qoq_linear import qoq_param_shapes
 
@@ -58,6 +68,9 @@ def expected_tensors(arch: ModelArchConfig, group_size: int) -> dict[str, tuple[
         p = f"model.layers.{i}."
         exp[p + "input_layernorm.weight"] = ((h,), None)
         exp[p + "post_attention_layernorm.weight"] = ((h,), None)
+        if key_transform:
+            exp[p + "self_attn.key_transform.shift"] = ((arch.num_kv_heads, arch.head_dim), None)
+            exp[p + "self_attn.key_transform.rotation"] = ((arch.head_dim, arch.head_dim), None)
     for name, (n, k) in linear_shapes(arch).items():
         for pname, (shape, dtype) in qoq_param_shapes(n, k, group_size).items():
             exp[f"{name}.{pname}"] = (tuple(shape), _ST_DTYPE[dtype])
@@ -67,8 +80,9 @@ def expected_tensors(arch: ModelArchConfig, group_size: int) -> dict[str, tuple[
 
 
 def check_inventory(arch: ModelArchConfig, group_size: int,
-                    found: dict[str, tuple[str, tuple[int, ...]]], where: str) -> None:
-    exp = expected_tensors(arch, group_size)
+                    found: dict[str, tuple[str, tuple[int, ...]]], where: str,
+                    key_transform: bool = False) -> None:
+    exp = expected_tensors(arch, group_size, key_transform)
     missing = sorted(set(exp) - set(found))
     extra = sorted(set(found) - set(exp))
     if missing:

@@ -13,6 +13,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from qoqserve.layers.attention import AttentionMetadata, PagedAttention
+from qoqserve.layers.key_transform import KeyTransform
 from qoqserve.layers.kv_cache import KVCacheLayout
 from qoqserve.layers.linear import (Linear, LinearMethod, UnquantizedLinearMethod,
                                     batch_invariant_linear)
@@ -23,7 +24,7 @@ from qoqserve.model_loader.arch import ModelArchConfig
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelArchConfig, method: LinearMethod, layout: KVCacheLayout,
-                 rope: RotaryEmbedding, dtype: torch.dtype):
+                 rope: RotaryEmbedding, dtype: torch.dtype, key_transform: bool = False):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -32,6 +33,8 @@ class Attention(nn.Module):
         self.rope = rope
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, layout)
         self.sizes = [q_size, kv_size, kv_size]
+        self.key_transform = (KeyTransform(self.num_kv_heads, self.head_dim, dtype)
+                              if key_transform else None)
 
     def forward(self, positions, x, meta: AttentionMetadata, cache):
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
@@ -40,6 +43,8 @@ class Attention(nn.Module):
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         q, k = self.rope(positions, q, k)
+        if self.key_transform is not None:
+            q, k = self.key_transform(q, k)
         return self.o_proj(self.attn(q, k, v, meta, cache))
 
 
@@ -54,10 +59,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, method, layout, rope, dtype):
+    def __init__(self, cfg, method, layout, rope, dtype, key_transform: bool = False):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, method, layout, rope, dtype)
+        self.self_attn = Attention(cfg, method, layout, rope, dtype, key_transform)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, method, dtype)
 
@@ -80,7 +85,9 @@ _FUSED = {
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelArchConfig, layout: KVCacheLayout, dtype: torch.dtype,
-                 linear_method: LinearMethod | None = None, max_positions: int | None = None):
+                 linear_method: LinearMethod | None = None, max_positions: int | None = None,
+                 key_transform: bool = False):
+        """key_transform: attention has a KeyTransform (QoQ checkpoints for KV4 carry one)."""
         super().__init__()
         self.cfg = cfg
         method = linear_method or UnquantizedLinearMethod()
@@ -88,7 +95,7 @@ class LlamaForCausalLM(nn.Module):
                                          requires_grad=False)
         rope = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
                                cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, method, layout, rope, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, method, layout, rope, dtype, key_transform)
                                     for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         # lm_head and embeddings stay high precision (QoQ keeps them unquantized)
@@ -171,6 +178,8 @@ class LlamaForCausalLM(nn.Module):
         for name, module in self.named_modules():
             if isinstance(module, RMSNorm) and f"{name}.weight#None" not in seen:
                 missing.append(f"{name}.weight")
+            if isinstance(module, KeyTransform):
+                missing += [f"{name}.{p}" for p in ("shift", "rotation") if f"{name}.{p}#None" not in seen]
             if not isinstance(module, Linear):
                 continue
             for pname, _ in module.named_parameters(recurse=False):

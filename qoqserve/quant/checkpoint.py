@@ -23,6 +23,10 @@ def export_tensors(result: QuantResult) -> dict[str, torch.Tensor]:
         p = f"model.layers.{i}."
         out[p + "input_layernorm.weight"] = layer.input_layernorm.weight.detach().half()
         out[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight.detach().half()
+        kt = layer.self_attn.key_transform
+        if kt is not None:  # rotation in fp32: fp16 would break its orthogonality
+            out[p + "self_attn.key_transform.shift"] = kt.shift.detach().half()
+            out[p + "self_attn.key_transform.rotation"] = kt.rotation.detach().float()
     for name in linear_shapes(model.cfg):
         linear = model.get_submodule(name.removeprefix("model."))
         for pname, t in sim.qoq_tensors(linear).items():
@@ -43,6 +47,7 @@ def save_checkpoint(result: QuantResult, source, calib: CalibrationSet, out_dir:
     quant = {
         "format": FORMAT_NAME, "version": FORMAT_VERSION, "method": "qoq",
         "group_size": cfg.group_size, "w_bits": 4, "a_bits": 8, "kv_bits": cfg.kv_bits,
+        "key_transform": cfg.uses_key_transform,
         "steps": result.steps, "config": cfg.to_dict(),
         "calibration": {"sha256": calib.sha256, "file": os.path.basename(calib.source),
                         "samples": len(calib.samples), "seq_len": len(calib.samples[0])},

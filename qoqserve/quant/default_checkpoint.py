@@ -6,7 +6,9 @@ with the g64 preset once and reuses the result from the cache directory
 """
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import sys
 
 ALIASES = {"qoq": "g64", "qoq-g64": "g64", "qoq-g128": "g128", "qoq-chn": "chn"}
@@ -14,6 +16,20 @@ ALIASES = {"qoq": "g64", "qoq-g64": "g64", "qoq-g128": "g128", "qoq-chn": "chn"}
 
 def cache_dir() -> str:
     return os.environ.get("QOQSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "qoqserve")
+
+
+def _is_current(out: str, preset: str) -> bool:
+    """A cached checkpoint is reused only if today's code would write the same one:
+    same format version and the same preset settings (a stale cache re-quantizes)."""
+    from qoqserve.model_loader.qoq_checkpoint import FORMAT_VERSION
+    from qoqserve.quant.config import get_preset
+
+    try:
+        with open(os.path.join(out, "quant_config.json")) as f:
+            quant = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return quant.get("version") == FORMAT_VERSION and quant.get("config") == get_preset(preset).to_dict()
 
 
 def default_qoq_checkpoint(preset: str = "g64", progress: bool = True) -> str:
@@ -24,16 +40,19 @@ def default_qoq_checkpoint(preset: str = "g64", progress: bool = True) -> str:
     from qoqserve.quant.pipeline import quantize_model
 
     out = os.path.join(cache_dir(), f"SmolLM2-135M-Instruct-qoq-{preset}")
-    if os.path.isfile(os.path.join(out, "quant_config.json")):
+    if _is_current(out, preset):
         return out
-    print(f"qoqserve: quantizing the embedded model with QoQ {preset} (first use only) -> {out}",
+    why = "made by another qoqserve version" if os.path.exists(out) else "first use only"
+    print(f"qoqserve: quantizing the embedded model with QoQ {preset} ({why}) -> {out}",
           file=sys.stderr)
     source = load_model_source(None)
     cfg = get_preset(preset)
     calib = load_calibration(source.tokenizer, None, cfg.calib_samples, cfg.calib_seq_len)
     result = quantize_model(source, cfg, calib, progress=progress)
     tmp = out + ".partial"
+    shutil.rmtree(tmp, ignore_errors=True)
     save_checkpoint(result, source, calib, tmp)
+    shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)  # never leave a half-written checkpoint under the final name
     return out
 

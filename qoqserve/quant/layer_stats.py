@@ -26,6 +26,14 @@ class LayerCapture:
         self.hessians = ({n: HessianAccumulator(layer.get_submodule(n).in_features)
                           for n in self.names} if hessians else {})
         self.key_absmax = torch.zeros(arch.num_kv_heads, arch.head_dim)
+        # post-RoPE key range and mean, for the KeyTransform shift (float64 sums)
+        self.key_min = torch.full((arch.num_kv_heads, arch.head_dim), float("inf"))
+        self.key_max = torch.full((arch.num_kv_heads, arch.head_dim), float("-inf"))
+        self._key_sum = torch.zeros(arch.num_kv_heads, arch.head_dim, dtype=torch.float64)
+        self._key_count = 0
+        # post-RoPE q / k token subsamples, for the SmoothAttention strength search
+        self._qk_parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.q_sample = self.k_sample = self.v_sample = None
         self._handles = []
 
     def _linear_hook(self, name: str):
@@ -42,6 +50,23 @@ class LayerCapture:
     def _key_hook(self, module, args):
         k = args[1].detach().float()  # [T, Hkv, D], after RoPE
         self.key_absmax = torch.maximum(self.key_absmax.to(k.device), k.abs().amax(dim=0))
+        self.key_min = torch.minimum(self.key_min.to(k.device), k.amin(dim=0))
+        self.key_max = torch.maximum(self.key_max.to(k.device), k.amax(dim=0))
+        self._key_sum = self._key_sum.to(k.device) + k.double().sum(dim=0)
+        self._key_count += k.shape[0]
+        self._qk_parts.append((args[0].detach().float()[::4 * self.sample_every].clone(),
+                               k[::self.sample_every].clone(),
+                               args[2].detach().float()[::self.sample_every].clone()))
+
+    @property
+    def key_mean(self) -> torch.Tensor:
+        """[Hkv, D] mean post-RoPE key over the calibration tokens."""
+        return (self._key_sum / max(self._key_count, 1)).float()
+
+    def centered_key_absmax(self) -> torch.Tensor:
+        """[Hkv, D] absmax of (k - key_mean): what is left for the 4-bit codes."""
+        mean = self.key_mean
+        return torch.maximum(self.key_max - mean, mean - self.key_min)
 
     def __enter__(self):
         for name in self.names:
@@ -58,6 +83,9 @@ class LayerCapture:
             if parts:
                 self.samples[name] = torch.cat(parts)
         self._parts = {n: [] for n in self.names}
+        if self._qk_parts:
+            self.q_sample, self.k_sample, self.v_sample = (torch.cat(t) for t in zip(*self._qk_parts))
+        self._qk_parts = []
         return False
 
 
@@ -94,6 +122,44 @@ def search_alpha(x: torch.Tensor, w: torch.Tensor, grid: Sequence[float],
         if quant_act:
             xs = fake_quant_act_int8(xs)
         err = float((xs @ quant_w(w * s).t() - ref).square().sum())
+        if err < best_err:
+            best, best_err = alpha, err
+    return float(best)
+
+
+def search_key_alpha(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Sequence[float],
+                     key_absmax: torch.Tensor, key_mean: torch.Tensor | None = None,
+                     rotation: torch.Tensor | None = None, max_q: int = 512, max_k: int = 2048) -> float:
+    """SmoothAttention strength (0 = none) minimising the attention-output error
+    ||softmax(q K^T) V - softmax(q K4^T) V|| over sampled queries and keys, with
+    K4 the keys as the cache would hold them: smoothed by lambda, then (with
+    key_mean and rotation) centered and rotated, then KV4 round-tripped.
+    Output error, not score error: it weighs the keys that get attention.
+    q [Tq, H, D], k / v [Tk, Hkv, D] post-RoPE; key_absmax [Hkv, D] feeds lambda."""
+    from qoqserve.kernels.qoq_ref import dequantize_kv4, quantize_kv4
+    from qoqserve.quant.transforms.smooth import smooth_attention_lambda
+
+    q = q[torch.linspace(0, q.shape[0] - 1, min(max_q, q.shape[0])).long()].float()
+    pick = torch.linspace(0, k.shape[0] - 1, min(max_k, k.shape[0])).long()
+    k, v = k[pick].float(), v[pick].float()
+    hkv, d = k.shape[1], k.shape[2]
+    g = q.shape[1] // hkv
+    vh = v.transpose(0, 1)                                      # [Hkv, Tk, D]
+
+    def attend(qs, ks):  # [Tq, H, D] x [Tk, Hkv, D] -> [Hkv, Tq*g, D]
+        qh = qs.reshape(-1, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, -1, d)
+        return torch.softmax(qh @ ks.permute(1, 2, 0) * d ** -0.5, dim=-1) @ vh
+
+    ref = attend(q, k)
+    best, best_err = None, float("inf")
+    for alpha in grid:
+        lam = smooth_attention_lambda(key_absmax, alpha).float().to(k.device)
+        ks, qs = k / lam, q * lam.repeat_interleave(g, dim=0)
+        if rotation is not None:
+            r = rotation.float().to(k.device)
+            ks, qs = (ks - key_mean.float().to(k.device) / lam) @ r, qs @ r
+        k4 = dequantize_kv4(*quantize_kv4(ks), torch.float32)
+        err = float((attend(qs, k4) - ref).square().sum())
         if err < best_err:
             best, best_err = alpha, err
     return float(best)

@@ -9,6 +9,7 @@ top of the model and the calibration hidden states.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -24,7 +25,9 @@ from qoqserve.quant.calibration import CalibrationSet
 from qoqserve.quant.clip import search_clip_ratios
 from qoqserve.quant.config import QuantConfig
 from qoqserve.quant.gptq import gptq_quantize
-from qoqserve.quant.layer_stats import LayerCapture, search_alpha
+from qoqserve.quant.group_search import search_group_params
+from qoqserve.quant.layer_stats import LayerCapture, search_alpha, search_key_alpha
+from qoqserve.quant.transforms.key_center import center_and_rotate_keys, key_rotation
 from qoqserve.quant.transforms.reorder import reorder_down, reorder_out_proj
 from qoqserve.quant.transforms.rotation import rotate_model, rotate_values
 from qoqserve.quant.transforms._common import expand_groups, group_max
@@ -52,8 +55,13 @@ def build_fp_model(source, cfg: QuantConfig, device: str) -> LlamaForCausalLM:
     else:
         layout = DenseKVCacheLayout(a.num_kv_heads, a.head_dim, 16, torch.float32)
     with torch.device(device):
-        model = LlamaForCausalLM(a, layout, torch.float32, max_positions=max(cfg.calib_seq_len, 4096))
-    model.load_weights(source.iter_tensors())
+        model = LlamaForCausalLM(a, layout, torch.float32, max_positions=max(cfg.calib_seq_len, 4096),
+                                 key_transform=cfg.uses_key_transform)
+    # an FP source has no key transform: it starts as the identity it was built as
+    identity = [(f"model.layers.{i}.self_attn.key_transform.{n}", p.detach().clone())
+                for i, layer in enumerate(model.layers) if layer.self_attn.key_transform is not None
+                for n, p in layer.self_attn.key_transform.named_parameters()]
+    model.load_weights(itertools.chain(source.iter_tensors(), identity))
     return model.eval()
 
 
@@ -87,12 +95,18 @@ def _quantize_linear(linear, cap, cfg: QuantConfig, info: dict, name: str) -> No
     if cfg.clip:
         clip = search_clip_ratios(w, cap.samples[name], lambda rows, r: _qoq_rtn(rows, g, r))
         info[f"{name}.clip_mean"] = round(float(clip.mean()), 4)
-    quantizer = qoq_ref.WeightQuantizer(w, g, clip)
+    group_params = None
+    if cfg.group_search and g:
+        hdiag = torch.diag(cap.hessians[name].hessian()) if name in cap.hessians else None
+        group_params = lambda x, col: search_group_params(x, None if hdiag is None else hdiag[col:col + g])
+    quantizer = qoq_ref.WeightQuantizer(w, g, clip, group_params)
     if cfg.gptq:
         # Dynamic groups (params from the error-compensated columns). act_order with
         # static groups won on a 4k-token excerpt but lost on the full license
         # texts (g64 W4A8KV4: 31.4 vs 28.9 PPL), so it stays off.
         q, _ = gptq_quantize(w, cap.hessians[name].hessian(), quantizer)
+    elif group_params is not None:
+        q = quantizer.quantize_all(w)
     else:
         q = (qoq_ref.quantize_weight_group(w, g, clip) if g
              else qoq_ref.quantize_weight_channel(w, clip))
@@ -122,8 +136,20 @@ def _qoq_rtn(w: torch.Tensor, group_size: int, clip=None) -> torch.Tensor:
 
 def _transform_layer(layer, cap: LayerCapture, cfg: QuantConfig, arch, info: dict) -> None:
     h, hkv, d = arch.num_heads, arch.num_kv_heads, arch.head_dim
+    lam = None
     if cfg.smooth_attention and cfg.kv_bits == 4:
-        smooth_attention(layer, cap.key_absmax, cfg.smooth_attention_alpha, h, hkv, d)
+        # with a key shift the codes see centered keys: smooth what is left of them
+        k_abs = cap.centered_key_absmax() if cfg.uses_key_transform else cap.key_absmax
+        alpha = cfg.smooth_attention_alpha
+        if alpha is None:
+            kt = (cap.key_mean, key_rotation(d, cfg.seed)) if cfg.uses_key_transform else (None, None)
+            alpha = search_key_alpha(cap.q_sample, cap.k_sample, cap.v_sample, cfg.smooth_attention_grid,
+                                     k_abs, *kt)
+        info["alpha_attn"] = alpha
+        if alpha:
+            lam = smooth_attention(layer, k_abs, alpha, h, hkv, d)
+    if cfg.uses_key_transform:
+        center_and_rotate_keys(layer, cap.key_mean, lam, cfg.seed)
     o_abs, down_abs = cap.absmax["self_attn.o_proj"], cap.absmax["mlp.down_proj"]
     if cfg.reorder and cfg.group_size:
         perm = reorder_down(layer, down_abs)
@@ -156,16 +182,25 @@ def _transform_layer(layer, cap: LayerCapture, cfg: QuantConfig, arch, info: dic
 
 def _needs_statistics(cfg: QuantConfig) -> bool:
     """Round-to-nearest without transforms needs no calibration pass at all."""
-    uses_kv = cfg.smooth_attention and cfg.kv_bits == 4
+    uses_kv = (cfg.smooth_attention and cfg.kv_bits == 4) or cfg.uses_key_transform
     uses_w = cfg.w_bits != 16 and (cfg.gptq or cfg.clip)
     return uses_kv or uses_w or cfg.smooth_out or (cfg.reorder and cfg.group_size > 0)
+
+
+def _layer_steps(cfg: QuantConfig) -> list[str]:
+    """The per-layer steps that ran: switched on and meaningful for this format."""
+    applies = {"smooth_attention": cfg.kv_bits == 4, "key_transform": cfg.kv_bits == 4,
+               "reorder": cfg.group_size > 0, "smooth_out": True, "clip": True, "gptq": True,
+               "group_search": cfg.group_size > 0 and cfg.w_bits == 4}
+    return [step for step, ok in applies.items() if ok and getattr(cfg, step)]
 
 
 def _round_to_storage(model) -> None:
     """The checkpoint stores the unquantized tensors in fp16; round them here too, so
     the in-memory simulation is exactly the model a checkpoint load gives back."""
-    for p in model.parameters():
-        if p.is_floating_point() and p.dtype == torch.float32:
+    for name, p in model.named_parameters():
+        # the key rotation is stored in fp32: fp16 would break its orthogonality
+        if p.is_floating_point() and p.dtype == torch.float32 and not name.endswith("key_transform.rotation"):
             p.data.copy_(p.data.half().float())
 
 
@@ -204,8 +239,5 @@ def quantize_model(source, cfg: QuantConfig, calib: CalibrationSet, device: str 
             infos.append(info)
         if cfg.is_qoq_format:
             _round_to_storage(model)
-    for flag in ("smooth_attention", "reorder", "smooth_out", "clip", "gptq"):
-        if getattr(cfg, flag) and not (flag == "reorder" and not cfg.group_size) \
-                and not (flag == "smooth_attention" and cfg.kv_bits != 4):
-            steps.append(flag)
+    steps += _layer_steps(cfg)
     return QuantResult(model, cfg, steps, infos, time.perf_counter() - start)

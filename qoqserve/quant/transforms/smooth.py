@@ -80,6 +80,12 @@ def pair_max(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([m, m], dim=-1)
 
 
+def smooth_attention_lambda(key_absmax: torch.Tensor, alpha: float) -> torch.Tensor:
+    """[Hkv, D] post-RoPE key absmax -> pair-equal lambda [Hkv, D] (float64)."""
+    ka = torch.nan_to_num(key_absmax.double(), nan=1.0)
+    return pair_max(ka.clamp(min=_MIN).pow(alpha))
+
+
 @torch.no_grad()
 def smooth_attention(layer, key_absmax: torch.Tensor, alpha: float = 0.5,
                      num_heads: int | None = None, num_kv_heads: int | None = None,
@@ -94,8 +100,7 @@ def smooth_attention(layer, key_absmax: torch.Tensor, alpha: float = 0.5,
     h, hkv, d = heads(layer, num_heads, num_kv_heads, head_dim)
     qkv = layer.self_attn.qkv_proj
     q_rows, k_rows, _ = qkv_slices(layer, h, hkv, d)
-    ka = torch.nan_to_num(key_absmax.to(qkv.weight.device).double(), nan=1.0)
-    lam = pair_max(ka.reshape(hkv, d).clamp(min=_MIN).pow(alpha))
+    lam = smooth_attention_lambda(key_absmax.to(qkv.weight.device).reshape(hkv, d), alpha)
     scale_rows(qkv, q_rows, expand_groups(lam, h, hkv))
     scale_rows(qkv, k_rows, 1 / lam.reshape(-1))
     return lam

@@ -1,0 +1,30 @@
+"""A post-RoPE change of q and k that attention cannot see but a 4-bit K cache can.
+
+    k' = (k - shift) R        q' = q R        (R orthogonal, per KV head: shift [Hkv, D])
+
+q'.k' = q.k - q.shift: the subtracted term is the same for every key a query
+attends to, so the softmax, and the layer's output, are unchanged. What
+changes is what per-token KV4 sees: keys carry a large per-channel offset
+(shared by all tokens) and a few outlier channels. Subtracting the calibrated
+mean removes the first; the Hadamard-like R spreads the second over all
+channels. On SmolLM2 (KV4 alone, 4k-token excerpt) this cut the perplexity
+loss from +14.8% (rotation + SmoothAttention) to +5.3% (docs/accuracy.md). It runs on q and k before the cache write, so every KV
+layout and attention kernel works unchanged.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class KeyTransform(nn.Module):
+    def __init__(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype):
+        super().__init__()
+        # identity until a checkpoint (or the quantizer) fills them in
+        self.shift = nn.Parameter(torch.zeros(num_kv_heads, head_dim, dtype=dtype), requires_grad=False)
+        self.rotation = nn.Parameter(torch.eye(head_dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k [T, Hkv, D] -> the transformed pair, same shapes and dtypes."""
+        r = self.rotation
+        return q @ r, (k - self.shift) @ r

@@ -1,0 +1,75 @@
+#!/usr/bin/env python
+"""How much faster can W4A8 make a decode step on this CPU? The GEMMs alone.
+
+Times, for the embedded model's decode shapes (30 layers of qkv / o / gate_up /
+down, plus the lm_head), one step's worth of:
+  bf16   F.linear in bf16 (the BF16 engine's GEMMs)
+  int8   torch._int_mm, INT8 x INT8 -> INT32 (the W4A8 engine's GEMM, nothing else)
+  w4a8   our whole CPU W4A8 linear (activation quantization + GEMM + epilogue)
+and prints bf16 / int8 and bf16 / w4a8 per batch size. Every other part of a
+step (attention, norms, sampling, Python) is left out, i.e. counted as free:
+the ratios printed are an upper bound on what W4A8 can gain over BF16 here.
+
+    python scripts/cpu_gemm_ceiling.py > docs/benchmarks/gemm_ceiling_cpu.txt
+"""
+import platform
+import time
+
+import torch
+import torch.nn.functional as F
+
+from qoqserve.kernels.cpu import w4a8_ops
+from qoqserve.layers.qoq_linear import int8_linear
+from qoqserve.model_loader import load_model_source
+
+REPEATS = 30
+
+
+def timed(fn) -> float:
+    for _ in range(3):
+        fn()
+    best = float("inf")
+    for _ in range(3):  # best of 3 rounds: this machine is shared
+        start = time.perf_counter()
+        for _ in range(REPEATS):
+            fn()
+        best = min(best, (time.perf_counter() - start) / REPEATS)
+    return best
+
+
+def main():
+    arch = load_model_source(None).arch
+    h, d = arch.hidden_size, arch.head_dim
+    qkv = (arch.num_heads + 2 * arch.num_kv_heads) * d
+    shapes = {"qkv_proj": (h, qkv), "o_proj": (arch.num_heads * d, h),
+              "gate_up_proj": (h, 2 * arch.intermediate_size), "down_proj": (arch.intermediate_size, h)}
+    native = w4a8_ops.load() is not None
+    print(f"# {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+          f"torch {torch.__version__}, C ops: {native}")
+    print(f"# per decode step: {arch.num_layers} layers x {list(shapes)} + lm_head {h}x{arch.vocab_size}")
+    print("# times in ms per step (best of 3 rounds); lm_head stays bf16 in both engines")
+    print(f"{'batch':>5} {'bf16':>8} {'int8 mm':>8} {'w4a8':>8} {'lm_head':>8} "
+          f"{'bf16/int8':>10} {'bf16/w4a8':>10}")
+    torch.manual_seed(0)
+    for m in (1, 8, 32, 64):
+        t_bf16 = t_int8 = t_w4a8 = 0.0
+        for k, n in shapes.values():
+            xb = torch.randn(m, k, dtype=torch.bfloat16)
+            wb = torch.randn(n, k, dtype=torch.bfloat16)
+            xi = torch.randint(-127, 128, (max(m, 17), k), dtype=torch.int8)  # _int_mm wants M > 16
+            wi = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+            wt = wi.t()
+            s1 = torch.rand(n, dtype=torch.float16) + 0.5
+            t_bf16 += timed(lambda: F.linear(xb, wb)) * arch.num_layers
+            t_int8 += timed(lambda: torch._int_mm(xi, wt)) * arch.num_layers
+            t_w4a8 += timed(lambda: int8_linear(xb, wi, s1, None, None, native)) * arch.num_layers
+        xb = torch.randn(m, h, dtype=torch.bfloat16)
+        wl = torch.randn(arch.vocab_size, h, dtype=torch.bfloat16)
+        lm = timed(lambda: F.linear(xb, wl))
+        bf16, i8, w48 = t_bf16 + lm, t_int8 + lm, t_w4a8 + lm
+        print(f"{m:>5} {1e3 * bf16:>8.2f} {1e3 * i8:>8.2f} {1e3 * w48:>8.2f} {1e3 * lm:>8.2f} "
+              f"{bf16 / i8:>10.2f} {bf16 / w48:>10.2f}")
+
+
+if __name__ == "__main__":
+    main()
