@@ -95,16 +95,17 @@ def _quantize_linear(linear, cap, cfg: QuantConfig, info: dict, name: str) -> No
     if cfg.clip:
         clip = search_clip_ratios(w, cap.samples[name], lambda rows, r: _qoq_rtn(rows, g, r))
         info[f"{name}.clip_mean"] = round(float(clip.mean()), 4)
+    hessian = cap.hessians[name].hessian() if name in cap.hessians else None
     group_params = None
     if cfg.group_search and g:
-        hdiag = torch.diag(cap.hessians[name].hessian()) if name in cap.hessians else None
+        hdiag = None if hessian is None else torch.diag(hessian)
         group_params = lambda x, col: search_group_params(x, None if hdiag is None else hdiag[col:col + g])
     quantizer = qoq_ref.WeightQuantizer(w, g, clip, group_params)
     if cfg.gptq:
         # Dynamic groups (params from the error-compensated columns). act_order with
         # static groups won on a 4k-token excerpt but lost on the full license
         # texts (g64 W4A8KV4: 31.4 vs 28.9 PPL), so it stays off.
-        q, _ = gptq_quantize(w, cap.hessians[name].hessian(), quantizer)
+        q, _ = gptq_quantize(w, hessian, quantizer)
     elif group_params is not None:
         q = quantizer.quantize_all(w)
     else:
