@@ -165,3 +165,24 @@ def test_wrong_shape_and_missing_tensor_are_named(sources, tmp_path):
     with pytest.raises(ModelLoadError, match="key_transform.rotation.*NaN"):
         _corrupt(tmp_path, sources["llama"],
                  lambda t: t["model.layers.1.self_attn.key_transform.rotation"].__setitem__((0, 0), float("nan")))
+
+
+def test_version_1_checkpoints_still_load_and_unknown_versions_are_refused(sources, tmp_path):
+    """Format version 1 had no key transform; a v2 loader reads it as such."""
+    source = sources["llama"]
+    cfg = get_preset("g64", calib_samples=4, calib_seq_len=64, gptq=False, key_transform=False)
+    save_checkpoint(quantize_model(source, cfg, calib(4), progress=False), source, calib(4), str(tmp_path))
+    quant_path = tmp_path / "quant_config.json"
+    quant = json.loads(quant_path.read_text())
+    assert quant["version"] == 2 and quant["key_transform"] is False
+    del quant["key_transform"]
+    quant["version"] = 1
+    quant_path.write_text(json.dumps(quant))
+    loaded = load_model_source(str(tmp_path))
+    runner = ModelRunner(EngineConfig(model=str(tmp_path), dtype="float32", cache=CacheConfig(num_blocks=8)),
+                         loaded.arch, loaded.iter_tensors(), 512, loaded.quant_config)
+    assert all(layer.self_attn.key_transform is None for layer in runner.model.layers)
+    quant["version"] = 3
+    quant_path.write_text(json.dumps(quant))
+    with pytest.raises(ModelLoadError, match="version 3 is not supported"):
+        load_model_source(str(tmp_path))
