@@ -10,7 +10,7 @@ from qoqserve.quant.gptq import HessianAccumulator
 
 class LayerCapture:
     """Input absmax per channel, a token subsample and (optionally) the GPTQ
-    Hessian of each named linear, plus the post-RoPE key absmax [Hkv, D].
+    Hessian of each named linear, plus post-RoPE key statistics [Hkv, D].
 
     Use as a context manager around the layer's forward passes.
     """
@@ -25,8 +25,7 @@ class LayerCapture:
         self._parts: dict[str, list[torch.Tensor]] = {n: [] for n in self.names}
         self.hessians = ({n: HessianAccumulator(layer.get_submodule(n).in_features)
                           for n in self.names} if hessians else {})
-        self.key_absmax = torch.zeros(arch.num_kv_heads, arch.head_dim)
-        # post-RoPE key range and mean, for the KeyTransform shift (float64 sums)
+        # post-RoPE key range and mean: SmoothAttention and the KeyTransform shift
         self.key_min = torch.full((arch.num_kv_heads, arch.head_dim), float("inf"))
         self.key_max = torch.full((arch.num_kv_heads, arch.head_dim), float("-inf"))
         self._key_sum = torch.zeros(arch.num_kv_heads, arch.head_dim, dtype=torch.float64)
@@ -49,7 +48,6 @@ class LayerCapture:
 
     def _key_hook(self, module, args):
         k = args[1].detach().float()  # [T, Hkv, D], after RoPE
-        self.key_absmax = torch.maximum(self.key_absmax.to(k.device), k.abs().amax(dim=0))
         self.key_min = torch.minimum(self.key_min.to(k.device), k.amin(dim=0))
         self.key_max = torch.maximum(self.key_max.to(k.device), k.amax(dim=0))
         self._key_sum = self._key_sum.to(k.device) + k.double().sum(dim=0)
@@ -57,6 +55,11 @@ class LayerCapture:
         self._qk_parts.append((args[0].detach().float()[::4 * self.sample_every].clone(),
                                k[::self.sample_every].clone(),
                                args[2].detach().float()[::self.sample_every].clone()))
+
+    @property
+    def key_absmax(self) -> torch.Tensor:
+        """[Hkv, D] absmax of the post-RoPE keys (what SmoothAttention smooths)."""
+        return torch.maximum(self.key_max, -self.key_min)
 
     @property
     def key_mean(self) -> torch.Tensor:
