@@ -144,15 +144,16 @@ def reference_llm(default_gguf_path):
 
 
 def make_kv4_pages(heads: int, hkv: int, d: int, lens: list[int], bs: int = 16,
-                   num_blocks: int = 64, seed: int = 0):
-    """KV4 pages holding random K/V for sequences of the given lengths, their
-    pages scattered over the pool: (layout, cache, block tables, lengths)."""
+                   num_blocks: int = 64, seed: int = 0, layout=None):
+    """KV4 pages (or those of `layout`) holding random K/V for sequences of the
+    given lengths, their pages scattered over the pool: (layout, cache, block
+    tables, lengths)."""
     import torch
 
     from qoqserve.layers.kv_cache import Int4KVCacheLayout
 
     torch.manual_seed(seed)
-    layout = Int4KVCacheLayout(hkv, d, bs)
+    layout = layout or Int4KVCacheLayout(hkv, d, bs)
     cache = layout.allocate(num_blocks, "cpu")
     perm = torch.randperm(num_blocks).tolist()
     width = max(-(-n // bs) for n in lens)

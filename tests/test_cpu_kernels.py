@@ -1,45 +1,75 @@
-"""The C KV4 decode kernel (CPU path) against the torch paged path."""
+"""The C kernels of the CPU path against their torch references."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from qoqserve.kernels.cpu import kv4_decode
+from qoqserve.kernels.cpu import paged_decode
 from qoqserve.layers.attention import AttentionMetadata, PagedAttention
 from conftest import make_kv4_pages
 
 
 def test_the_kernel_builds_here():
-    assert kv4_decode.available()  # a compiler is part of the set-up; no silent fallback in CI
+    assert paged_decode.available()  # a compiler is part of the set-up; no silent fallback in CI
 
 
+def _pages(fmt, hkv, d, bs=16):
+    """(the torch layout, its C-kernel twin) for a page format"""
+    from qoqserve.layers import kv_cache as kc
+
+    if fmt == "int4":
+        return kc.Int4KVCacheLayout(hkv, d, bs), kc.CpuInt4KVCacheLayout(hkv, d, bs)
+    if fmt == "int8":
+        return kc.Int8KVCacheLayout(hkv, d, bs), kc.CpuInt8KVCacheLayout(hkv, d, bs)
+    dtype = getattr(torch, fmt)
+    return kc.DenseKVCacheLayout(hkv, d, bs, dtype), kc.CpuDenseKVCacheLayout(hkv, d, bs, dtype)
+
+
+FORMATS = ["int4", "int8", "bfloat16", "float16", "float32"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("heads,hkv,d", [(9, 3, 64), (4, 4, 128), (8, 2, 80)])
-def test_c_decode_attention_matches_the_torch_path(heads, hkv, d):
+def test_c_decode_attention_matches_the_torch_path(fmt, heads, hkv, d):
     lens = [1, 17, 50, 100]
-    layout, cache, tables, ctx = make_kv4_pages(heads, hkv, d, lens)
+    layout, c_layout = _pages(fmt, hkv, d)
+    _, cache, tables, ctx = make_kv4_pages(heads, hkv, d, lens, layout=layout)
     q = torch.randn(len(lens), heads, d)
-    got = kv4_decode.kv4_decode_attention(q, cache, tables, ctx, d ** -0.5)
-    attn = PagedAttention(heads, hkv, d, layout)
+    got = c_layout.decode_attention(q, cache, tables, ctx, d ** -0.5)
+    attn = PagedAttention(heads, hkv, d, layout)  # gather, dequantize, fp64 SDPA
     ref = attn(q, None, None, AttentionMetadata(False, None, tables, ctx), cache).view(len(lens), heads, d)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_c_decode_attention_of_a_sequence_does_not_depend_on_its_batch():
+@pytest.mark.parametrize("fmt", ["int4", "bfloat16"])
+def test_c_decode_attention_of_a_sequence_does_not_depend_on_its_batch(fmt):
     lens = [33, 7, 120, 64, 5]
-    _, cache, tables, ctx = make_kv4_pages(9, 3, 64, lens, seed=1)
+    layout, c_layout = _pages(fmt, 3, 64)
+    _, cache, tables, ctx = make_kv4_pages(9, 3, 64, lens, seed=1, layout=layout)
     q = torch.randn(len(lens), 9, 64)
-    batched = kv4_decode.kv4_decode_attention(q, cache, tables, ctx, 0.125)
+    batched = c_layout.decode_attention(q, cache, tables, ctx, 0.125)
     for i, n in enumerate(lens):
         width = -(-n // 16)
-        alone = kv4_decode.kv4_decode_attention(q[i:i + 1], cache, tables[i:i + 1, :width], ctx[i:i + 1], 0.125)
+        alone = c_layout.decode_attention(q[i:i + 1], cache, tables[i:i + 1, :width], ctx[i:i + 1], 0.125)
         assert torch.equal(alone[0], batched[i])
 
 
 def test_bf16_queries_come_back_in_bf16():
-    layout, cache, tables, ctx = make_kv4_pages(4, 2, 64, [10, 20])
+    layout, c_layout = _pages("int4", 2, 64)
+    _, cache, tables, ctx = make_kv4_pages(4, 2, 64, [10, 20], layout=layout)
     q = torch.randn(2, 4, 64).bfloat16()
-    out = kv4_decode.kv4_decode_attention(q, cache, tables, ctx, 0.125)
+    out = c_layout.decode_attention(q, cache, tables, ctx, 0.125)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
+
+
+def test_c_decode_attention_refuses_rows_of_another_format():
+    from qoqserve.kernels.cpu.paged_decode import paged_decode_attention
+
+    layout, _ = _pages("bfloat16", 2, 64)
+    _, cache, tables, ctx = make_kv4_pages(4, 2, 64, [10], layout=layout)
+    k, v = layout.page_rows(cache)
+    with pytest.raises(ValueError, match="unsupported shapes"):
+        paged_decode_attention(torch.randn(1, 4, 64), k, v, "float32", 16, tables, ctx, 0.125)
 
 
 # ---- per-token INT8 quantization and the W4A8 epilogue in C ------------------
@@ -77,7 +107,7 @@ def test_c_epilogue_is_bit_identical_to_the_torch_epilogue(out_dtype, channel):
 
 
 def test_quantized_linears_give_the_same_output_with_and_without_c_ops():
-    from qoqserve.layers.qoq_linear import int8_linear
+    from qoqserve.layers.int8_gemm import int8_linear
 
     torch.manual_seed(2)
     for zeros in (None, torch.randint(0, 16, (48,), dtype=torch.uint8)):
@@ -87,3 +117,56 @@ def test_quantized_linears_give_the_same_output_with_and_without_c_ops():
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(5, 64).to(dtype)
             assert torch.equal(int8_linear(x, w, s1, zeros, None, True), int8_linear(x, w, s1, zeros, None, False))
+
+
+# ---- the fused INT8 linear (quantize + VNNI GEMM + epilogue in one call) -----
+
+from qoqserve.kernels.cpu import int8_linear as fused  # noqa: E402
+from qoqserve.layers.int8_gemm import PackedInt8Gemm, int8_linear  # noqa: E402
+
+
+def test_the_fused_kernel_builds_here():
+    assert fused.available()  # this CPU has AVX-512 VNNI, as CI's does: no silent fallback
+
+
+def _int8_case(n, k, channel, seed):
+    g = torch.Generator().manual_seed(seed)
+    if channel:
+        w = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+        zeros = torch.randint(0, 16, (n,), dtype=torch.uint8, generator=g)
+    else:  # the full signed range, -128 included (s2*(u - z) reaches it)
+        w, zeros = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g), None
+    s1 = (torch.rand(n, generator=g) * 1e-2).half()
+    bias = torch.randn(n, generator=g).half()
+    return w, s1, zeros, bias
+
+
+# M across the 6-row tile (1, 5, 6, 7, 32, 67), N across the 16/64-column blocks,
+# K not a multiple of 4 or 16 (padded with zero codes)
+@pytest.mark.parametrize("m,n,k", [(1, 576, 576), (5, 17, 13), (7, 100, 60), (32, 960, 576),
+                                   (67, 64, 1536), (6, 1, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("channel", [False, True])
+def test_fused_int8_linear_is_bit_identical_to_the_three_pass_path(m, n, k, dtype, channel):
+    w, s1, zeros, bias = _int8_case(n, k, channel, seed=m * 1000 + n)
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 3).to(dtype)
+    x[0, : min(k, 4)] = torch.tensor([127.0, 0.5, -0.5, 1.5])[: min(k, 4)].to(dtype)  # ties
+    if m > 2:
+        x[2] = 0  # an all-zero row: scale 1, codes 0
+    for b in (None, bias):
+        got = PackedInt8Gemm(w, s1, zeros, b)(x)
+        ref = int8_linear(x, w, s1, zeros, b, native=False)  # the torch reference
+        assert got.dtype == dtype and torch.equal(got, ref)
+
+
+def test_fused_int8_linear_keeps_fp16_and_leading_dims():
+    w, s1, zeros, bias = _int8_case(40, 64, False, seed=3)
+    x = torch.randn(2, 3, 64).half()
+    got = PackedInt8Gemm(w, s1, zeros, bias)(x)
+    assert got.shape == (2, 3, 40) and got.dtype == torch.float16
+    assert torch.equal(got, int8_linear(x, w, s1, zeros, bias, native=False))
+
+
+def test_pack_weight_refuses_codes_that_leave_the_byte_range():
+    with pytest.raises(ValueError, match="0..255"):
+        fused.pack_weight(torch.full((16, 8), 200, dtype=torch.uint8), 128)

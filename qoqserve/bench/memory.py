@@ -32,15 +32,29 @@ class MemoryPlan:
     max_concurrent_seqs: int
 
 
-def linear_bytes(n: int, k: int, weights: str, group_size: int, packed: bool, elem: int) -> int:
-    """Resident bytes of one [n, k] linear in the given format."""
+def linear_bytes(n: int, k: int, weights: str, group_size: int, storage: str, elem: int) -> int:
+    """Resident bytes of one [n, k] linear (bias excluded). storage: "packed4"
+    (UINT4 codes: the GPU GEMM, the per-call expansion), "int8" (INT8 operand
+    for torch._int_mm) or "vnni" (the fused CPU kernel's padded INT8 layout,
+    with fp32 s1 and, per channel, fp32 z*s1; nothing else kept)."""
     if weights == "fp":
         return n * k * elem
+    if storage == "vnni":
+        per_channel = weights == "qoq" and not group_size
+        return -(-n // 16) * 16 * (-(-k // 4) * 4) + 4 * n * (2 if per_channel else 1)
     if weights == "w8a8":
         return n * k + n * 4                       # int8 weight + fp32 scale per row
-    codes = n * k // 2 if packed else n * k        # packed UINT4 (GPU, per-call) or INT8 expansion
+    codes = n * k // 2 if storage == "packed4" else n * k
     meta = n * 2 + (2 * n * (k // group_size) if group_size else n)  # s1 fp16; s2+zeros or zeros
     return codes + meta
+
+
+def linear_storage(device: str) -> str:
+    """How INT8 linears keep their weights on this device (see linear_bytes)."""
+    if device.startswith("cuda"):
+        return "packed4"  # the Triton GEMM reads packed codes
+    from qoqserve.layers.int8_gemm import fused_int8_available
+    return "vnni" if fused_int8_available() else "int8"
 
 
 def plan_memory(arch: ModelArchConfig, p: Precision, device: str, seq_len: int,
@@ -52,11 +66,12 @@ def plan_memory(arch: ModelArchConfig, p: Precision, device: str, seq_len: int,
 
     dtype = parse_dtype(p.dtype, device)
     elem = torch.empty((), dtype=dtype).element_size()
-    packed = device.startswith("cuda")  # the Triton GEMM reads packed codes; CPU expands at load
-    lin = sum(linear_bytes(n, k, p.weights, group_size, packed, elem)
+    storage = linear_storage(device)
+    lin = sum(linear_bytes(n, k, p.weights, group_size, storage, elem)
               for n, k in linear_shapes(arch).values())
-    if arch.attention_bias:
-        lin += arch.num_layers * (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim * elem
+    if arch.attention_bias:  # the fused kernel keeps its own fp32 copy instead
+        bias_elem = 4 if storage == "vnni" and p.weights != "fp" else elem
+        lin += arch.num_layers * (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim * bias_elem
     embed = arch.vocab_size * arch.hidden_size * elem * (1 if arch.tie_word_embeddings else 2)
     norms = (2 * arch.num_layers + 1) * arch.hidden_size * elem
     # the fp32 RoPE cos/sin tables of every position the engine allows

@@ -8,8 +8,10 @@ import torch
 from qoqserve.config import CacheConfig, EngineConfig, parse_dtype
 from qoqserve.engine.sequence import Sequence
 from qoqserve.layers.attention import AttentionMetadata, PagedAttention, decode_attention
-from qoqserve.layers.kv_cache import (CpuInt4KVCacheLayout, DenseKVCacheLayout, Int4KVCacheLayout,
-                                      Int8KVCacheLayout, KVCacheLayout, TritonInt4KVCacheLayout)
+from qoqserve.kernels.cpu import paged_decode
+from qoqserve.layers.kv_cache import (CpuDenseKVCacheLayout, CpuInt4KVCacheLayout, CpuInt8KVCacheLayout,
+                                      DenseKVCacheLayout, Int4KVCacheLayout, Int8KVCacheLayout,
+                                      KVCacheLayout, TritonInt4KVCacheLayout)
 from qoqserve.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod
 from qoqserve.layers.qoq_linear import QoQLinearMethod
 from qoqserve.layers.w8a8_linear import W8A8LinearMethod
@@ -59,19 +61,19 @@ def make_kv_layout(arch: ModelArchConfig, cache: CacheConfig, model_dtype: torch
     if kind == "auto":
         # a QoQ checkpoint says whether it was calibrated for KV4
         kind = {4: "int4", 8: "int8"}.get((quant or {}).get("kv_bits"), "model")
+    cpu = kernels == "cpu" and device == "cpu" and paged_decode.available()
     if kind == "int4":
-        cls = Int4KVCacheLayout
+        cls = CpuInt4KVCacheLayout if cpu else Int4KVCacheLayout
         if kernels == "triton":
             cls = TritonInt4KVCacheLayout
-        elif kernels == "cpu" and device == "cpu":
-            from qoqserve.kernels.cpu import kv4_decode
-            cls = CpuInt4KVCacheLayout if kv4_decode.available() else Int4KVCacheLayout
         layout = cls(arch.num_kv_heads, arch.head_dim, cache.block_size)
     elif kind == "int8":
-        layout = Int8KVCacheLayout(arch.num_kv_heads, arch.head_dim, cache.block_size)
+        cls = CpuInt8KVCacheLayout if cpu else Int8KVCacheLayout
+        layout = cls(arch.num_kv_heads, arch.head_dim, cache.block_size)
     else:
         dtype = model_dtype if kind == "model" else parse_dtype(kind, device)
-        layout = DenseKVCacheLayout(arch.num_kv_heads, arch.head_dim, cache.block_size, dtype)
+        cls = CpuDenseKVCacheLayout if cpu and paged_decode.supports_dtype(dtype) else DenseKVCacheLayout
+        layout = cls(arch.num_kv_heads, arch.head_dim, cache.block_size, dtype)
     if cache.quantized_prefill is not None:
         layout.quantized_prefill = cache.quantized_prefill
     else:  # lossy whenever the pages hold less than the activations do

@@ -55,6 +55,10 @@ class KVCacheLayout(ABC):
         raise NotImplementedError
 
     @abstractmethod
+    def page_rows(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views [num_slots, Hkv, row] of the K rows and the V rows of a page pool."""
+
+    @abstractmethod
     def read(self, cache: torch.Tensor, block_tables: torch.Tensor,
              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense K, V [B, n_blocks * block_size, Hkv, D] for block tables [B, n_blocks].
@@ -81,10 +85,14 @@ class DenseKVCacheLayout(KVCacheLayout):
     def fake_quant(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(self.dtype).to(x.dtype)
 
-    def write(self, cache, k, v, slot_mapping) -> None:
+    def page_rows(self, cache):
         flat = cache.view(2, -1, self.num_kv_heads, self.head_dim)
-        flat[0].index_copy_(0, slot_mapping, k.to(self.dtype))
-        flat[1].index_copy_(0, slot_mapping, v.to(self.dtype))
+        return flat[0], flat[1]
+
+    def write(self, cache, k, v, slot_mapping) -> None:
+        k_rows, v_rows = self.page_rows(cache)
+        k_rows.index_copy_(0, slot_mapping, k.to(self.dtype))
+        v_rows.index_copy_(0, slot_mapping, v.to(self.dtype))
 
     def read(self, cache, block_tables, dtype):
         b, n = block_tables.shape
@@ -114,6 +122,10 @@ class QuantizedRowKVCacheLayout(KVCacheLayout):
     @abstractmethod
     def _decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """[..., row_bytes] rows -> [..., D] values."""
+
+    def page_rows(self, cache):
+        flat = cache.view(-1, 2, self.num_kv_heads, self.row_bytes)
+        return flat[:, 0], flat[:, 1]
 
     def write(self, cache, k, v, slot_mapping) -> None:
         flat = cache.view(-1, 2, self.num_kv_heads, self.row_bytes)
@@ -189,12 +201,27 @@ class TritonInt4KVCacheLayout(Int4KVCacheLayout):
         return kv4_decode_attention(q, cache, block_tables, context_lens, scale)
 
 
-class CpuInt4KVCacheLayout(Int4KVCacheLayout):
-    """The same KV4 pages; decode attention by the C kernel (qoqserve/kernels/cpu),
-    which dequantizes codes on the fly instead of materializing the history."""
+class CpuDecodeKernel:
+    """Mixin: decode attention by the C kernel (qoqserve/kernels/cpu/paged_decode.c),
+    which converts each page row once per token instead of materializing the
+    history; the same kernel for every page format."""
     kernel = "c"
     has_decode_kernel = True
 
     def decode_attention(self, q, cache, block_tables, context_lens, scale):
-        from qoqserve.kernels.cpu.kv4_decode import kv4_decode_attention
-        return kv4_decode_attention(q, cache, block_tables, context_lens, scale)
+        from qoqserve.kernels.cpu.paged_decode import paged_decode_attention
+        k_rows, v_rows = self.page_rows(cache)
+        return paged_decode_attention(q, k_rows, v_rows, self.name, self.block_size, block_tables,
+                                      context_lens, scale)
+
+
+class CpuInt4KVCacheLayout(CpuDecodeKernel, Int4KVCacheLayout):
+    pass
+
+
+class CpuInt8KVCacheLayout(CpuDecodeKernel, Int8KVCacheLayout):
+    pass
+
+
+class CpuDenseKVCacheLayout(CpuDecodeKernel, DenseKVCacheLayout):
+    pass

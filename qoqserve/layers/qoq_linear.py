@@ -5,9 +5,10 @@ One set of parameters, two ways to execute it:
   fp32 (exact for integers below 2^24), so it is the reference for every
   integer path and fast enough for perplexity sweeps;
 * ``torch-int8``: per-token INT8 activations times the INT8 weight expansion
-  through torch._int_mm (INT32 accumulate), then the s_a * s1 epilogue. The
-  expansion s2*(u - z) is done once at load and the packed codes are freed
-  (1 byte per weight resident);
+  (INT32 accumulate), then the s_a * s1 epilogue. The expansion s2*(u - z) is
+  done once at load and the packed codes are freed (1 byte per weight
+  resident). With the C kernels (native) the expansion is repacked for the
+  fused VNNI kernel (layers/int8_gemm.py), else torch._int_mm runs it;
 * ``torch-int8-percall``: the same GEMM, but only the packed codes stay
   resident (0.5 byte per weight) and each call expands them first;
 * ``triton``: the CUDA path. The packed codes stay resident (0.5 byte per
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from qoqserve.kernels import qoq_ref
+from qoqserve.layers.int8_gemm import fused_int8_available, install_packed_gemm, int8_linear
 from qoqserve.layers.linear import Linear, LinearMethod
 
 BACKENDS = ("torch-int8", "torch-int8-percall", "sim", "triton")
@@ -45,32 +47,6 @@ def qoq_param_shapes(out_features: int, in_features: int, group_size: int) -> di
     else:
         shapes["zeros"] = ((n,), torch.uint8)
     return shapes
-
-
-def int8_linear(x: torch.Tensor, w_int8: torch.Tensor, s1: torch.Tensor, zeros: torch.Tensor | None,
-                bias: torch.Tensor | None, native: bool) -> torch.Tensor:
-    """x @ (s1 * (w - z))^T on INT8 math, in x's dtype: per-token INT8 x, INT32
-    GEMM, epilogue. zeros: per-channel zero points (w = the 0..15 codes), or None
-    (w is already the signed INT8 operand). native: the activation quantization
-    and epilogue run as one C pass each (bit-identical to the torch reference)."""
-    from qoqserve.kernels.cpu import w4a8_ops
-
-    x2, lead = x.reshape(-1, x.shape[-1]), x.shape[:-1]
-    if native and w4a8_ops.supports(x2):
-        x_q, s_a = w4a8_ops.quantize_act_int8(x2)
-        w8 = w_int8.view(torch.int8) if w_int8.dtype == torch.uint8 else w_int8
-        acc = qoq_ref.int8_mm(x_q, w8)
-        rowsum = zs1 = None
-        if zeros is not None:
-            rowsum, zs1 = qoq_ref.act_row_sum(x2), zeros.float() * s1.float()
-        return w4a8_ops.epilogue(acc, s_a, s1, x.dtype, rowsum, zs1, bias).reshape(*lead, -1)
-    if zeros is None:
-        y = qoq_ref.w4a8_group_linear(x, w_int8, s1)
-    else:
-        y = qoq_ref.w4a8_channel_linear(x, w_int8, s1, zeros)
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype)
 
 
 class QoQLinearMethod(LinearMethod):
@@ -140,13 +116,24 @@ class QoQLinearMethod(LinearMethod):
         if self.backend in ("torch-int8-percall", "triton"):
             return
         w = self.int8_weight(layer)
-        layer.w_expanded = w.float() if self.backend == "sim" else w
         if self.backend == "torch-int8":
             layer.qweight = None  # the expansion replaces the packed codes in memory
+            if self.native and fused_int8_available():
+                install_packed_gemm(layer, w, layer.s1, None if self.group_size else layer.zeros,
+                                    layer.bias if layer.has_bias else None)
+                return
+        layer.w_expanded = w.float() if self.backend == "sim" else w
+
+    def describe(self, layer: Linear) -> str:
+        if getattr(layer, "int8_gemm", None) is not None:
+            return self.name.replace("+c", "+vnni")  # the fused C kernel, not the 3-pass path
+        return self.name
 
     def apply(self, layer: Linear, x) -> torch.Tensor:
         if self.backend == "triton":
             return self._apply_triton(layer, x)
+        if getattr(layer, "int8_gemm", None) is not None:
+            return layer.int8_gemm(x)
         w = self.int8_weight(layer) if self.backend == "torch-int8-percall" else layer.w_expanded
         bias = layer.bias if layer.has_bias else None
         if self.backend != "sim":

@@ -1,0 +1,177 @@
+/* One INT8 linear of the CPU path in a single call: per-token INT8
+ * quantization of the input, the INT8 x INT8 -> INT32 GEMM on AVX-512 VNNI
+ * (vpdpbusd), and the epilogue to fp32/bf16 while the tile is in registers.
+ * At decode sizes the three separate passes (C quantize, torch._int_mm, C
+ * epilogue) spent more in per-call setup and memory round trips than in math.
+ *
+ * vpdpbusd multiplies unsigned by signed bytes. The weight is the unsigned
+ * operand, stored once at load as (w + offset): offset 0 for QoQ per-channel
+ * codes 0..15, 128 for signed INT8 weights. The offset's share,
+ * offset * sum_k x_q[m, k], is subtracted in INT32, so the accumulator is the
+ * exact integer the reference computes.
+ *
+ * Packed weights (int8_linear.py pack_weight): [N/16, K/4, 16, 4] bytes, i.e.
+ * for each block of 16 output channels, 64 bytes per 4 input channels: one
+ * zmm holds 4 consecutive k of 16 consecutive n, the order vpdpbusd sums.
+ *
+ * Numerics are those of w4a8_ops.c (and so of qoq_ref): the scale divides,
+ * rounding is half to even, the epilogue multiplies in the same order, bf16
+ * rounds to nearest even; no FMA contraction (compiled with
+ * -ffp-contract=off).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+
+#define NB 16  /* output channels per weight block: one zmm of int32 */
+#define NR 4   /* weight blocks per tile */
+#define MR 6   /* rows per tile: 24 accumulators + 4 weights + 1 broadcast of 32 zmm */
+
+int int8_linear_available(void) { return 1; }
+
+static inline __mmask16 tail_mask(int64_t left) {
+    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+}
+
+static inline __m512 load_f32(const void *x, int bf16, int64_t i, __mmask16 k) {
+    if (bf16) {
+        __m256i h = _mm256_maskz_loadu_epi16(k, (const uint16_t *)x + i);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_maskz_loadu_ps(k, (const float *)x + i);
+}
+
+/* round to nearest even, NaN kept NaN: the scalar float_to_bf16 of w4a8_ops.c
+ * (vcvtneps2bf16 would flush denormals) */
+static inline __m256i to_bf16(__m512 v) {
+    __m512i b = _mm512_castps_si512(v), hi = _mm512_srli_epi32(b, 16);
+    __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+/* one row: int8 codes (zero-padded to Kp), scale amax/127, sum of the codes */
+static void quantize_row(const void *x, int bf16, int64_t K, int64_t Kp, int8_t *q, float *scale,
+                         int32_t *qsum) {
+    __m512 amax = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16)  /* NaN inputs are skipped, as in the scalar max */
+        amax = _mm512_max_ps(_mm512_abs_ps(load_f32(x, bf16, k, tail_mask(K - k))), amax);
+    float a = _mm512_reduce_max_ps(amax);
+    float s = a > 0.f ? a / 127.f : 1.f;
+    __m512 vs = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+    __m512i sum = _mm512_setzero_si512();
+    for (int64_t k = 0; k < K; k += 16) {
+        __mmask16 m = tail_mask(K - k);
+        __m512 r = _mm512_roundscale_ps(_mm512_div_ps(load_f32(x, bf16, k, m), vs),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m512i c = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi));
+        sum = _mm512_add_epi32(sum, c);
+        _mm_mask_storeu_epi8(q + k, m, _mm512_cvtsepi32_epi8(c));
+    }
+    memset(q + K, 0, (size_t)(Kp - K));
+    *scale = s;
+    *qsum = _mm512_reduce_add_epi32(sum);
+}
+
+typedef struct {
+    const int8_t *xq; const float *sa; const int32_t *qsum; int64_t M, Kp, N;
+    const uint8_t *w; int offset; const float *s1, *rowsum, *zs1, *bias; void *y; int out_bf16;
+} Job;
+
+/* The accumulators are named registers, not an array: GCC keeps an array of
+ * 24 zmm in registers only by copying them around on every iteration. Each
+ * guard is a constant at its call site, so unused ones compile away. */
+#define FOR_ROWS(X, b) X(0, b) X(1, b) X(2, b) X(3, b) X(4, b) X(5, b)
+#define FOR_TILE(X) FOR_ROWS(X, 0) FOR_ROWS(X, 1) FOR_ROWS(X, 2) FOR_ROWS(X, 3)
+#define DECLARE(i, b) __m512i a##i##b = _mm512_setzero_si512();
+#define DP(i, b) if (i < mr && b < nr) a##i##b = _mm512_dpbusd_epi32(a##i##b, w##b, x##i);
+#define BCAST(i) __m512i x##i = _mm512_setzero_si512(); if (i < mr) x##i = broadcast4(x + i * j->Kp + kq * 4);
+#define WLOAD(b) __m512i w##b = _mm512_setzero_si512(); if (b < nr) w##b = _mm512_loadu_si512(w + b * block + kq * 64);
+#define STORE(i, b) if (i < mr && b < nr) store(j, m0 + i, nb0 + b, a##i##b);
+
+static inline __m512i broadcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+/* epilogue of one row of one weight block, from its INT32 accumulator */
+static inline void store(const Job *j, int64_t m, int64_t nb, __m512i acc) {
+    const int64_t n0 = nb * NB;
+    const __mmask16 k = tail_mask(j->N - n0);
+    __m512i a = _mm512_sub_epi32(acc, _mm512_set1_epi32(j->offset * j->qsum[m]));
+    __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(j->sa[m])),
+                             _mm512_maskz_loadu_ps(k, j->s1 + n0));
+    if (j->zs1)
+        v = _mm512_sub_ps(v, _mm512_mul_ps(_mm512_set1_ps(j->rowsum[m]), _mm512_maskz_loadu_ps(k, j->zs1 + n0)));
+    if (j->bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, j->bias + n0));
+    if (j->out_bf16) _mm256_mask_storeu_epi16((uint16_t *)j->y + m * j->N + n0, k, to_bf16(v));
+    else _mm512_mask_storeu_ps((float *)j->y + m * j->N + n0, k, v);
+}
+
+/* rows m0..m0+mr of blocks nb0..nb0+nr; mr, nr are constants at each call site */
+static inline __attribute__((always_inline)) void tile(const Job *j, int64_t m0, int64_t nb0,
+                                                       const int mr, const int nr) {
+    FOR_TILE(DECLARE)
+    const int64_t quads = j->Kp / 4, block = quads * 64;
+    const uint8_t *w = j->w + nb0 * block;
+    const int8_t *x = j->xq + m0 * j->Kp;
+    for (int64_t kq = 0; kq < quads; kq++) {
+        WLOAD(0) WLOAD(1) WLOAD(2) WLOAD(3)
+        BCAST(0) BCAST(1) BCAST(2) BCAST(3) BCAST(4) BCAST(5)
+        FOR_TILE(DP)
+    }
+    FOR_TILE(STORE)
+}
+
+#define TILE(a, b) case (a) * 8 + (b): tile(j, m0, nb0, a, b); break
+#define ROW(a) TILE(a, 1); TILE(a, 2); TILE(a, 3); TILE(a, 4)
+
+static void run_tile(const Job *j, int64_t m0, int64_t nb0, int mr, int nr) {
+    switch (mr * 8 + nr) {
+        ROW(1); ROW(2); ROW(3); ROW(4); ROW(5); ROW(6);
+    }
+}
+
+/* x [M, K] fp32/bf16 -> y [M, N] fp32/bf16:
+ *   y = (x_q . w) * s_a[m] * s1[n] (- rowsum[m] * zs1[n]) (+ bias[n])
+ * rowsum/zs1 (per-channel zero points) and bias may be NULL.
+ * Returns 0, or -1 when the scratch buffers cannot be allocated. */
+int int8_linear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+                int offset, const float *s1, const float *rowsum, const float *zs1,
+                const float *bias, void *y, int out_bf16, int threads) {
+    const int64_t Kp = (K + 3) & ~(int64_t)3, nblocks = (N + NB - 1) / NB;
+    const int64_t chunks = (nblocks + NR - 1) / NR;
+    int8_t *xq = malloc((size_t)(M * Kp) + 64);
+    float *sa = malloc(sizeof(float) * (size_t)M);
+    int32_t *qsum = malloc(sizeof(int32_t) * (size_t)M);
+    if (!xq || !sa || !qsum) {
+        free(xq); free(sa); free(qsum);
+        return -1;
+    }
+    Job job = {xq, sa, qsum, M, Kp, N, w, offset, s1, rowsum, zs1, bias, y, out_bf16};
+    #pragma omp parallel num_threads(threads) if (M * N * K > (1 << 18))
+    {
+        #pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) quantize_row((const char *)x + m * K * (x_bf16 ? 2 : 4), x_bf16,
+                                                     K, Kp, xq + m * Kp, sa + m, qsum + m);
+        #pragma omp for schedule(static)
+        for (int64_t c = 0; c < chunks; c++) {
+            const int64_t nb0 = c * NR, nr = nblocks - nb0 < NR ? nblocks - nb0 : NR;
+            for (int64_t m0 = 0; m0 < M; m0 += MR)
+                run_tile(&job, m0, nb0, M - m0 < MR ? (int)(M - m0) : MR, (int)nr);
+        }
+    }
+    free(xq); free(sa); free(qsum);
+    return 0;
+}
+
+#else
+int int8_linear_available(void) { return 0; }
+int int8_linear(void) { return -2; }
+#endif

@@ -1,0 +1,61 @@
+"""Paged decode attention on CPU (paged_decode.c), via ctypes: one kernel for
+KV4, KV8 and dense fp16/bf16/fp32 pages."""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from qoqserve.kernels.cpu.build import load_library
+
+# -fassociative-math lets the dot products vectorize; no finite-math flags,
+# the softmax starts from -inf
+_FLAGS = ["-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+_P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+_SIGNATURES = {"paged_decode_attention": (
+    _I, [_P, _P, _P, _L, _L, _I, _P, _P, _P] + [_I] * 6 + [ctypes.c_float, _I])}
+# page formats, as the C enum numbers them; a row's bytes for head_dim D
+FORMATS = {"int4": 0, "int8": 1, "float16": 2, "bfloat16": 3, "float32": 4}
+_ROW_BYTES = {"int4": lambda d: d // 2 + 4, "int8": lambda d: d + 2, "float16": lambda d: 2 * d,
+              "bfloat16": lambda d: 2 * d, "float32": lambda d: 4 * d}
+
+
+def load():
+    return load_library("paged_decode", _FLAGS, _SIGNATURES)
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def supports_dtype(dtype: torch.dtype) -> bool:
+    """Whether dense pages of this dtype have a format here."""
+    return str(dtype).replace("torch.", "") in FORMATS
+
+
+def paged_decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, fmt: str,
+                           block_size: int, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           sm_scale: float) -> torch.Tensor:
+    """q [B, H, D] over paged K/V -> [B, H, D] in q's dtype (fp32 math).
+
+    k_rows, v_rows: views [num_slots, Hkv, row] of one layer's page pool (one
+    row = one token's K or V of one head, in format `fmt`), with equal strides.
+    """
+    b, h, d = q.shape
+    _, hkv, row = k_rows.shape
+    if fmt not in FORMATS or k_rows.stride() != v_rows.stride() or k_rows.stride(2) != 1:
+        raise ValueError(f"unsupported pages: {fmt}, strides {k_rows.stride()} / {v_rows.stride()}")
+    size = k_rows.element_size()
+    if row * size != _ROW_BYTES[fmt](d) or h % hkv or h // hkv > 64:
+        raise ValueError(f"unsupported shapes: q {tuple(q.shape)}, {fmt} rows {tuple(k_rows.shape)}")
+    qf = q.float().contiguous()
+    tables = block_tables.to(torch.int64).contiguous()
+    lens = context_lens.to(torch.int64).contiguous()
+    out = torch.empty_like(qf)
+    rc = load().paged_decode_attention(
+        qf.data_ptr(), k_rows.data_ptr(), v_rows.data_ptr(), k_rows.stride(0) * size,
+        k_rows.stride(1) * size, FORMATS[fmt], tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
+        b, h, hkv, d, block_size, tables.shape[1], float(sm_scale), torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("paged decode kernel could not allocate its scratch buffers")
+    return out.to(q.dtype)
