@@ -70,11 +70,11 @@ static inline void load_row(const uint8_t *r, int fmt, int D, float *vals, float
     }
 }
 
-/* one (sequence, KV head): its G query heads over its L tokens. fmt is a
- * constant at each call site, so every format gets its own vectorized loops. */
+/* one (sequence, KV head): its G query heads over its L tokens. fmt and D are
+ * constants at each call site, so each gets its own unrolled, vectorized loops. */
 static inline __attribute__((always_inline)) void attend(
     const float *qh, const uint8_t *k, const uint8_t *v, int64_t slot_stride, int64_t head_off,
-    const int fmt, const int64_t *table, int64_t L, int G, int D, int bs, float sm_scale,
+    const int fmt, const int64_t *table, int64_t L, int G, const int D, int bs, float sm_scale,
     float *scores, float *acc, float *codes, float *outh) {
     float qsum[64];  /* G <= 64 */
     for (int g = 0; g < G; g++) {
@@ -82,17 +82,18 @@ static inline __attribute__((always_inline)) void attend(
         for (int d = 0; d < D; d++) s += qh[g * D + d];
         qsum[g] = s;
     }
-    for (int64_t t = 0; t < L; t++) {
-        const int64_t off = (table[t / bs] * bs + t % bs) * slot_stride + head_off;
+    for (int64_t t0 = 0; t0 < L; t0 += bs) {  /* page by page: no division per token */
+        const uint8_t *page = k + table[t0 / bs] * bs * slot_stride + head_off;
+        for (int64_t t = t0; t < t0 + bs && t < L; t++) {
         float scale, zero;
-        load_row(k + off, fmt, D, codes, &scale, &zero);  /* once per token, for G heads */
+        load_row(page + (t - t0) * slot_stride, fmt, D, codes, &scale, &zero);  /* once per token, for G heads */
         for (int g = 0; g < G; g++) {
             const float *qg = qh + g * D;
             float dot = 0.f;
             for (int d = 0; d < D; d++) dot += qg[d] * codes[d];
             scores[g * L + t] = scale * (dot - zero * qsum[g]) * sm_scale;
         }
-    }
+    }}
     for (int g = 0; g < G; g++) {
         float *s = scores + g * L, m = -INFINITY, sum = 0.f;
         for (int64_t t = 0; t < L; t++) m = s[t] > m ? s[t] : m;
@@ -100,15 +101,16 @@ static inline __attribute__((always_inline)) void attend(
         for (int64_t t = 0; t < L; t++) s[t] /= sum;
     }
     memset(acc, 0, sizeof(float) * (size_t)D * G);
-    for (int64_t t = 0; t < L; t++) {
-        const int64_t off = (table[t / bs] * bs + t % bs) * slot_stride + head_off;
+    for (int64_t t0 = 0; t0 < L; t0 += bs) {  /* page by page: no division per token */
+        const uint8_t *page = v + table[t0 / bs] * bs * slot_stride + head_off;
+        for (int64_t t = t0; t < t0 + bs && t < L; t++) {
         float scale, zero;
-        load_row(v + off, fmt, D, codes, &scale, &zero);
+        load_row(page + (t - t0) * slot_stride, fmt, D, codes, &scale, &zero);
         for (int g = 0; g < G; g++) {
             float w = scores[g * L + t] * scale, wz = w * zero, *a = acc + g * D;
             for (int d = 0; d < D; d++) a[d] += w * codes[d] - wz;
         }
-    }
+    }}
     memcpy(outh, acc, sizeof(float) * (size_t)D * G);
 }
 
@@ -142,14 +144,19 @@ int paged_decode_attention(const float *q, const uint8_t *k, const uint8_t *v, i
         const float *qh = q + ((int64_t)b * H + (int64_t)h * G) * D;
         float *outh = out + ((int64_t)b * H + (int64_t)h * G) * D;
         const int64_t ho = h * head_stride;
-#define ATTEND(f) attend(qh, k, v, slot_stride, ho, f, table, L, G, D, bs, sm_scale, scores, acc, codes, outh)
-        switch (fmt) {
-        case KV_INT4: ATTEND(KV_INT4); break;
-        case KV_INT8: ATTEND(KV_INT8); break;
-        case KV_F16: ATTEND(KV_F16); break;
-        case KV_BF16: ATTEND(KV_BF16); break;
-        default: ATTEND(KV_F32);
+#define ATTEND(f, d) attend(qh, k, v, slot_stride, ho, f, table, L, G, d, bs, sm_scale, scores, acc, codes, outh)
+#define FORMATS(d)                                  \
+        switch (fmt) {                              \
+        case KV_INT4: ATTEND(KV_INT4, d); break;    \
+        case KV_INT8: ATTEND(KV_INT8, d); break;    \
+        case KV_F16: ATTEND(KV_F16, d); break;      \
+        case KV_BF16: ATTEND(KV_BF16, d); break;    \
+        default: ATTEND(KV_F32, d);                 \
         }
+        if (D == 64) FORMATS(64)
+        else if (D == 128) FORMATS(128)
+        else FORMATS(D)
+#undef FORMATS
 #undef ATTEND
     }
     free(scores);
