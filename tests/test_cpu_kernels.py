@@ -170,3 +170,24 @@ def test_fused_int8_linear_keeps_fp16_and_leading_dims():
 def test_pack_weight_refuses_codes_that_leave_the_byte_range():
     with pytest.raises(ValueError, match="0..255"):
         fused.pack_weight(torch.full((16, 8), 200, dtype=torch.uint8), 128)
+
+
+# ---- KV4 page write in C -------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_c_kv4_write_is_byte_identical_to_the_torch_layout(dtype):
+    from qoqserve.kernels.cpu import kv4_write
+    from qoqserve.layers.kv_cache import Int4KVCacheLayout
+
+    assert kv4_write.available()
+    layout = Int4KVCacheLayout(3, 64, 16)
+    torch.manual_seed(4)
+    k, v = (torch.randn(37, 3, 64) * 4).to(dtype), torch.randn(37, 3, 64).to(dtype)
+    k[3, 1] = 0.25                # a constant head: range 0, the amax floor decides
+    k[4, 2] = 0                   # all zero: the smallest fp16 scale
+    v[5, 0, :8] = torch.tensor([0.5, 1.5, 2.5, -0.5, 7.5, -7.5, 3.0, -3.0]).to(dtype)  # ties
+    slots = torch.randperm(64 * 16)[:37]
+    ref, got = layout.allocate(64, "cpu"), layout.allocate(64, "cpu")
+    layout.write(ref, k, v, slots)
+    kv4_write.kv4_write(got, k, v, slots)
+    assert torch.equal(got, ref)

@@ -216,7 +216,11 @@ class CpuDecodeKernel:
 
 
 class CpuInt4KVCacheLayout(CpuDecodeKernel, Int4KVCacheLayout):
-    pass
+    def write(self, cache, k, v, slot_mapping) -> None:
+        from qoqserve.kernels.cpu import kv4_write
+        if not kv4_write.available():
+            return super().write(cache, k, v, slot_mapping)
+        kv4_write.kv4_write(cache, k, v, slot_mapping)
 
 
 class CpuInt8KVCacheLayout(CpuDecodeKernel, Int8KVCacheLayout):

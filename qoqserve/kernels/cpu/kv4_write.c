@@ -1,0 +1,65 @@
+/* KV4 page write for CPUs: quantize each new token's K and V per head
+ * (asymmetric UINT4, fp16 scale and zero) and store the rows into their page
+ * slots, in one call per layer instead of ~40 small torch ops.
+ *
+ * Byte-identical to qoq_ref.quantize_kv4 + pack_uint4 + the Int4 layout's
+ * write: fp32 min/max, scale = fp16(max((hi - lo) / 15, amax * 2^-14)) (2^-24
+ * if that is 0), zero = fp16(-lo / scale), code = round_half_even(x / scale +
+ * zero) clamped to 0..15, low nibble = even channel; the row ends with the
+ * scale's and the zero's fp16 bytes. Compiled without FMA contraction, as the
+ * reference rounds the division and the addition separately.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline float load(const void *x, int bf16, int64_t i) {
+    return bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+}
+
+/* one head of one token: D values -> D/2 code bytes + fp16 scale + fp16 zero */
+static void quantize_row(const void *x, int bf16, int64_t base, int D, uint8_t *row) {
+    float lo = INFINITY, hi = -INFINITY;
+    for (int d = 0; d < D; d++) {
+        float v = load(x, bf16, base + d);
+        lo = v < lo ? v : lo;
+        hi = v > hi ? v : hi;
+    }
+    float amax = fabsf(lo) > fabsf(hi) ? fabsf(lo) : fabsf(hi);
+    float range = (hi - lo) / 15.f, floor_ = amax * 0x1p-14f;
+    _Float16 scale = (_Float16)(range > floor_ ? range : floor_);
+    if (!(scale > 0)) scale = (_Float16)0x1p-24f;
+    const float s = (float)scale;
+    _Float16 zero = (_Float16)(-lo / s);
+    const float z = (float)zero;
+    for (int d = 0; d < D; d += 2) {
+        float c0 = nearbyintf(load(x, bf16, base + d) / s + z);
+        float c1 = nearbyintf(load(x, bf16, base + d + 1) / s + z);
+        c0 = c0 < 0.f ? 0.f : (c0 > 15.f ? 15.f : c0);
+        c1 = c1 < 0.f ? 0.f : (c1 > 15.f ? 15.f : c1);
+        row[d / 2] = (uint8_t)((int)c0 | ((int)c1 << 4));
+    }
+    memcpy(row + D / 2, &scale, 2);
+    memcpy(row + D / 2 + 2, &zero, 2);
+}
+
+/* k, v: [T, Hkv, D] fp32 or bf16, contiguous; cache: uint8 [slots, 2, Hkv, D/2 + 4];
+ * slots: int64 [T] */
+void kv4_write(const void *k, const void *v, int bf16, const int64_t *slots, int64_t T, int Hkv,
+               int D, uint8_t *cache, int threads) {
+    const int64_t row = D / 2 + 4;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (T * Hkv > 256)
+    for (int64_t i = 0; i < T * Hkv; i++) {
+        const int64_t t = i / Hkv, h = i % Hkv;
+        uint8_t *dst = cache + slots[t] * 2 * Hkv * row + h * row;
+        quantize_row(k, bf16, i * D, D, dst);
+        quantize_row(v, bf16, i * D, D, dst + Hkv * row);
+    }
+}

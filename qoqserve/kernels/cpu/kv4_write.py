@@ -1,0 +1,34 @@
+"""KV4 page write on CPU (kv4_write.c), via ctypes: quantize and store one
+step's K and V in one call, byte-identical to the torch layout's write."""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from qoqserve.kernels.cpu.build import load_library
+
+_P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+_SIGNATURES = {"kv4_write": (None, [_P, _P, _I, _P, _L, _I, _I, _P, _I])}
+
+
+def load():
+    # no FMA contraction: the reference rounds x / scale and + zero separately
+    return load_library("kv4_write", ["-ffp-contract=off"], _SIGNATURES)
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def kv4_write(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """k, v [T, Hkv, D] -> their rows of the KV4 page pool `cache` (uint8
+    [blocks, block_size, 2, Hkv, D/2 + 4]) at flat slots `slot_mapping`."""
+    t, hkv, d = k.shape
+    if cache.shape[-2:] != (hkv, d // 2 + 4) or d % 2 or not cache.is_contiguous():
+        raise ValueError(f"unsupported shapes: k {tuple(k.shape)}, pages {tuple(cache.shape)}")
+    work = k.dtype if k.dtype in (torch.float32, torch.bfloat16) else torch.float32  # fp16: exact in fp32
+    kc, vc = k.to(work).contiguous(), v.to(work).contiguous()
+    slots = slot_mapping.to(torch.int64).contiguous()
+    load().kv4_write(kc.data_ptr(), vc.data_ptr(), int(work == torch.bfloat16), slots.data_ptr(), t, hkv,
+                     d, cache.data_ptr(), torch.get_num_threads())
