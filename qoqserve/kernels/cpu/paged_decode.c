@@ -8,15 +8,19 @@
  * Each (sequence, KV head) is computed on its own in a fixed order, so a
  * sequence's result does not depend on what else is in the batch.
  *
- * With vals_t the row's codes (or values: scale 1, zero 0):
+ * With vals_t the row's codes (or values: scale 1, zero 0) and e_t = exp(score_t - max):
  * score_t = scale_t * (q . vals_t - zero_t * sum(q)) * sm_scale   (= q . k_t * sm_scale)
- * out     = sum_t p_t * scale_t * (vals_t - zero_t)                 (= sum_t p_t v_t)
+ * out     = (sum_t e_t scale_t vals_t - sum_t e_t scale_t zero_t) / sum_t e_t   (= sum_t p_t v_t)
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#if defined(__F16C__)
+#include <immintrin.h>
+static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }  /* exact, one instruction */
+#else
 static inline float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
     uint32_t exp = (h >> 10) & 0x1fu;
@@ -30,6 +34,7 @@ static inline float half_to_float(uint16_t h) {
     memcpy(&f, &bits, 4);
     return f;
 }
+#endif
 
 static inline float meta(const uint8_t *p) { return half_to_float((uint16_t)(p[0] | (p[1] << 8))); }
 
@@ -42,10 +47,10 @@ static inline void load_row(const uint8_t *r, int fmt, int D, float *vals, float
     *scale = 1.f;
     *zero = 0.f;
     switch (fmt) {
-    case KV_INT4:
+    case KV_INT4:  /* planar: even channels, then odd ones (attend() permutes q to match) */
         for (int j = 0; j < D / 2; j++) {
-            vals[2 * j] = (float)(r[j] & 15);
-            vals[2 * j + 1] = (float)(r[j] >> 4);
+            vals[j] = (float)(r[j] & 15);
+            vals[D / 2 + j] = (float)(r[j] >> 4);
         }
         *scale = meta(r + D / 2);
         *zero = meta(r + D / 2 + 2);
@@ -75,7 +80,17 @@ static inline void load_row(const uint8_t *r, int fmt, int D, float *vals, float
 static inline __attribute__((always_inline)) void attend(
     const float *qh, const uint8_t *k, const uint8_t *v, int64_t slot_stride, int64_t head_off,
     const int fmt, const int64_t *table, int64_t L, int G, const int D, int bs, float sm_scale,
-    float *scores, float *acc, float *codes, float *outh) {
+    float *restrict scores, float *restrict acc, float *restrict codes, float *restrict outh) {
+    if (fmt == KV_INT4) {  /* q in the planar channel order of unpacked KV4 rows */
+        float *qp = acc;   /* acc is free until the V pass */
+        for (int g = 0; g < G; g++)
+            for (int j = 0; j < D / 2; j++) {
+                qp[g * D + j] = qh[g * D + 2 * j];
+                qp[g * D + D / 2 + j] = qh[g * D + 2 * j + 1];
+            }
+        memcpy(codes + D, qp, sizeof(float) * (size_t)D * G);
+        qh = codes + D;
+    }
     float qsum[64];  /* G <= 64 */
     for (int g = 0; g < G; g++) {
         float s = 0.f;
@@ -94,11 +109,14 @@ static inline __attribute__((always_inline)) void attend(
             scores[g * L + t] = scale * (dot - zero * qsum[g]) * sm_scale;
         }
     }}
+    /* unnormalized softmax; the V pass divides once at the end */
+    float sums[64], zsums[64];
     for (int g = 0; g < G; g++) {
         float *s = scores + g * L, m = -INFINITY, sum = 0.f;
         for (int64_t t = 0; t < L; t++) m = s[t] > m ? s[t] : m;
         for (int64_t t = 0; t < L; t++) { s[t] = expf(s[t] - m); sum += s[t]; }
-        for (int64_t t = 0; t < L; t++) s[t] /= sum;
+        sums[g] = sum;
+        zsums[g] = 0.f;
     }
     memset(acc, 0, sizeof(float) * (size_t)D * G);
     for (int64_t t0 = 0; t0 < L; t0 += bs) {  /* page by page: no division per token */
@@ -106,12 +124,23 @@ static inline __attribute__((always_inline)) void attend(
         for (int64_t t = t0; t < t0 + bs && t < L; t++) {
         float scale, zero;
         load_row(page + (t - t0) * slot_stride, fmt, D, codes, &scale, &zero);
-        for (int g = 0; g < G; g++) {
-            float w = scores[g * L + t] * scale, wz = w * zero, *a = acc + g * D;
-            for (int d = 0; d < D; d++) a[d] += w * codes[d] - wz;
+        for (int g = 0; g < G; g++) {  /* sum_t w_t (vals_t - z_t): the z part kept apart */
+            float w = scores[g * L + t] * scale, *a = acc + g * D;
+            zsums[g] += w * zero;
+            for (int d = 0; d < D; d++) a[d] += w * codes[d];
         }
     }}
-    memcpy(outh, acc, sizeof(float) * (size_t)D * G);
+    for (int g = 0; g < G; g++)
+        for (int d = 0; d < D; d++) acc[g * D + d] = (acc[g * D + d] - zsums[g]) / sums[g];
+    if (fmt == KV_INT4) {  /* back to channel order */
+        for (int g = 0; g < G; g++)
+            for (int j = 0; j < D / 2; j++) {
+                outh[g * D + 2 * j] = acc[g * D + j];
+                outh[g * D + 2 * j + 1] = acc[g * D + D / 2 + j];
+            }
+    } else {
+        memcpy(outh, acc, sizeof(float) * (size_t)D * G);
+    }
 }
 
 /* q, out: float [B, H, D]. The row of (slot, head) for K starts at
@@ -130,7 +159,7 @@ int paged_decode_attention(const float *q, const uint8_t *k, const uint8_t *v, i
     {
     float *scores = malloc(sizeof(float) * (size_t)(max_len > 0 ? max_len : 1) * G);
     float *acc = malloc(sizeof(float) * (size_t)D * G);
-    float *codes = malloc(sizeof(float) * (size_t)D);
+    float *codes = malloc(sizeof(float) * (size_t)D * (G + 1));  /* a row, then permuted q */
     if (!scores || !acc || !codes) {
         #pragma omp atomic write
         failed = 1;
