@@ -191,3 +191,26 @@ def test_c_kv4_write_is_byte_identical_to_the_torch_layout(dtype):
     layout.write(ref, k, v, slots)
     kv4_write.kv4_write(got, k, v, slots)
     assert torch.equal(got, ref)
+
+
+def test_w8a8_linear_runs_on_the_fused_kernel_and_matches_its_references():
+    import torch.nn.functional as F
+
+    from qoqserve.layers.linear import Linear
+    from qoqserve.layers.w8a8_linear import W8A8LinearMethod
+
+    torch.manual_seed(5)
+    w, b = torch.randn(96, 80) * 0.1, torch.randn(96)
+    fused, plain = (Linear(80, 96, True, W8A8LinearMethod(native_cpu_ops=n), torch.float32)
+                    for n in (True, False))
+    for lin in (fused, plain):
+        lin.weight.copy_(w)
+        lin.bias.copy_(b)
+        lin.method.process_weights_after_loading(lin)
+    assert fused.method.describe(fused) == "w8a8/torch-int8+vnni"
+    assert plain.method.describe(plain) == "w8a8/torch-int8"
+    x = torch.randn(7, 80)
+    got = fused(x)
+    assert torch.equal(got, plain(x))  # the torch _int_mm path on the same INT8 weights
+    ref = F.linear(x, w, b)            # W8A8 vs full precision: per-token/per-channel INT8 error
+    assert (got - ref).abs().max() < 0.02 * ref.abs().max()
