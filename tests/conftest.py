@@ -143,7 +143,7 @@ def reference_llm(default_gguf_path):
     return LLM(default_gguf_path, dtype="float32", kv_cache_gb=0.1, max_model_len=512)
 
 
-def make_kv4_pages(heads: int, hkv: int, d: int, lens: list[int], bs: int = 16,
+def make_pages(heads: int, hkv: int, d: int, lens: list[int], bs: int = 16,
                    num_blocks: int = 64, seed: int = 0, layout=None):
     """KV4 pages (or those of `layout`) holding random K/V for sequences of the
     given lengths, their pages scattered over the pool: (layout, cache, block

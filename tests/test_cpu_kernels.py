@@ -6,7 +6,7 @@ import torch
 
 from qoqserve.kernels.cpu import paged_decode
 from qoqserve.layers.attention import AttentionMetadata, PagedAttention
-from conftest import make_kv4_pages
+from conftest import make_pages
 
 
 def test_the_kernel_builds_here():
@@ -33,7 +33,7 @@ FORMATS = ["int4", "int8", "bfloat16", "float16", "float32"]
 def test_c_decode_attention_matches_the_torch_path(fmt, heads, hkv, d):
     lens = [1, 17, 50, 100]
     layout, c_layout = _pages(fmt, hkv, d)
-    _, cache, tables, ctx = make_kv4_pages(heads, hkv, d, lens, layout=layout)
+    _, cache, tables, ctx = make_pages(heads, hkv, d, lens, layout=layout)
     q = torch.randn(len(lens), heads, d)
     got = c_layout.decode_attention(q, cache, tables, ctx, d ** -0.5)
     attn = PagedAttention(heads, hkv, d, layout)  # gather, dequantize, fp64 SDPA
@@ -45,7 +45,7 @@ def test_c_decode_attention_matches_the_torch_path(fmt, heads, hkv, d):
 def test_c_decode_attention_of_a_sequence_does_not_depend_on_its_batch(fmt):
     lens = [33, 7, 120, 64, 5]
     layout, c_layout = _pages(fmt, 3, 64)
-    _, cache, tables, ctx = make_kv4_pages(9, 3, 64, lens, seed=1, layout=layout)
+    _, cache, tables, ctx = make_pages(9, 3, 64, lens, seed=1, layout=layout)
     q = torch.randn(len(lens), 9, 64)
     batched = c_layout.decode_attention(q, cache, tables, ctx, 0.125)
     for i, n in enumerate(lens):
@@ -56,7 +56,7 @@ def test_c_decode_attention_of_a_sequence_does_not_depend_on_its_batch(fmt):
 
 def test_bf16_queries_come_back_in_bf16():
     layout, c_layout = _pages("int4", 2, 64)
-    _, cache, tables, ctx = make_kv4_pages(4, 2, 64, [10, 20], layout=layout)
+    _, cache, tables, ctx = make_pages(4, 2, 64, [10, 20], layout=layout)
     q = torch.randn(2, 4, 64).bfloat16()
     out = c_layout.decode_attention(q, cache, tables, ctx, 0.125)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
@@ -66,7 +66,7 @@ def test_c_decode_attention_refuses_rows_of_another_format():
     from qoqserve.kernels.cpu.paged_decode import paged_decode_attention
 
     layout, _ = _pages("bfloat16", 2, 64)
-    _, cache, tables, ctx = make_kv4_pages(4, 2, 64, [10], layout=layout)
+    _, cache, tables, ctx = make_pages(4, 2, 64, [10], layout=layout)
     k, v = layout.page_rows(cache)
     with pytest.raises(ValueError, match="unsupported shapes"):
         paged_decode_attention(torch.randn(1, 4, 64), k, v, "float32", 16, tables, ctx, 0.125)

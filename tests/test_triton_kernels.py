@@ -17,7 +17,7 @@ from qoqserve.kernels.triton.w4a8_gemm import w4a8_gemm
 from qoqserve.layers.attention import AttentionMetadata, PagedAttention
 from qoqserve.layers.kv_cache import Int4KVCacheLayout
 from qoqserve.layers.norm import RMSNorm
-from conftest import make_kv4_pages
+from conftest import make_pages
 
 DEVICE = os.environ.get("QOQSERVE_TEST_DEVICE", "cpu")
 
@@ -125,7 +125,7 @@ def test_kv4_write_is_byte_identical_to_the_torch_layout(hkv, d):
 @pytest.mark.parametrize("heads,hkv,d", [(6, 2, 64), (4, 4, 128), (8, 2, 80)])
 def test_kv4_decode_attention_matches_the_torch_path(heads, hkv, d):
     lens = [1, 17, 50, 100]  # ragged, one shorter than a page; pages scattered over the pool
-    layout, cache, tables, ctx = make_kv4_pages(heads, hkv, d, lens, num_blocks=40)
+    layout, cache, tables, ctx = make_pages(heads, hkv, d, lens, num_blocks=40)
     q = torch.randn(len(lens), heads, d)
     got = kv4_decode_attention(*on_device(q, cache, tables, ctx), d ** -0.5).cpu()
     attn = PagedAttention(heads, hkv, d, layout)
