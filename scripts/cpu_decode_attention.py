@@ -10,22 +10,11 @@ fp32 pages and prints ms per call and the bytes of K/V it reads.
 """
 import argparse
 import platform
-import time
 
 import torch
 
+from qoqserve.bench.timing import best_of_rounds
 from qoqserve.layers import kv_cache as kc
-
-
-def timed(fn, repeats=5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(3):  # best of 3 rounds: this machine is shared
-        start = time.perf_counter()
-        for _ in range(repeats):
-            fn()
-        best = min(best, (time.perf_counter() - start) / repeats)
-    return best
 
 
 def main():
@@ -51,7 +40,7 @@ def main():
         pos = torch.arange(n)
         for i in range(b):
             layout.write(cache, torch.randn(n, hkv, d), torch.randn(n, hkv, d), tables[i, pos // bs] * bs + pos % bs)
-        t = timed(lambda: layout.decode_attention(q, cache, tables, lens, d ** -0.5))
+        t = best_of_rounds(lambda: layout.decode_attention(q, cache, tables, lens, d ** -0.5), 5)
         mb = layout.bytes_per_token() * b * n / 1e6
         print(f"{name:>9} {1e3 * t:>7.2f} {mb:>7.1f} {mb / 1e3 / t:>6.1f}")
 

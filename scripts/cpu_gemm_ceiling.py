@@ -14,11 +14,11 @@ the ratios printed are an upper bound on what W4A8 can gain over BF16 here.
     python scripts/cpu_gemm_ceiling.py > docs/benchmarks/gemm_ceiling_cpu.txt
 """
 import platform
-import time
 
 import torch
 import torch.nn.functional as F
 
+from qoqserve.bench.timing import best_of_rounds
 from qoqserve.kernels.cpu import w4a8_ops
 from qoqserve.layers.int8_gemm import PackedInt8Gemm, fused_int8_available, int8_linear
 from qoqserve.model_loader import load_model_source
@@ -27,15 +27,7 @@ REPEATS = 30
 
 
 def timed(fn) -> float:
-    for _ in range(3):
-        fn()
-    best = float("inf")
-    for _ in range(3):  # best of 3 rounds: this machine is shared
-        start = time.perf_counter()
-        for _ in range(REPEATS):
-            fn()
-        best = min(best, (time.perf_counter() - start) / REPEATS)
-    return best
+    return best_of_rounds(fn, REPEATS, warmup=3)
 
 
 def main():

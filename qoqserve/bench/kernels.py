@@ -12,13 +12,12 @@ under TRITON_INTERPRET=1; those timings mean nothing.
 """
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 
+from qoqserve.bench.timing import time_ms
 from qoqserve.kernels.triton.kv4_attention import kv4_decode_attention, kv4_write
 from qoqserve.kernels.triton.w4a8_gemm import w4a8_gemm
 from qoqserve.layers.kv_cache import DenseKVCacheLayout, Int4KVCacheLayout
@@ -37,26 +36,6 @@ class Row:
     ms: float
     ratio: float    # baseline time / this time (> 1: faster than the baseline)
     baseline: str
-
-
-def time_ms(fn, device: torch.device, iters: int, warmup: int = 3) -> float:
-    """Median wall time of fn() in milliseconds (CUDA events on GPU)."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            samples.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
 
 
 def _packed_weight(n: int, k: int, group: int, device):

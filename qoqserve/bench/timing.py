@@ -1,0 +1,41 @@
+"""Wall-clock timing of a callable, the two ways the benchmarks use."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def time_ms(fn, device: torch.device, iters: int, warmup: int = 3) -> float:
+    """Median wall time of fn() in milliseconds (CUDA events on GPU)."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            samples.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def best_of_rounds(fn, repeats: int, warmup: int = 1, rounds: int = 3) -> float:
+    """Seconds per fn() call: the best of `rounds` rounds of `repeats` calls.
+    The best round, not the mean: on a shared machine the noise only adds."""
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        best = min(best, (time.perf_counter() - start) / repeats)
+    return best
