@@ -214,3 +214,17 @@ def test_w8a8_linear_runs_on_the_fused_kernel_and_matches_its_references():
     assert torch.equal(got, plain(x))  # the torch _int_mm path on the same INT8 weights
     ref = F.linear(x, w, b)            # W8A8 vs full precision: per-token/per-channel INT8 error
     assert (got - ref).abs().max() < 0.02 * ref.abs().max()
+
+
+def test_the_package_ships_every_c_kernel_source():
+    """They are compiled on first use, so a wheel without them has no C path."""
+    import fnmatch
+    import pathlib
+    import tomllib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["qoqserve"]
+    sources = [p.relative_to(root / "qoqserve").as_posix() for p in (root / "qoqserve").rglob("*.c")]
+    assert sources
+    for src in sources:
+        assert any(fnmatch.fnmatch(src, pat) for pat in patterns), src
