@@ -1,4 +1,9 @@
-"""Engine configuration: one dataclass per concern, gathered in EngineConfig."""
+"""Engine configuration: one dataclass per concern, gathered in EngineConfig.
+
+These dataclasses are the one place engine options and their defaults are
+written: the command line's engine flags are generated from their fields
+(qoqserve/cli/engine_args.py), with the help text from each field's metadata.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -8,6 +13,19 @@ import torch
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
            "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16}
+DTYPE_CHOICES = ("auto", *_DTYPES)
+KV_CACHE_DTYPES = ("auto", "int4", "int8", "float16", "fp16", "bfloat16", "bf16", "float32")
+KERNELS = ("auto", "torch", "cpu", "triton")
+W4A8_BACKENDS = ("auto", "torch-int8", "torch-int8-percall", "sim", "triton")
+QUANTIZATIONS = ("w8a8",)
+
+
+def opt(default, help: str, **extra):
+    """A config field with the help text (and optional argparse choices/flags)
+    its command-line flag shows."""
+    if isinstance(default, (list, dict, set)):
+        raise TypeError("mutable defaults need default_factory")
+    return field(default=default, metadata={"help": help, **extra})
 
 
 def parse_dtype(name: str | torch.dtype, device: str) -> torch.dtype:
@@ -23,47 +41,66 @@ def parse_dtype(name: str | torch.dtype, device: str) -> torch.dtype:
 
 @dataclass
 class CacheConfig:
-    block_size: int = 16            # tokens per KV page
-    # KV budget in GiB. None: on CUDA kv_cache_fraction of free device memory
-    # (after weights); on CPU min(kv_cache_fraction of free RAM, 2 GiB), since
-    # zero-filling a huge pool costs seconds of start-up and CPU batches are small.
-    kv_cache_gb: float | None = None
-    kv_cache_fraction: float = 0.3
-    num_blocks: int | None = None   # overrides the budget (tests use tiny pools)
-    # "auto": int4 for a QoQ checkpoint calibrated with KV4, else the model dtype;
-    # or "int4", "float16", "bfloat16", "float32"
-    kv_cache_dtype: str = "auto"
-    enable_prefix_caching: bool = True
-    # prefill attends to K/V as stored (e.g. KV4) instead of as computed; None:
-    # whenever the page format is lossier than the activations (see KVCacheLayout)
-    quantized_prefill: bool | None = None
+    block_size: int = opt(16, "tokens per KV page")
+    # zero-filling a huge pool costs seconds of start-up and CPU batches are small
+    kv_cache_gb: float | None = opt(None, "KV page pool size in GiB (default: --kv-cache-fraction "
+                                          "of free memory, capped at 2 GiB on CPU)")
+    kv_cache_fraction: float = opt(0.3, "KV pool as a fraction of free memory when --kv-cache-gb "
+                                        "is not given (on CUDA: after the weights)")
+    num_blocks: int | None = opt(None, "number of KV pages (overrides the budget; tests use tiny pools)",
+                                 cli=False)
+    kv_cache_dtype: str = opt("auto", "auto: int4 for QoQ KV4 checkpoints (int8 for KV8 ones), "
+                                      "else the model dtype", choices=KV_CACHE_DTYPES)
+    enable_prefix_caching: bool = opt(True, "reuse KV pages of shared prompt prefixes",
+                                      aliases=("--no-prefix-caching",))
+    # a prompt whose prefix comes from the prefix cache can only see stored values
+    quantized_prefill: bool | None = opt(
+        None, "prefill attends to K/V as stored (e.g. KV4) instead of as computed (default: "
+              "whenever the page format is lossier than the activations)", cli=False)
 
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 4096
-    max_model_len: int | None = None  # defaults to the model's context window
+    max_num_seqs: int = opt(64, "most sequences in one step")
+    max_num_batched_tokens: int = opt(4096, "most tokens in one step")
+    max_model_len: int | None = opt(None, "context window (default: the model's)")
 
 
 @dataclass
 class EngineConfig:
-    model: str | None = None        # path, or None for the embedded default model
-    dtype: str | torch.dtype = "auto"
-    device: str = "cpu"
-    w4a8_backend: str = "auto"      # QoQ checkpoints: auto | torch-int8 | torch-int8-percall | sim | triton
-    # "auto": the Triton kernels on CUDA; on CPU ("cpu") the C KV4 decode kernel
-    # where a compiler builds it, else torch; "torch": torch only. "triton" on
-    # CPU only runs in Triton's interpreter (TRITON_INTERPRET=1), for the tests
-    kernels: str = "auto"
-    quantization: str | None = None  # full-precision checkpoints: None or "w8a8" (at load)
-    # torch.compile the decode attention (fuses page gather + KV4 dequant); the
-    # first step pays the compile (~30 s on 2 cores, cached on disk afterwards)
-    compile: bool = False
-    seed: int = 0
+    model: str | None = opt(None, "HF checkpoint dir or .gguf file (default: embedded "
+                                  "SmolLM2-135M-Instruct)")
+    dtype: str | torch.dtype = opt("auto", "activation and unquantized-weight dtype (auto: fp32 "
+                                           "on CPU, fp16 on CUDA)", choices=DTYPE_CHOICES)
+    device: str = opt("cpu", "cpu or cuda[:N]")
+    w4a8_backend: str = opt(
+        "auto", "how QoQ W4A8 linears run: INT8 weights expanded at load (torch-int8, 1 B/weight), "
+                "expanded per call from packed codes (torch-int8-percall, 0.5 B/weight), the fp32 "
+                "simulation (sim), or the Triton GEMM (triton; auto picks it on CUDA)",
+        choices=W4A8_BACKENDS)
+    kernels: str = opt(
+        "auto", "auto: Triton kernels on CUDA; on CPU the C kernels (built on first use) where "
+                "they build; torch: torch ops only; triton on CPU runs only in Triton's "
+                "interpreter (TRITON_INTERPRET=1, for tests)", choices=KERNELS)
+    quantization: str | None = opt(None, "quantize a full-precision checkpoint at load (W8A8 "
+                                         "baseline); QoQ W4A8 needs a `qoqserve quantize` checkpoint",
+                                   choices=QUANTIZATIONS)
+    # the first step pays the compile (~30 s on 2 cores, cached on disk afterwards)
+    compile: bool = opt(False, "torch.compile the decode attention of the torch path")
+    seed: int = opt(0, "seed of the sampler for requests without their own")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return parse_dtype(self.dtype, self.device)
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **kwargs) -> "EngineConfig":
+        """From flat keyword arguments, as LLM(...) takes them (vLLM's style)."""
+        cache = {k: kwargs.pop(k) for k in list(kwargs) if k in CacheConfig.__dataclass_fields__}
+        sched = {k: kwargs.pop(k) for k in list(kwargs) if k in SchedulerConfig.__dataclass_fields__}
+        unknown = set(kwargs) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise TypeError(f"unknown engine options: {sorted(unknown)}")
+        return cls(model=model, cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched), **kwargs)

@@ -3,26 +3,31 @@ from __future__ import annotations
 
 import itertools
 
-from qoqserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from tqdm import tqdm
+
+from qoqserve.config import EngineConfig
 from qoqserve.engine.llm_engine import LLMEngine
 from qoqserve.engine.output import RequestOutput
+from qoqserve.quant.default_checkpoint import resolve_model
 from qoqserve.sampling_params import SamplingParams
-
-
-def build_engine_config(model: str | None = None, **kwargs) -> EngineConfig:
-    """EngineConfig from flat keyword arguments (as on the command line)."""
-    cache = {k: kwargs.pop(k) for k in list(kwargs) if k in CacheConfig.__dataclass_fields__}
-    sched = {k: kwargs.pop(k) for k in list(kwargs) if k in SchedulerConfig.__dataclass_fields__}
-    unknown = set(kwargs) - set(EngineConfig.__dataclass_fields__)
-    if unknown:
-        raise TypeError(f"unknown engine options: {sorted(unknown)}")
-    return EngineConfig(model=model, cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched),
-                        **kwargs)
 
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs):
-        self.engine = LLMEngine(build_engine_config(model, **kwargs))
+        """model: a path, None for the embedded model, or a `qoq` alias (the embedded
+        model as a QoQ checkpoint, quantized on first use); kwargs: EngineConfig's
+        fields and its cache/scheduler fields, flat."""
+        self._init(EngineConfig.from_kwargs(resolve_model(model), **kwargs))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLM":
+        """From a whole EngineConfig; config.model must be a path (no alias)."""
+        llm = cls.__new__(cls)
+        llm._init(config)
+        return llm
+
+    def _init(self, config: EngineConfig) -> None:
+        self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
@@ -43,7 +48,6 @@ class LLM:
         results: list[RequestOutput | None] = [None] * len(order)
         bar = None
         if use_tqdm:
-            from tqdm import tqdm
             bar = tqdm(total=len(order), desc="generate", unit="req")
         try:
             while self.engine.has_unfinished():

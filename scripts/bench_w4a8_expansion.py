@@ -3,13 +3,18 @@ embedded QoQ g64 checkpoint at M = 1, 32, 256 rows, and resident linear bytes.
 
     python scripts/bench_w4a8_expansion.py   (output: docs/benchmarks/w4a8_expansion_cpu.txt)
 """
-import os, time, torch
+import time
+
+import torch
+
 from qoqserve.config import CacheConfig, EngineConfig
 from qoqserve.engine.model_runner import ModelRunner
 from qoqserve.layers.linear import Linear
 from qoqserve.model_loader import load_model_source
+
 # the embedded model's QoQ g64 checkpoint (quantized on first use)
 from qoqserve.quant.default_checkpoint import default_qoq_checkpoint
+
 path = default_qoq_checkpoint("g64")
 res = {}
 for backend in ("torch-int8", "torch-int8-percall"):

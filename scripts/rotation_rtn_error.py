@@ -11,14 +11,12 @@
 import torch
 
 from qoqserve.eval.perplexity import LICENSE_TEXTS, perplexity, read_texts
-from qoqserve.quant.transforms.rotation import fold_norms
-
 from qoqserve.layers.linear import Linear
 from qoqserve.model_loader import load_model_source
 from qoqserve.quant.calibration import load_calibration
 from qoqserve.quant.config import get_preset
 from qoqserve.quant.pipeline import _qoq_rtn, build_fp_model
-from qoqserve.quant.transforms.rotation import rotate_model
+from qoqserve.quant.transforms.rotation import fold_norms, rotate_model
 
 
 def output_errors(model, ids):

@@ -14,8 +14,12 @@ import transformers
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import pre_tokenizers
 
-from qoqserve.model_loader import (IncrementalDetokenizer, ModelLoadError, UnsupportedModelError,
-                                   load_model_source)
+from qoqserve.model_loader import (
+    IncrementalDetokenizer,
+    ModelLoadError,
+    UnsupportedModelError,
+    load_model_source,
+)
 
 # transformers' GGUF tokenizer has no "smollm" pre-tokenizer entry, so it
 # lacks the per-digit split of the real SmolLM2 tokenizer.json; these texts

@@ -5,7 +5,7 @@ import transformers
 
 from qoqserve.layers.attention import AttentionMetadata
 from qoqserve.layers.kv_cache import DenseKVCacheLayout
-from qoqserve.model_loader.arch import ModelArchConfig
+from qoqserve.models.arch import ModelArchConfig
 from qoqserve.models.llama import LlamaForCausalLM
 
 SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2,

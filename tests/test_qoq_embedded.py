@@ -3,6 +3,7 @@ import json
 import shutil
 
 import pytest
+from test_engine import GREEDY, batch_prompts
 
 from qoqserve.eval.perplexity import LICENSE_TEXTS, perplexity, read_texts
 from qoqserve.llm import LLM
@@ -10,7 +11,6 @@ from qoqserve.quant.calibration import load_calibration
 from qoqserve.quant.checkpoint import save_checkpoint
 from qoqserve.quant.config import get_preset
 from qoqserve.quant.pipeline import quantize_model
-from test_engine import GREEDY, batch_prompts
 
 
 @pytest.fixture(scope="module")
@@ -75,9 +75,9 @@ def test_stale_cached_checkpoint_is_not_reused(quantized, tmp_path):
 def test_plain_qoqserve_serve_runs_the_cached_qoq_checkpoint(quantized, tmp_path):
     """`qoqserve serve` with no model serves the embedded model's QoQ g64 checkpoint
     from the cache (here: the quick one, placed where the first use would put it)."""
+    from conftest import ServerProcess
     from openai import OpenAI
 
-    from conftest import ServerProcess
     from qoqserve.sampling_params import SamplingParams
 
     _, path = quantized

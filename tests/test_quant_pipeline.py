@@ -130,10 +130,10 @@ def _corrupt(tmp_path, source, fn):
     fn(tensors)
     save_file(tensors, path)
     src = load_model_source(str(tmp_path))
-    from qoqserve.models.llama import LlamaForCausalLM
     from qoqserve.engine.model_runner import make_linear_method
     from qoqserve.layers.kv_cache import DenseKVCacheLayout
     from qoqserve.model_loader.qoq_checkpoint import uses_key_transform
+    from qoqserve.models.llama import LlamaForCausalLM
     model = LlamaForCausalLM(src.arch, DenseKVCacheLayout(2, 32, 16, torch.float32), torch.float32,
                              linear_method=make_linear_method(EngineConfig(), src.quant_config),
                              key_transform=uses_key_transform(src.quant_config))

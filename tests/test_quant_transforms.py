@@ -13,6 +13,7 @@ import re
 
 import pytest
 import torch
+from test_model_parity import SMALL, ours_from, tiny_llama3, tiny_qwen2
 
 from qoqserve.layers.attention import AttentionMetadata
 from qoqserve.layers.kv_cache import DenseKVCacheLayout
@@ -22,9 +23,13 @@ from qoqserve.quant.hadamard import hadamard_matrix, orthogonal_matrix
 from qoqserve.quant.transforms.key_center import center_and_rotate_keys
 from qoqserve.quant.transforms.reorder import reorder_down, reorder_out_proj
 from qoqserve.quant.transforms.rotation import fold_norms, rotate_model, rotate_values
-from qoqserve.quant.transforms.smooth import (pair_max, smooth_attention, smooth_down,
-                                              smooth_out_proj, smooth_scales)
-from test_model_parity import SMALL, ours_from, tiny_llama3, tiny_qwen2
+from qoqserve.quant.transforms.smooth import (
+    pair_max,
+    smooth_attention,
+    smooth_down,
+    smooth_out_proj,
+    smooth_scales,
+)
 
 REL_TOL = 2e-5
 

@@ -9,8 +9,8 @@ import time
 import httpx
 import psutil
 import pytest
-
 from conftest import SERVER_ARGS, ServerProcess
+
 from qoqserve.sampling_params import SamplingParams
 
 KEY = {"Authorization": "Bearer test-key"}

@@ -2,6 +2,7 @@
 layer, weight/KV memory, KV4 pages vs the fake-quant pass."""
 import pytest
 import torch
+from test_quant_pipeline import _full, calib, tiny_source
 
 from qoqserve.config import CacheConfig, EngineConfig
 from qoqserve.engine.model_runner import ModelRunner
@@ -13,7 +14,6 @@ from qoqserve.quant.checkpoint import save_checkpoint
 from qoqserve.quant.config import get_preset
 from qoqserve.quant.pipeline import quantize_model
 from qoqserve.sampling_params import SamplingParams
-from test_quant_pipeline import _full, calib, tiny_source
 
 
 @pytest.fixture(scope="module", params=["g64", "chn"])
@@ -101,7 +101,11 @@ def _random_pages(layout, num_blocks, seed=0):
                                     DenseKVCacheLayout(2, 64, 16, torch.float32)])
 def test_decode_attention_math_matches_sdpa_path(layout):
     """The compile-friendly decode math == the SDPA path, ragged lengths, shuffled pages."""
-    from qoqserve.layers.attention import AttentionMetadata, PagedAttention, decode_attention
+    from qoqserve.layers.attention import (
+        AttentionMetadata,
+        PagedAttention,
+        decode_attention,
+    )
 
     cache = _random_pages(layout, 24)
     tables = torch.randperm(24).view(3, 8)

@@ -13,6 +13,9 @@ from dataclasses import asdict, dataclass
 
 from qoqserve.bench.offline import make_prompts
 from qoqserve.bench.precisions import engine_kwargs, get_precision, model_for
+from qoqserve.llm import LLM
+from qoqserve.sampling_params import SamplingParams
+
 
 @dataclass
 class DecodeResult:
@@ -27,7 +30,6 @@ class DecodeResult:
 
 
 def run_batch(llm, batch: int, input_len: int, output_len: int) -> tuple[float, float, int]:
-    from qoqserve.sampling_params import SamplingParams
 
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -49,7 +51,6 @@ def run_batch(llm, batch: int, input_len: int, output_len: int) -> tuple[float, 
 
 def bench_decode(precisions: list[str], batches: list[int], input_len: int, output_len: int,
                  kv_budget_gb: float, compile: bool, threads_note: str = "") -> list[DecodeResult]:
-    from qoqserve.llm import LLM
 
     results = []
     for name in precisions:

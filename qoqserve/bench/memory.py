@@ -14,9 +14,11 @@ from dataclasses import asdict, dataclass
 import torch
 
 from qoqserve.bench.precisions import Precision
-from qoqserve.config import parse_dtype
-from qoqserve.model_loader.arch import ModelArchConfig
+from qoqserve.config import CacheConfig, parse_dtype
+from qoqserve.engine.model_runner import make_kv_layout
+from qoqserve.layers.int8_gemm import fused_int8_available
 from qoqserve.model_loader.qoq_checkpoint import linear_shapes
+from qoqserve.models.arch import ModelArchConfig
 
 
 @dataclass
@@ -53,7 +55,6 @@ def linear_storage(device: str) -> str:
     """How INT8 linears keep their weights on this device (see linear_bytes)."""
     if device.startswith("cuda"):
         return "packed4"  # the Triton GEMM reads packed codes
-    from qoqserve.layers.int8_gemm import fused_int8_available
     return "vnni" if fused_int8_available() else "int8"
 
 
@@ -61,8 +62,6 @@ def plan_memory(arch: ModelArchConfig, p: Precision, device: str, seq_len: int,
                 budget_bytes: int | None = None, memory_bytes: int | None = None,
                 reserve_bytes: int = 0, group_size: int = 128, block_size: int = 16,
                 max_positions: int | None = None) -> MemoryPlan:
-    from qoqserve.engine.model_runner import make_kv_layout
-    from qoqserve.config import CacheConfig
 
     dtype = parse_dtype(p.dtype, device)
     elem = torch.empty((), dtype=dtype).element_size()

@@ -6,11 +6,17 @@ greedy. Throughput = output tokens / wall time of the whole batch.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 from dataclasses import asdict, dataclass
 
 import torch
+
+from qoqserve.config import EngineConfig, parse_dtype
+from qoqserve.llm import LLM
+from qoqserve.model_loader import load_model_source
+from qoqserve.sampling_params import SamplingParams
 
 
 @dataclass
@@ -31,7 +37,6 @@ def make_prompts(batch: int, input_len: int, vocab: int, seed: int = 0) -> list[
 
 
 def bench_engine(llm, dtype_name: str, batch: int, input_len: int, output_len: int) -> BenchResult:
-    from qoqserve.sampling_params import SamplingParams
 
     prompts = make_prompts(batch, input_len, llm.engine.arch.vocab_size, seed=batch)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -46,6 +51,7 @@ def bench_engine(llm, dtype_name: str, batch: int, input_len: int, output_len: i
 
 def load_transformers(source, dtype: torch.dtype):
     """transformers' LlamaForCausalLM holding exactly the weights our engine loads."""
+    # lazy: optional dependency, only for the baseline
     import transformers
 
     a = source.arch
@@ -85,21 +91,19 @@ def bench_transformers(model, dtype_name: str, batch: int, input_len: int, outpu
                        produced / seconds)
 
 
-def run_offline(model: str | None, dtypes: list[str], batches: list[int], input_len: int,
-                output_len: int, compare_transformers: bool, engine_kwargs: dict) -> list[BenchResult]:
-    from qoqserve.llm import LLM
-    from qoqserve.model_loader import load_model_source
-
+def run_offline(config: EngineConfig, dtypes: list[str], batches: list[int], input_len: int,
+                output_len: int, compare_transformers: bool) -> list[BenchResult]:
+    """config: the engine options of every run; its dtype is replaced by each of `dtypes`."""
     results = []
+    model = config.model
     for dtype_name in dtypes:
-        llm = LLM(model, dtype=dtype_name, **engine_kwargs)
+        llm = LLM.from_config(dataclasses.replace(config, dtype=dtype_name))
         for b in batches:
             results.append(bench_engine(llm, dtype_name, b, input_len, output_len))
             print(_fmt(results[-1]), flush=True)
         del llm
         gc.collect()
         if compare_transformers:
-            from qoqserve.config import parse_dtype
             source = load_model_source(model)
             hf = load_transformers(source, parse_dtype(dtype_name, "cpu"))
             for b in batches:

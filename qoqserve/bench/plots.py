@@ -5,8 +5,10 @@ import json
 
 
 def _pyplot():
+    # lazy: optional dependency (the bench extra)
     import matplotlib
     matplotlib.use("Agg")
+    # lazy: optional dependency (the bench extra)
     import matplotlib.pyplot as plt
     return plt
 

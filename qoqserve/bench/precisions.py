@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from qoqserve.model_loader.synthetic import ARCHS, is_synthetic, synthetic_arch
+
 
 @dataclass(frozen=True)
 class Precision:
@@ -47,7 +49,6 @@ def _is_qoq_dir(path: str) -> bool:
 
 def model_for(p: Precision, model: str | None) -> str | None:
     """The checkpoint to load for precision p, given the model the user named."""
-    from qoqserve.model_loader.synthetic import ARCHS, is_synthetic, synthetic_arch
 
     if p.weights != "qoq":
         if model and (_is_qoq_dir(model) or model.lower().startswith("qoq")):

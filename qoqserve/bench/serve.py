@@ -20,6 +20,9 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
+import httpx
+from tqdm import tqdm
+
 _WORDS = ("the of and to in is was for on that with as by at from his her an be this have are not "
           "time river city music light water story garden winter market engine letter forest "
           "people number window morning school paper mountain animal family question system "
@@ -127,8 +130,6 @@ async def _one(client, cfg: LoadConfig, model: str, prompt: str, max_tokens: int
 
 
 async def _run(cfg: LoadConfig, progress: bool) -> tuple[list[RequestResult], float, str]:
-    import httpx
-    from tqdm import tqdm
 
     requests = make_requests(cfg)
     limits = httpx.Limits(max_connections=max(cfg.concurrency or 0, 256))

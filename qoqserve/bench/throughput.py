@@ -15,6 +15,10 @@ import torch
 from qoqserve.bench.memory import plan_memory
 from qoqserve.bench.offline import make_prompts
 from qoqserve.bench.precisions import engine_kwargs, get_precision, model_for
+from qoqserve.llm import LLM
+from qoqserve.model_loader import load_model_source
+from qoqserve.quant.default_checkpoint import resolve_model
+from qoqserve.sampling_params import SamplingParams
 
 
 @dataclass
@@ -41,10 +45,6 @@ def _release(device: str) -> None:
 def bench_throughput(model: str | None, precisions: list[str], input_len: int = 1024,
                      output_len: int = 512, device: str = "cpu", memory_gb: float | None = None,
                      reserve_gb: float = 0.0, max_batch: int = 256, seed: int = 0) -> list[ThroughputResult]:
-    from qoqserve.llm import LLM
-    from qoqserve.model_loader import load_model_source
-    from qoqserve.quant.default_checkpoint import resolve_model
-    from qoqserve.sampling_params import SamplingParams
 
     if memory_gb is None:
         if not device.startswith("cuda"):

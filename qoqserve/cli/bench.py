@@ -6,8 +6,10 @@ import platform
 
 import torch
 
+from qoqserve.cli.engine_args import add_engine_args, engine_config
 
-def register(sub, add_engine_args) -> None:
+
+def register(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks")
     bsub = p.add_subparsers(dest="bench_command", required=True)
     off = bsub.add_parser("offline", help="offline generation throughput vs transformers")
@@ -100,7 +102,12 @@ def register(sub, add_engine_args) -> None:
 
 
 def run_plot_cmd(args) -> int:
-    from qoqserve.bench.plots import load_json, plot_latency_vs_load, plot_throughput_vs_batch
+    # lazy: CLI start-up (load what a subcommand needs when it runs)
+    from qoqserve.bench.plots import (
+        load_json,
+        plot_latency_vs_load,
+        plot_throughput_vs_batch,
+    )
 
     if args.kind == "throughput":
         rows = []
@@ -120,6 +127,7 @@ def run_plot_cmd(args) -> int:
 
 
 def run_throughput_cmd(args) -> int:
+    # lazy: CLI start-up (load what a subcommand needs when it runs)
     from qoqserve.bench.throughput import as_dicts, bench_throughput
 
     print(f"# {args.device}, torch {torch.__version__}; input {args.input_len}, output "
@@ -134,6 +142,7 @@ def run_throughput_cmd(args) -> int:
 
 
 def run_memory_cmd(args) -> int:
+    # lazy: CLI start-up (load what a subcommand needs when it runs)
     from qoqserve.bench.memory import as_dicts, format_plans, plan_memory
     from qoqserve.bench.precisions import get_precision, model_for
     from qoqserve.model_loader import load_model_source
@@ -157,6 +166,7 @@ def run_memory_cmd(args) -> int:
 
 
 def run_serve_cmd(args) -> int:
+    # lazy: CLI start-up (load what a subcommand needs when it runs)
     from qoqserve.bench.serve import LoadConfig, format_summary, run_load
 
     loads = ([(None, r) for r in args.request_rate] if args.request_rate
@@ -180,6 +190,7 @@ def run_serve_cmd(args) -> int:
 
 
 def run_kernels_cmd(args) -> int:
+    # lazy: CLI start-up (load what a subcommand needs when it runs)
     from qoqserve.bench.kernels import as_dicts, format_rows, run
 
     rows = run(args.device, args.tiny, args.iters)
@@ -195,6 +206,7 @@ def run_kernels_cmd(args) -> int:
 
 
 def run_decode_cmd(args) -> int:
+    # lazy: CLI start-up (load what a subcommand needs when it runs)
     from qoqserve.bench.decode import as_dicts, bench_decode
 
     print(f"# {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
@@ -210,15 +222,14 @@ def run_decode_cmd(args) -> int:
 
 
 def run_offline_cmd(args) -> int:
+    # lazy: CLI start-up (load what a subcommand needs when it runs)
     from qoqserve.bench.offline import as_dicts, run_offline
-    from qoqserve.cli.main import engine_kwargs
+    from qoqserve.quant.default_checkpoint import resolve_model
 
-    kwargs = engine_kwargs(args)
-    kwargs.pop("dtype")
     print(f"# {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}")
-    results = run_offline(args.model, args.dtypes, args.batch_sizes, args.input_len,
-                          args.output_len, not args.no_transformers, kwargs)
+    results = run_offline(engine_config(args, resolve_model(args.model)), args.dtypes,
+                          args.batch_sizes, args.input_len, args.output_len, not args.no_transformers)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"threads": torch.get_num_threads(), "torch": torch.__version__,

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 
-def register(sub, add_engine_args) -> None:
+def register(sub) -> None:
     p = sub.add_parser("convert", help="write a model (e.g. a GGUF file) as an HF safetensors directory")
     p.add_argument("model", nargs="?", default=None, help="default: the embedded model")
     p.add_argument("-o", "--out", required=True)
@@ -11,6 +11,7 @@ def register(sub, add_engine_args) -> None:
 
 
 def run(args) -> int:
+    # lazy: CLI start-up (load what a subcommand needs when it runs)
     from qoqserve.model_loader.export import export_hf_dir
 
     print(f"wrote {export_hf_dir(args.model, args.out, args.dtype)}")

@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import json
 
+from qoqserve.cli.engine_args import add_engine_args, make_engine
+from qoqserve.eval import accuracy
 
-def register(sub, add_engine_args) -> None:
+
+def register(sub) -> None:
     p = sub.add_parser("eval", help="evaluate a model")
     esub = p.add_subparsers(dest="eval_command", required=True)
     ppl = esub.add_parser("ppl", help="perplexity of text files (concatenated)")
@@ -15,22 +18,18 @@ def register(sub, add_engine_args) -> None:
     ppl.add_argument("--json", action="store_true", help="print the result as JSON")
     add_engine_args(ppl)
     ppl.set_defaults(func=run_ppl)
-    from qoqserve.eval import accuracy
     acc = esub.add_parser("accuracy", help="perplexity of every quantization config (docs/accuracy.md)")
     accuracy.register_args(acc)
     acc.set_defaults(func=accuracy.run_cmd)
 
 
 def run_ppl(args) -> int:
-    from qoqserve.cli.main import engine_kwargs
-    from qoqserve.engine.llm_engine import LLMEngine
+    # lazy: CLI start-up
     from qoqserve.eval.perplexity import LICENSE_TEXTS, perplexity, read_texts
-    from qoqserve.llm import build_engine_config
 
-    kwargs = engine_kwargs(args)
-    kwargs["kv_cache_gb"] = kwargs["kv_cache_gb"] or 0.05  # scoring does not use the page pool
-    kwargs["quantized_prefill"] = True  # every position sees K/V as the cache stores them
-    engine = LLMEngine(build_engine_config(args.model, **kwargs))
+    args.kv_cache_gb = args.kv_cache_gb or 0.05  # scoring does not use the page pool
+    args.quantized_prefill = True  # every position sees K/V as the cache stores them
+    engine = make_engine(args, args.model)
     files = args.files or list(LICENSE_TEXTS)
     ids = engine.tokenizer.encode(read_texts(files))
     stride = args.stride or args.window

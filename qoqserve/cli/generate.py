@@ -4,8 +4,11 @@ from __future__ import annotations
 import sys
 import time
 
+from qoqserve.cli.engine_args import add_engine_args, make_engine
+from qoqserve.sampling_params import SamplingParams
 
-def register(sub, add_engine_args) -> None:
+
+def register(sub) -> None:
     p = sub.add_parser("generate", help="generate text for a prompt or a chat message")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="raw completion prompt")
@@ -23,15 +26,10 @@ def register(sub, add_engine_args) -> None:
 
 
 def run(args) -> int:
-    from qoqserve.cli.main import engine_kwargs
-    from qoqserve.engine.llm_engine import LLMEngine
-    from qoqserve.llm import build_engine_config
-    from qoqserve.sampling_params import SamplingParams
-
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.sample_seed, stop=args.stop,
                             ignore_eos=args.ignore_eos)
-    engine = LLMEngine(build_engine_config(args.model, **engine_kwargs(args)))
+    engine = make_engine(args, args.model)
     tok = engine.tokenizer
     if args.chat is not None:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])

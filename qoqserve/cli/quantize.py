@@ -25,6 +25,7 @@ def add_quant_args(p) -> None:
 
 
 def quant_config_from_args(args):
+    # lazy: CLI start-up (load what a subcommand needs when it runs)
     from qoqserve.quant.config import get_preset
 
     over = {}
@@ -35,7 +36,7 @@ def quant_config_from_args(args):
     return get_preset(args.config, **over)
 
 
-def register(sub, add_engine_args) -> None:
+def register(sub) -> None:
     p = sub.add_parser("quantize", help="quantize a model with QoQ (W4A8KV4)")
     p.add_argument("model", nargs="?", default=None,
                    help="HF dir or .gguf (default: embedded SmolLM2-135M-Instruct)")
@@ -47,6 +48,7 @@ def register(sub, add_engine_args) -> None:
 
 
 def run(args) -> int:
+    # lazy: CLI start-up (load what a subcommand needs when it runs)
     from qoqserve.model_loader import load_model_source
     from qoqserve.quant.calibration import load_calibration
     from qoqserve.quant.checkpoint import save_checkpoint
@@ -64,6 +66,7 @@ def run(args) -> int:
     save_checkpoint(result, source, calib, args.output)
     print(f"wrote {args.output} in {result.seconds:.1f}s (steps: {', '.join(result.steps)})")
     if args.eval:
+        # lazy: CLI start-up (load what a subcommand needs when it runs)
         from qoqserve.eval.perplexity import LICENSE_TEXTS, perplexity, read_texts
         ids = source.tokenizer.encode(read_texts(LICENSE_TEXTS))
         res = perplexity(result.model.prompt_logprobs, ids, 512, 512)

@@ -4,8 +4,10 @@ from __future__ import annotations
 import os
 import sys
 
+from qoqserve.cli.engine_args import add_engine_args, make_engine
 
-def register(sub, add_engine_args) -> None:
+
+def register(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
     p.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
                    help="HF dir, .gguf file or a qoq alias (default: the embedded model, QoQ g64, "
@@ -27,11 +29,9 @@ def register(sub, add_engine_args) -> None:
 
 
 def run(args) -> int:
-    from qoqserve.cli.main import engine_kwargs
-    from qoqserve.engine.llm_engine import LLMEngine
-    from qoqserve.llm import build_engine_config
-    from qoqserve.server.launch import serve
+    # lazy: CLI start-up
     from qoqserve.server.config import ServerConfig
+    from qoqserve.server.launch import serve
 
     if args.model_path and args.model:
         raise ValueError("give the model either as MODEL or as --model, not both")
@@ -40,7 +40,7 @@ def run(args) -> int:
                           served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
                           max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
                           graceful_shutdown_s=args.graceful_shutdown_s)
-    engine = LLMEngine(build_engine_config(model, **engine_kwargs(args)))
+    engine = make_engine(args, model)
     s = engine.stats()
     print(f"qoqserve: serving {config.served_model_name or engine.model_name} on "
           f"http://{config.host}:{config.port}/v1 ({s['dtype']}, KV {s['kv_layout']}, "

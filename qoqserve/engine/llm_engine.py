@@ -22,8 +22,7 @@ class InvalidRequestError(ValueError):
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        from qoqserve.quant.default_checkpoint import resolve_model
-        source = load_model_source(resolve_model(config.model))
+        source = load_model_source(config.model)
         self.model_name = source.name
         self.tokenizer = source.tokenizer
         self.arch = source.arch

@@ -7,17 +7,29 @@ import torch
 
 from qoqserve.config import CacheConfig, EngineConfig, parse_dtype
 from qoqserve.engine.sequence import Sequence
-from qoqserve.layers.attention import AttentionMetadata, PagedAttention, decode_attention
 from qoqserve.kernels.cpu import paged_decode
-from qoqserve.layers.kv_cache import (CpuDenseKVCacheLayout, CpuInt4KVCacheLayout, CpuInt8KVCacheLayout,
-                                      DenseKVCacheLayout, Int4KVCacheLayout, Int8KVCacheLayout,
-                                      KVCacheLayout, TritonInt4KVCacheLayout)
+from qoqserve.kernels.triton import interpreting, triton_available
+from qoqserve.layers.attention import (
+    AttentionMetadata,
+    PagedAttention,
+    decode_attention,
+)
+from qoqserve.layers.kv_cache import (
+    CpuDenseKVCacheLayout,
+    CpuInt4KVCacheLayout,
+    CpuInt8KVCacheLayout,
+    DenseKVCacheLayout,
+    Int4KVCacheLayout,
+    Int8KVCacheLayout,
+    KVCacheLayout,
+    TritonInt4KVCacheLayout,
+)
 from qoqserve.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod
 from qoqserve.layers.qoq_linear import QoQLinearMethod
-from qoqserve.layers.w8a8_linear import W8A8LinearMethod
 from qoqserve.layers.sampler import Sampler
-from qoqserve.model_loader.arch import ModelArchConfig
+from qoqserve.layers.w8a8_linear import W8A8LinearMethod
 from qoqserve.model_loader.qoq_checkpoint import uses_key_transform
+from qoqserve.models.arch import ModelArchConfig
 from qoqserve.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -38,7 +50,6 @@ def available_memory_bytes(device: torch.device) -> int:
 def resolve_kernels(config: EngineConfig) -> str:
     """Which kernels the quantized layers and KV4 pages use: 'triton' (CUDA),
     'cpu' (the C kernels where they build, else torch) or 'torch' (torch only)."""
-    from qoqserve.kernels.triton import interpreting, triton_available
 
     kind = config.kernels
     if kind == "auto":

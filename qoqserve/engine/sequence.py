@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
 from enum import Enum, auto
+from typing import Any
 
 from qoqserve.sampling_params import SamplingParams
 

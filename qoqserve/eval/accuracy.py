@@ -15,7 +15,11 @@ from dataclasses import replace
 
 import torch
 
+from qoqserve.eval.perplexity import LICENSE_TEXTS, perplexity, read_texts
+from qoqserve.model_loader import load_model_source
+from qoqserve.quant.calibration import load_calibration
 from qoqserve.quant.config import NO_TRANSFORMS, get_preset
+from qoqserve.quant.pipeline import build_fp_model, quantize_model
 
 # g128 is not in the default table: the embedded model's hidden size (576) is not a
 # multiple of 128 (the preset works for models where it is)
@@ -41,10 +45,6 @@ def ablation_rows():
 
 def run_table(model: str | None, texts: list[str], configs, window: int = 512,
               progress: bool = True) -> list[dict]:
-    from qoqserve.eval.perplexity import perplexity, read_texts
-    from qoqserve.model_loader import load_model_source
-    from qoqserve.quant.calibration import load_calibration
-    from qoqserve.quant.pipeline import build_fp_model, quantize_model
 
     source = load_model_source(model)
     ids = source.tokenizer.encode(read_texts(texts))
@@ -87,7 +87,6 @@ def register_args(p) -> None:
 
 
 def run_cmd(args) -> int:
-    from qoqserve.eval.perplexity import LICENSE_TEXTS
 
     configs = ([get_preset(c) for c in args.configs] if args.configs is not None
                else [get_preset(c) for c in MAIN_ROWS] + ablation_rows())

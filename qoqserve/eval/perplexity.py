@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from tqdm import tqdm
 
 
 @dataclass
@@ -34,7 +35,6 @@ def perplexity(logprob_fn: Callable[[list[int]], torch.Tensor], ids: list[int],
     starts = list(range(0, len(ids) - 1, stride))
     bar = None
     if progress:
-        from tqdm import tqdm
         bar = tqdm(total=len(starts), desc="perplexity", unit="window")
     for begin in starts:
         end = min(begin + window, len(ids))

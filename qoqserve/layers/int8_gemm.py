@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 from qoqserve.kernels import qoq_ref
+from qoqserve.kernels.cpu import int8_linear as kernel
+from qoqserve.kernels.cpu import w4a8_ops
 
 
 def int8_linear(x: torch.Tensor, w_int8: torch.Tensor, s1: torch.Tensor, zeros: torch.Tensor | None,
@@ -21,7 +23,6 @@ def int8_linear(x: torch.Tensor, w_int8: torch.Tensor, s1: torch.Tensor, zeros: 
     GEMM, epilogue. zeros: per-channel zero points (w = the 0..15 codes), or None
     (w is already the signed INT8 operand). native: the activation quantization
     and epilogue run as one C pass each (bit-identical to the torch reference)."""
-    from qoqserve.kernels.cpu import w4a8_ops
 
     x2, lead = x.reshape(-1, x.shape[-1]), x.shape[:-1]
     if native and w4a8_ops.supports(x2):
@@ -42,7 +43,6 @@ def int8_linear(x: torch.Tensor, w_int8: torch.Tensor, s1: torch.Tensor, zeros: 
 
 
 def fused_int8_available() -> bool:
-    from qoqserve.kernels.cpu import int8_linear as kernel
     return kernel.available()
 
 
@@ -56,7 +56,6 @@ class PackedInt8Gemm(nn.Module):
                  bias: torch.Tensor | None):
         """w [N, K]: the signed INT8 operand, or with per-channel `zeros` the
         uint8 codes 0..15 (then the kernel needs no offset: codes are unsigned)."""
-        from qoqserve.kernels.cpu import int8_linear as kernel
 
         super().__init__()
         self.out_features, self.in_features = w.shape
@@ -69,7 +68,6 @@ class PackedInt8Gemm(nn.Module):
                              persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from qoqserve.kernels.cpu import int8_linear as kernel
 
         x2, lead = x.reshape(-1, x.shape[-1]), x.shape[:-1]
         if x2.dtype not in kernel.DTYPES:  # fp16: exact in fp32, and the reference rounds at the end

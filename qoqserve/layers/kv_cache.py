@@ -14,6 +14,8 @@ from abc import ABC, abstractmethod
 import torch
 
 from qoqserve.kernels import qoq_ref
+from qoqserve.kernels.cpu import kv4_write
+from qoqserve.kernels.cpu.paged_decode import paged_decode_attention
 
 
 class KVCacheLayout(ABC):
@@ -193,10 +195,12 @@ class TritonInt4KVCacheLayout(Int4KVCacheLayout):
     has_decode_kernel = True
 
     def write(self, cache, k, v, slot_mapping) -> None:
+        # lazy: Triton (imports triton, present only with it)
         from qoqserve.kernels.triton.kv4_attention import kv4_write
         kv4_write(cache, k, v, slot_mapping)
 
     def decode_attention(self, q, cache, block_tables, context_lens, scale):
+        # lazy: Triton (imports triton, present only with it)
         from qoqserve.kernels.triton.kv4_attention import kv4_decode_attention
         return kv4_decode_attention(q, cache, block_tables, context_lens, scale)
 
@@ -209,7 +213,6 @@ class CpuDecodeKernel:
     has_decode_kernel = True
 
     def decode_attention(self, q, cache, block_tables, context_lens, scale):
-        from qoqserve.kernels.cpu.paged_decode import paged_decode_attention
         k_rows, v_rows = self.page_rows(cache)
         return paged_decode_attention(q, k_rows, v_rows, self.name, self.block_size, block_tables,
                                       context_lens, scale)
@@ -217,7 +220,6 @@ class CpuDecodeKernel:
 
 class CpuInt4KVCacheLayout(CpuDecodeKernel, Int4KVCacheLayout):
     def write(self, cache, k, v, slot_mapping) -> None:
-        from qoqserve.kernels.cpu import kv4_write
         if not kv4_write.available():
             return super().write(cache, k, v, slot_mapping)
         kv4_write.kv4_write(cache, k, v, slot_mapping)

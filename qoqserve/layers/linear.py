@@ -20,8 +20,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 
 class LinearMethod(ABC):

@@ -23,7 +23,11 @@ import torch
 from torch import nn
 
 from qoqserve.kernels import qoq_ref
-from qoqserve.layers.int8_gemm import fused_int8_available, install_packed_gemm, int8_linear
+from qoqserve.layers.int8_gemm import (
+    fused_int8_available,
+    install_packed_gemm,
+    int8_linear,
+)
 from qoqserve.layers.linear import Linear, LinearMethod
 
 BACKENDS = ("torch-int8", "torch-int8-percall", "sim", "triton")
@@ -85,16 +89,19 @@ class QoQLinearMethod(LinearMethod):
     def input_from_norm(self, norm, h):
         if self.backend != "triton":
             return norm(h)
+        # lazy: Triton (imports triton, present only with it)
         from qoqserve.kernels.triton.act_quant import rmsnorm_quant
         return QuantizedActivation(*rmsnorm_quant(h, norm.weight, norm.eps), h.dtype)
 
     def input_from_silu_mul(self, gate_up):
         if self.backend != "triton":
             return super().input_from_silu_mul(gate_up)
+        # lazy: Triton (imports triton, present only with it)
         from qoqserve.kernels.triton.act_quant import silu_mul_quant
         return QuantizedActivation(*silu_mul_quant(gate_up), gate_up.dtype)
 
     def _apply_triton(self, layer: Linear, x) -> torch.Tensor:
+        # lazy: Triton (imports triton, present only with it)
         from qoqserve.kernels.triton.act_quant import quant_int8
         from qoqserve.kernels.triton.w4a8_gemm import w4a8_gemm
         if not isinstance(x, QuantizedActivation):  # o_proj's input: a standalone quant

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from qoqserve.layers.int8_gemm import fused_int8_available, install_packed_gemm, int8_linear
+from qoqserve.layers.int8_gemm import (
+    fused_int8_available,
+    install_packed_gemm,
+    int8_linear,
+)
 from qoqserve.layers.linear import Linear, UnquantizedLinearMethod
 
 

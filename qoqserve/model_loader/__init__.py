@@ -1,7 +1,9 @@
 """Checkpoint loading: HF safetensors directories and GGUF files, plus tokenizers."""
-from .arch import ModelArchConfig, UnsupportedModelError
+from qoqserve.models.arch import ModelArchConfig, UnsupportedModelError
+
+from .base import ModelSource
 from .errors import ModelLoadError
-from .source import ModelSource, default_gguf_path, load_model_source
+from .source import default_gguf_path, load_model_source
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 __all__ = ["IncrementalDetokenizer", "ModelArchConfig", "ModelLoadError", "ModelSource",

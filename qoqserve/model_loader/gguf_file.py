@@ -14,9 +14,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .arch import ModelArchConfig, UnsupportedModelError
+from qoqserve.models.arch import ModelArchConfig, UnsupportedModelError
+
+from .base import ModelSource, TensorIter, check_tensor_inventory
 from .errors import ModelLoadError
-from .source import ModelSource, TensorIter, check_tensor_inventory
 from .tokenizer import tokenizer_from_gguf_metadata
 
 _ARCHS = {"llama": "llama", "qwen2": "qwen2"}
@@ -52,6 +53,7 @@ def unpermute_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def _to_torch(t) -> torch.Tensor:
+    # lazy: only GGUF files need the gguf package
     from gguf import GGMLQuantizationType as Q
     from gguf.quants import dequantize
 
@@ -105,6 +107,7 @@ def _rope_scaling(meta: dict[str, Any], a: str, rope_freqs, theta: float, head_d
 
 
 def _open_reader(path: str):
+    # lazy: only GGUF files need the gguf package
     from gguf import GGUFReader
 
     size = os.path.getsize(path)

@@ -7,10 +7,13 @@ import os
 import struct
 from typing import Any
 
+from safetensors import safe_open
+
+from qoqserve.models.arch import ModelArchConfig
+
 from . import qoq_checkpoint
-from .arch import ModelArchConfig
+from .base import ModelSource, TensorIter, check_tensor_inventory
 from .errors import ModelLoadError
-from .source import ModelSource, TensorIter, check_tensor_inventory
 from .tokenizer import tokenizer_from_hf_dir
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
@@ -165,7 +168,6 @@ def load_hf_dir(path: str) -> ModelSource:
         arch.bos_token_id = tokenizer.bos_token_id
 
     def iter_tensors() -> TensorIter:
-        from safetensors import safe_open
 
         for file in files:
             # data-offset order keeps reads sequential on disk

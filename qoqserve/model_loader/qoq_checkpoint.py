@@ -10,7 +10,9 @@ from typing import Any
 
 import torch
 
-from .arch import ModelArchConfig
+from qoqserve.layers.qoq_linear import qoq_param_shapes
+from qoqserve.models.arch import ModelArchConfig
+
 from .errors import ModelLoadError
 
 FORMAT_NAME = "qoq-w4a8"
@@ -57,7 +59,6 @@ def linear_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, int]]:
 def expected_tensors(arch: ModelArchConfig, group_size: int,
                      key_transform: bool = False) -> dict[str, tuple[tuple[int, ...], str | None]]:
     """name -> (shape, safetensors dtype or None for any float)."""
-    from qoqserve.layers.qoq_linear import qoq_param_shapes
 
     h = arch.hidden_size
     exp: dict[str, tuple[tuple[int, ...], str | None]] = {

@@ -15,9 +15,11 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
 
-from .arch import ModelArchConfig
+from qoqserve.models.arch import ModelArchConfig
+
+from .base import ModelSource, expected_tensor_shapes
 from .errors import ModelLoadError
-from .source import ModelSource, expected_tensor_shapes
+from .qoq_checkpoint import expected_tensors
 from .tokenizer import Tokenizer
 
 PREFIX = "synthetic:"
@@ -77,7 +79,6 @@ def _fp_tensors(arch: ModelArchConfig, seed: int):
 
 
 def _qoq_tensors(arch: ModelArchConfig, group_size: int, seed: int):
-    from .qoq_checkpoint import expected_tensors
 
     g = torch.Generator().manual_seed(seed)
     for name, (shape, dtype) in expected_tensors(arch, group_size).items():

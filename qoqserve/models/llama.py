@@ -6,20 +6,24 @@ one sequence ends (AttentionMetadata).
 """
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 from qoqserve.layers.attention import AttentionMetadata, PagedAttention
 from qoqserve.layers.key_transform import KeyTransform
 from qoqserve.layers.kv_cache import KVCacheLayout
-from qoqserve.layers.linear import (Linear, LinearMethod, UnquantizedLinearMethod,
-                                    batch_invariant_linear)
+from qoqserve.layers.linear import (
+    Linear,
+    LinearMethod,
+    UnquantizedLinearMethod,
+    batch_invariant_linear,
+)
 from qoqserve.layers.norm import RMSNorm
 from qoqserve.layers.rotary import RotaryEmbedding
-from qoqserve.model_loader.arch import ModelArchConfig
+from qoqserve.models.arch import ModelArchConfig
 
 
 class Attention(nn.Module):

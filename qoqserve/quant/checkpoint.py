@@ -7,11 +7,16 @@ import os
 import torch
 from safetensors.torch import save_file
 
-import qoqserve
-from qoqserve.model_loader.qoq_checkpoint import FORMAT_NAME, FORMAT_VERSION, linear_shapes
+from qoqserve.model_loader.qoq_checkpoint import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    linear_shapes,
+)
 from qoqserve.quant import sim
 from qoqserve.quant.calibration import CalibrationSet
 from qoqserve.quant.pipeline import QuantResult
+from qoqserve.version import __version__
+
 
 def export_tensors(result: QuantResult) -> dict[str, torch.Tensor]:
     model = result.model
@@ -51,7 +56,7 @@ def save_checkpoint(result: QuantResult, source, calib: CalibrationSet, out_dir:
         "steps": result.steps, "config": cfg.to_dict(),
         "calibration": {"sha256": calib.sha256, "file": os.path.basename(calib.source),
                         "samples": len(calib.samples), "seq_len": len(calib.samples[0])},
-        "source_model": source.name, "quantized_by": f"qoqserve {qoqserve.__version__}",
+        "source_model": source.name, "quantized_by": f"qoqserve {__version__}",
         "seconds": round(result.seconds, 1), "layers": result.layer_info,
     }
     with open(os.path.join(out_dir, "quant_config.json"), "w") as f:

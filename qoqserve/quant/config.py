@@ -44,7 +44,7 @@ class QuantConfig:
         if self.a_bits not in (8, 16) or self.kv_bits not in (4, 16):
             raise ValueError("a_bits must be 8 or 16 and kv_bits 4 or 16")
         if self.group_size not in (0, 32, 64, 128, 256):
-            raise ValueError(f"group_size must be 0 (per channel), 32, 64, 128 or 256")
+            raise ValueError("group_size must be 0 (per channel), 32, 64, 128 or 256")
 
     @property
     def is_qoq_format(self) -> bool:

@@ -11,19 +11,20 @@ import os
 import shutil
 import sys
 
+from qoqserve.model_loader import load_model_source
+from qoqserve.model_loader.qoq_checkpoint import FORMAT_VERSION
+from qoqserve.paths import cache_dir
+from qoqserve.quant.calibration import load_calibration
+from qoqserve.quant.checkpoint import save_checkpoint
+from qoqserve.quant.config import get_preset
+from qoqserve.quant.pipeline import quantize_model
+
 ALIASES = {"qoq": "g64", "qoq-g64": "g64", "qoq-g128": "g128", "qoq-chn": "chn"}
-
-
-def cache_dir() -> str:
-    return os.environ.get("QOQSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "qoqserve")
 
 
 def _is_current(out: str, preset: str) -> bool:
     """A cached checkpoint is reused only if today's code would write the same one:
     same format version and the same preset settings (a stale cache re-quantizes)."""
-    from qoqserve.model_loader.qoq_checkpoint import FORMAT_VERSION
-    from qoqserve.quant.config import get_preset
-
     try:
         with open(os.path.join(out, "quant_config.json")) as f:
             quant = json.load(f)
@@ -33,12 +34,6 @@ def _is_current(out: str, preset: str) -> bool:
 
 
 def default_qoq_checkpoint(preset: str = "g64", progress: bool = True) -> str:
-    from qoqserve.model_loader import load_model_source
-    from qoqserve.quant.calibration import load_calibration
-    from qoqserve.quant.checkpoint import save_checkpoint
-    from qoqserve.quant.config import get_preset
-    from qoqserve.quant.pipeline import quantize_model
-
     out = os.path.join(cache_dir(), f"SmolLM2-135M-Instruct-qoq-{preset}")
     if _is_current(out, preset):
         return out
@@ -58,7 +53,8 @@ def default_qoq_checkpoint(preset: str = "g64", progress: bool = True) -> str:
 
 
 def resolve_model(name: str | None) -> str | None:
-    """Map the qoq aliases to their cached checkpoint; other names pass through."""
+    """Map the qoq aliases to their cached checkpoint; other names pass through.
+    Called above the engine (LLM, the CLI, the benchmarks): the engine takes paths."""
     if name is not None and name.lower() in ALIASES:
         return default_qoq_checkpoint(ALIASES[name.lower()])
     return name

@@ -5,7 +5,10 @@ from typing import Callable, Sequence
 
 import torch
 
+from qoqserve.kernels.qoq_ref import dequantize_kv4, quantize_kv4
 from qoqserve.quant.gptq import HessianAccumulator
+from qoqserve.quant.sim import fake_quant_act_int8
+from qoqserve.quant.transforms.smooth import smooth_attention_lambda
 
 
 class LayerCapture:
@@ -114,7 +117,6 @@ def search_alpha(x: torch.Tensor, w: torch.Tensor, grid: Sequence[float],
                  quant_w: Callable[[torch.Tensor], torch.Tensor], quant_act: bool,
                  scales_for: Callable[[float], torch.Tensor]) -> float:
     """Migration strength minimising ||x w^T - Q(x / s) Q(w * s)^T||^2 on the sample."""
-    from qoqserve.quant.sim import fake_quant_act_int8
 
     x, w = x.float(), w.float()
     ref = x @ w.t()
@@ -139,8 +141,6 @@ def search_key_alpha(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Se
     key_mean and rotation) centered and rotated, then KV4 round-tripped.
     Output error, not score error: it weighs the keys that get attention.
     q [Tq, H, D], k / v [Tk, Hkv, D] post-RoPE; key_absmax [Hkv, D] feeds lambda."""
-    from qoqserve.kernels.qoq_ref import dequantize_kv4, quantize_kv4
-    from qoqserve.quant.transforms.smooth import smooth_attention_lambda
 
     q = q[torch.linspace(0, q.shape[0] - 1, min(max_q, q.shape[0])).long()].float()
     pick = torch.linspace(0, k.shape[0] - 1, min(max_k, k.shape[0])).long()

@@ -27,12 +27,16 @@ from qoqserve.quant.config import QuantConfig
 from qoqserve.quant.gptq import gptq_quantize
 from qoqserve.quant.group_search import search_group_params
 from qoqserve.quant.layer_stats import LayerCapture, search_alpha, search_key_alpha
+from qoqserve.quant.transforms._common import expand_groups, group_max
 from qoqserve.quant.transforms.key_center import center_and_rotate_keys, key_rotation
 from qoqserve.quant.transforms.reorder import reorder_down, reorder_out_proj
 from qoqserve.quant.transforms.rotation import rotate_model, rotate_values
-from qoqserve.quant.transforms._common import expand_groups, group_max
-from qoqserve.quant.transforms.smooth import (smooth_attention, smooth_down, smooth_out_proj,
-                                              smooth_scales)
+from qoqserve.quant.transforms.smooth import (
+    smooth_attention,
+    smooth_down,
+    smooth_out_proj,
+    smooth_scales,
+)
 
 LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 

@@ -18,7 +18,12 @@ from qoqserve.engine.llm_engine import InvalidRequestError
 from qoqserve.server.async_engine import AsyncEngine, EngineDeadError
 from qoqserve.server.config import ServerConfig
 from qoqserve.server.metrics import ServerMetrics
-from qoqserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse
+from qoqserve.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse,
+)
 from qoqserve.server.serving import ClientGone, OpenAIServing
 
 log = logging.getLogger(__name__)

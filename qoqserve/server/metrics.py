@@ -5,8 +5,13 @@ scrape time; latency histograms are observed when a request finishes.
 """
 from __future__ import annotations
 
-from prometheus_client import (CollectorRegistry, Counter, Histogram, disable_created_metrics,
-                               generate_latest)
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from qoqserve.engine.output import RequestOutput

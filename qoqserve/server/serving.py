@@ -19,7 +19,12 @@ from qoqserve.sampling_params import InvalidSamplingParams, SamplingParams
 from qoqserve.server.async_engine import AsyncEngine
 from qoqserve.server.config import ServerConfig
 from qoqserve.server.formats import ChatFormat, CompletionFormat, _Format
-from qoqserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields
+from qoqserve.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+)
 
 
 class ClientGone(Exception):

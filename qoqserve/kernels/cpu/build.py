@@ -12,6 +12,8 @@ import subprocess
 import tempfile
 import threading
 
+from qoqserve.paths import cache_dir
+
 log = logging.getLogger(__name__)
 
 _BASE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
@@ -20,8 +22,6 @@ _libs: dict[str, ctypes.CDLL | None] = {}
 
 
 def _build(source: str, flags: list[str]) -> str:
-    from qoqserve.quant.default_checkpoint import cache_dir
-
     all_flags = _BASE_FLAGS + flags
     with open(source, "rb") as f:
         tag = hashlib.sha256(f.read() + " ".join(all_flags).encode()).hexdigest()[:16]

@@ -11,7 +11,7 @@ import os
 
 def triton_available() -> bool:
     try:
-        import triton  # noqa: F401
+        import triton  # noqa: F401  (lazy: only asks whether triton is installed)
     except ImportError:
         return False
     return True
