@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from qoqserve.bench.timing import best_of_rounds
 from qoqserve.kernels.cpu import w4a8_ops
-from qoqserve.layers.int8_gemm import PackedInt8Gemm, fused_int8_available, int8_linear
+from qoqserve.layers.quantization.int8_gemm import PackedInt8Gemm, fused_int8_available, int8_linear
 from qoqserve.model_loader import load_model_source
 
 REPEATS = 30

@@ -19,7 +19,7 @@ def test_memory_plan_equals_what_the_engine_holds(precision, model):
     path = model_for(p, model)
     src = load_model_source(path)
     plan = plan_memory(src.arch, p, "cpu", seq_len=100, budget_bytes=2**24,
-                       group_size=(src.quant_config or {}).get("group_size", 128))
+                       group_size=getattr(src.quant_config, "group_size", 128))
     llm = LLM(path, kv_cache_gb=2**24 / 2**30, **engine_kwargs(p, "cpu"))
     stats = llm.engine.stats()
     assert plan.linear_weight_bytes == stats["linear_weight_bytes"]

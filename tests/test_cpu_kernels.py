@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import make_pages
 
 from qoqserve.kernels.cpu import paged_decode
+from qoqserve.layers import kv_cache as kc
 from qoqserve.layers.attention import AttentionMetadata, PagedAttention
-from conftest import make_pages
+from qoqserve.layers.attention_backends import AttentionBackend, CpuAttention
 
 
 def test_the_kernel_builds_here():
@@ -14,15 +16,14 @@ def test_the_kernel_builds_here():
 
 
 def _pages(fmt, hkv, d, bs=16):
-    """(the torch layout, its C-kernel twin) for a page format"""
-    from qoqserve.layers import kv_cache as kc
-
+    """(the page layout, the C kernels over it) for a page format"""
     if fmt == "int4":
-        return kc.Int4KVCacheLayout(hkv, d, bs), kc.CpuInt4KVCacheLayout(hkv, d, bs)
-    if fmt == "int8":
-        return kc.Int8KVCacheLayout(hkv, d, bs), kc.CpuInt8KVCacheLayout(hkv, d, bs)
-    dtype = getattr(torch, fmt)
-    return kc.DenseKVCacheLayout(hkv, d, bs, dtype), kc.CpuDenseKVCacheLayout(hkv, d, bs, dtype)
+        layout = kc.Int4KVCacheLayout(hkv, d, bs)
+    elif fmt == "int8":
+        layout = kc.Int8KVCacheLayout(hkv, d, bs)
+    else:
+        layout = kc.DenseKVCacheLayout(hkv, d, bs, getattr(torch, fmt))
+    return layout, CpuAttention(layout)
 
 
 FORMATS = ["int4", "int8", "bfloat16", "float16", "float32"]
@@ -35,8 +36,8 @@ def test_c_decode_attention_matches_the_torch_path(fmt, heads, hkv, d):
     layout, c_layout = _pages(fmt, hkv, d)
     _, cache, tables, ctx = make_pages(heads, hkv, d, lens, layout=layout)
     q = torch.randn(len(lens), heads, d)
-    got = c_layout.decode_attention(q, cache, tables, ctx, d ** -0.5)
-    attn = PagedAttention(heads, hkv, d, layout)  # gather, dequantize, fp64 SDPA
+    got = c_layout.decode(q, cache, tables, ctx, d ** -0.5)
+    attn = PagedAttention(heads, hkv, d, AttentionBackend(layout))  # gather, dequantize, fp64 SDPA
     ref = attn(q, None, None, AttentionMetadata(False, None, tables, ctx), cache).view(len(lens), heads, d)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
@@ -47,10 +48,10 @@ def test_c_decode_attention_of_a_sequence_does_not_depend_on_its_batch(fmt):
     layout, c_layout = _pages(fmt, 3, 64)
     _, cache, tables, ctx = make_pages(9, 3, 64, lens, seed=1, layout=layout)
     q = torch.randn(len(lens), 9, 64)
-    batched = c_layout.decode_attention(q, cache, tables, ctx, 0.125)
+    batched = c_layout.decode(q, cache, tables, ctx, 0.125)
     for i, n in enumerate(lens):
         width = -(-n // 16)
-        alone = c_layout.decode_attention(q[i:i + 1], cache, tables[i:i + 1, :width], ctx[i:i + 1], 0.125)
+        alone = c_layout.decode(q[i:i + 1], cache, tables[i:i + 1, :width], ctx[i:i + 1], 0.125)
         assert torch.equal(alone[0], batched[i])
 
 
@@ -58,7 +59,7 @@ def test_bf16_queries_come_back_in_bf16():
     layout, c_layout = _pages("int4", 2, 64)
     _, cache, tables, ctx = make_pages(4, 2, 64, [10, 20], layout=layout)
     q = torch.randn(2, 4, 64).bfloat16()
-    out = c_layout.decode_attention(q, cache, tables, ctx, 0.125)
+    out = c_layout.decode(q, cache, tables, ctx, 0.125)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
 
 
@@ -107,7 +108,7 @@ def test_c_epilogue_is_bit_identical_to_the_torch_epilogue(out_dtype, channel):
 
 
 def test_quantized_linears_give_the_same_output_with_and_without_c_ops():
-    from qoqserve.layers.int8_gemm import int8_linear
+    from qoqserve.layers.quantization.int8_gemm import int8_linear
 
     torch.manual_seed(2)
     for zeros in (None, torch.randint(0, 16, (48,), dtype=torch.uint8)):
@@ -122,7 +123,7 @@ def test_quantized_linears_give_the_same_output_with_and_without_c_ops():
 # ---- the fused INT8 linear (quantize + VNNI GEMM + epilogue in one call) -----
 
 from qoqserve.kernels.cpu import int8_linear as fused  # noqa: E402
-from qoqserve.layers.int8_gemm import PackedInt8Gemm, int8_linear  # noqa: E402
+from qoqserve.layers.quantization.int8_gemm import PackedInt8Gemm, int8_linear  # noqa: E402
 
 
 def test_the_fused_kernel_builds_here():
@@ -155,7 +156,7 @@ def test_fused_int8_linear_is_bit_identical_to_the_three_pass_path(m, n, k, dtyp
         x[2] = 0  # an all-zero row: scale 1, codes 0
     for b in (None, bias):
         got = PackedInt8Gemm(w, s1, zeros, b)(x)
-        ref = int8_linear(x, w, s1, zeros, b, native=False)  # the torch reference
+        ref = int8_linear(x, w, s1, zeros, b, cpu_ops=False)  # the torch reference
         assert got.dtype == dtype and torch.equal(got, ref)
 
 
@@ -164,7 +165,7 @@ def test_fused_int8_linear_keeps_fp16_and_leading_dims():
     x = torch.randn(2, 3, 64).half()
     got = PackedInt8Gemm(w, s1, zeros, bias)(x)
     assert got.shape == (2, 3, 40) and got.dtype == torch.float16
-    assert torch.equal(got, int8_linear(x, w, s1, zeros, bias, native=False))
+    assert torch.equal(got, int8_linear(x, w, s1, zeros, bias, cpu_ops=False))
 
 
 def test_pack_weight_refuses_codes_that_leave_the_byte_range():
@@ -197,11 +198,11 @@ def test_w8a8_linear_runs_on_the_fused_kernel_and_matches_its_references():
     import torch.nn.functional as F
 
     from qoqserve.layers.linear import Linear
-    from qoqserve.layers.w8a8_linear import W8A8LinearMethod
+    from qoqserve.layers.quantization.w8a8 import W8A8LinearMethod
 
     torch.manual_seed(5)
     w, b = torch.randn(96, 80) * 0.1, torch.randn(96)
-    fused, plain = (Linear(80, 96, True, W8A8LinearMethod(native_cpu_ops=n), torch.float32)
+    fused, plain = (Linear(80, 96, True, W8A8LinearMethod(cpu_ops=n, fused=n), torch.float32)
                     for n in (True, False))
     for lin in (fused, plain):
         lin.weight.copy_(w)
@@ -220,6 +221,7 @@ def test_the_package_ships_every_c_kernel_source():
     """They are compiled on first use, so a wheel without them has no C path."""
     import fnmatch
     import pathlib
+
     import tomllib
 
     root = pathlib.Path(__file__).resolve().parents[1]

@@ -4,6 +4,7 @@ import torch
 import transformers
 
 from qoqserve.layers.attention import AttentionMetadata
+from qoqserve.layers.attention_backends import AttentionBackend
 from qoqserve.layers.kv_cache import DenseKVCacheLayout
 from qoqserve.models.arch import ModelArchConfig
 from qoqserve.models.llama import LlamaForCausalLM
@@ -34,7 +35,7 @@ def tiny_qwen2():
 
 def ours_from(ref, dtype=torch.float32):
     arch = ModelArchConfig.from_hf_config(ref.config.to_dict())
-    model = LlamaForCausalLM(arch, DenseKVCacheLayout(arch.num_kv_heads, arch.head_dim, 16, dtype), dtype)
+    model = LlamaForCausalLM(arch, AttentionBackend(DenseKVCacheLayout(arch.num_kv_heads, arch.head_dim, 16, dtype)), dtype)
     model.load_weights(ref.state_dict().items())
     return model, arch
 
@@ -79,7 +80,7 @@ def test_missing_tensor_is_named():
     torch.manual_seed(0)
     ref = tiny_llama3()
     arch = ModelArchConfig.from_hf_config(ref.config.to_dict())
-    model = LlamaForCausalLM(arch, DenseKVCacheLayout(2, 16, 16, torch.float32), torch.float32)
+    model = LlamaForCausalLM(arch, AttentionBackend(DenseKVCacheLayout(2, 16, 16, torch.float32)), torch.float32)
     state = {k: v for k, v in ref.state_dict().items() if "layers.1.mlp.up_proj" not in k}
     with pytest.raises(ValueError, match="layers.1.mlp.gate_up_proj"):
         model.load_weights(state.items())
@@ -89,7 +90,7 @@ def test_wrong_shape_is_named():
     torch.manual_seed(0)
     ref = tiny_llama3()
     arch = ModelArchConfig.from_hf_config(ref.config.to_dict())
-    model = LlamaForCausalLM(arch, DenseKVCacheLayout(2, 16, 16, torch.float32), torch.float32)
+    model = LlamaForCausalLM(arch, AttentionBackend(DenseKVCacheLayout(2, 16, 16, torch.float32)), torch.float32)
     state = dict(ref.state_dict())
     state["model.layers.0.self_attn.v_proj.weight"] = torch.zeros(5, 64)
     with pytest.raises(ValueError, match="v_proj"):

@@ -8,10 +8,14 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from qoqserve.config import CacheConfig, EngineConfig
+from qoqserve.engine.backends import kernel_choice
 from qoqserve.engine.model_runner import ModelRunner
 from qoqserve.kernels import qoq_ref
+from qoqserve.layers.attention_backends import AttentionBackend
+from qoqserve.layers.kv_cache import DenseKVCacheLayout
 from qoqserve.model_loader import ModelLoadError, load_model_source
 from qoqserve.model_loader.source import ModelSource
+from qoqserve.models.llama import LlamaForCausalLM
 from qoqserve.quant.calibration import CalibrationSet
 from qoqserve.quant.checkpoint import save_checkpoint
 from qoqserve.quant.config import get_preset
@@ -130,13 +134,10 @@ def _corrupt(tmp_path, source, fn):
     fn(tensors)
     save_file(tensors, path)
     src = load_model_source(str(tmp_path))
-    from qoqserve.engine.model_runner import make_linear_method
-    from qoqserve.layers.kv_cache import DenseKVCacheLayout
-    from qoqserve.model_loader.qoq_checkpoint import uses_key_transform
-    from qoqserve.models.llama import LlamaForCausalLM
-    model = LlamaForCausalLM(src.arch, DenseKVCacheLayout(2, 32, 16, torch.float32), torch.float32,
-                             linear_method=make_linear_method(EngineConfig(), src.quant_config),
-                             key_transform=uses_key_transform(src.quant_config))
+    attention = AttentionBackend(DenseKVCacheLayout(2, 32, 16, torch.float32))
+    model = LlamaForCausalLM(src.arch, attention, torch.float32,
+                             linear_method=src.quant_config.get_linear_method(kernel_choice(EngineConfig())),
+                             key_transform=src.quant_config.key_transform)
     model.load_weights(src.iter_tensors())
 
 

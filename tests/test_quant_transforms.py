@@ -16,6 +16,7 @@ import torch
 from test_model_parity import SMALL, ours_from, tiny_llama3, tiny_qwen2
 
 from qoqserve.layers.attention import AttentionMetadata
+from qoqserve.layers.attention_backends import AttentionBackend
 from qoqserve.layers.kv_cache import DenseKVCacheLayout
 from qoqserve.model_loader import load_model_source
 from qoqserve.models.llama import LlamaForCausalLM
@@ -265,8 +266,8 @@ def smol_rotated():
     """The truncated SmolLM2 before (logits, residual stream) and after rotate_model."""
     source = load_model_source(None)
     arch = dataclasses.replace(source.arch, num_layers=SMOL_LAYERS)
-    model = LlamaForCausalLM(arch, DenseKVCacheLayout(arch.num_kv_heads, arch.head_dim, 16,
-                                                      torch.float32), torch.float32)
+    model = LlamaForCausalLM(arch, AttentionBackend(DenseKVCacheLayout(arch.num_kv_heads, arch.head_dim, 16,
+                                                                       torch.float32)), torch.float32)
     model.load_weights(_first_layers(source.iter_tensors(), SMOL_LAYERS))
     text = ("The quick brown fox jumps over the lazy dog. Quantization maps real numbers "
             "to a small set of integers, and rotations spread outliers across channels. ")
@@ -336,7 +337,7 @@ def test_full_pipeline_on_smollm2(smol_rotated):
 
 
 def _with_key_transform(model, arch):
-    kt = LlamaForCausalLM(arch, DenseKVCacheLayout(arch.num_kv_heads, arch.head_dim, 16, torch.float32),
+    kt = LlamaForCausalLM(arch, AttentionBackend(DenseKVCacheLayout(arch.num_kv_heads, arch.head_dim, 16, torch.float32)),
                           torch.float32, key_transform=True)
     missing, unexpected = kt.load_state_dict(model.state_dict(), strict=False)
     assert not unexpected and all("key_transform" in m for m in missing)

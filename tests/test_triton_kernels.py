@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import make_pages
 
 from qoqserve.kernels import qoq_ref
 from qoqserve.kernels.triton.act_quant import quant_int8, rmsnorm_quant, silu_mul_quant
@@ -17,7 +18,6 @@ from qoqserve.kernels.triton.w4a8_gemm import w4a8_gemm
 from qoqserve.layers.attention import AttentionMetadata, PagedAttention
 from qoqserve.layers.kv_cache import Int4KVCacheLayout
 from qoqserve.layers.norm import RMSNorm
-from conftest import make_pages
 
 DEVICE = os.environ.get("QOQSERVE_TEST_DEVICE", "cpu")
 
@@ -138,10 +138,11 @@ def test_kv4_decode_attention_matches_the_torch_path(heads, hkv, d):
 
 @pytest.fixture(scope="module")
 def g64_checkpoint(tmp_path_factory):
+    from test_quant_pipeline import calib, tiny_source
+
     from qoqserve.quant.checkpoint import save_checkpoint
     from qoqserve.quant.config import get_preset
     from qoqserve.quant.pipeline import quantize_model
-    from test_quant_pipeline import calib, tiny_source
 
     tmp = tmp_path_factory.mktemp("triton")
     source = tiny_source("llama", tmp)

@@ -101,17 +101,14 @@ def _random_pages(layout, num_blocks, seed=0):
                                     DenseKVCacheLayout(2, 64, 16, torch.float32)])
 def test_decode_attention_math_matches_sdpa_path(layout):
     """The compile-friendly decode math == the SDPA path, ragged lengths, shuffled pages."""
-    from qoqserve.layers.attention import (
-        AttentionMetadata,
-        PagedAttention,
-        decode_attention,
-    )
+    from qoqserve.layers.attention import AttentionMetadata, PagedAttention
+    from qoqserve.layers.attention_backends import AttentionBackend, decode_attention
 
     cache = _random_pages(layout, 24)
     tables = torch.randperm(24).view(3, 8)
     lens = torch.tensor([1, 77, 128])
     q = torch.randn(3, 6, 64)
-    attn = PagedAttention(6, 2, 64, layout)
+    attn = PagedAttention(6, 2, 64, AttentionBackend(layout))
     meta = AttentionMetadata(False, None, tables, lens)
     ref = attn._decode(q, meta, cache)
     got = decode_attention(layout, cache, tables, lens, q, attn.scale, 6)
@@ -119,7 +116,7 @@ def test_decode_attention_math_matches_sdpa_path(layout):
 
 
 def test_compiled_decode_attention_matches_eager():
-    from qoqserve.layers.attention import decode_attention
+    from qoqserve.layers.attention_backends import decode_attention
 
     layout = Int4KVCacheLayout(2, 64, 16)
     cache = _random_pages(layout, 24, seed=1)

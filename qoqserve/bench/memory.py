@@ -15,9 +15,9 @@ import torch
 
 from qoqserve.bench.precisions import Precision
 from qoqserve.config import CacheConfig, parse_dtype
-from qoqserve.engine.model_runner import make_kv_layout
-from qoqserve.layers.int8_gemm import fused_int8_available
-from qoqserve.model_loader.qoq_checkpoint import linear_shapes
+from qoqserve.engine.backends import kv_layout
+from qoqserve.layers.quantization.int8_gemm import fused_int8_available
+from qoqserve.model_loader.schema import linear_shapes
 from qoqserve.models.arch import ModelArchConfig
 
 
@@ -77,9 +77,9 @@ def plan_memory(arch: ModelArchConfig, p: Precision, device: str, seq_len: int,
     rope = 2 * (max_positions or arch.max_position_embeddings) * arch.head_dim * 4
     weights = lin + embed + norms + rope
     kv_kind = {"16bit": "float16" if device.startswith("cuda") else "bfloat16", "auto": "auto"}.get(p.kv, p.kv)
-    quant = {"kv_bits": 4} if (p.weights == "qoq" and kv_kind == "auto") else None
-    layout = make_kv_layout(arch, CacheConfig(block_size=block_size, kv_cache_dtype=kv_kind), dtype,
-                            device, quant)
+    kv_format = "int4" if (p.weights == "qoq" and kv_kind == "auto") else None
+    layout = kv_layout(arch, CacheConfig(block_size=block_size, kv_cache_dtype=kv_kind), dtype,
+                       device, kv_format)
     per_token = layout.bytes_per_token() * arch.num_layers
     if budget_bytes is None:
         if memory_bytes is None:

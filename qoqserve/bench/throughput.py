@@ -56,7 +56,7 @@ def bench_throughput(model: str | None, precisions: list[str], input_len: int = 
         p = get_precision(name)
         path = resolve_model(model_for(p, model))
         source = load_model_source(path)
-        group = (source.quant_config or {}).get("group_size", 128)
+        group = getattr(source.quant_config, "group_size", 128)
         plan = plan_memory(source.arch, p, device, seq_len, memory_bytes=int(memory_gb * 2**30),
                            reserve_bytes=int(reserve_gb * 2**30), group_size=group,
                            max_positions=seq_len)

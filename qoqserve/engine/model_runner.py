@@ -5,30 +5,14 @@ import logging
 
 import torch
 
-from qoqserve.config import CacheConfig, EngineConfig, parse_dtype
+from qoqserve.config import CacheConfig, EngineConfig
+from qoqserve.engine.backends import select_backends
 from qoqserve.engine.sequence import Sequence
-from qoqserve.kernels.cpu import paged_decode
-from qoqserve.kernels.triton import interpreting, triton_available
-from qoqserve.layers.attention import (
-    AttentionMetadata,
-    PagedAttention,
-    decode_attention,
-)
-from qoqserve.layers.kv_cache import (
-    CpuDenseKVCacheLayout,
-    CpuInt4KVCacheLayout,
-    CpuInt8KVCacheLayout,
-    DenseKVCacheLayout,
-    Int4KVCacheLayout,
-    Int8KVCacheLayout,
-    KVCacheLayout,
-    TritonInt4KVCacheLayout,
-)
-from qoqserve.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod
-from qoqserve.layers.qoq_linear import QoQLinearMethod
+from qoqserve.layers.attention import AttentionMetadata
+from qoqserve.layers.kv_cache import KVCacheLayout
+from qoqserve.layers.linear import Linear
+from qoqserve.layers.quantization import QuantizationConfig, UnquantizedConfig
 from qoqserve.layers.sampler import Sampler
-from qoqserve.layers.w8a8_linear import W8A8LinearMethod
-from qoqserve.model_loader.qoq_checkpoint import uses_key_transform
 from qoqserve.models.arch import ModelArchConfig
 from qoqserve.models.llama import LlamaForCausalLM
 
@@ -45,66 +29,6 @@ def available_memory_bytes(device: torch.device) -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
-
-
-def resolve_kernels(config: EngineConfig) -> str:
-    """Which kernels the quantized layers and KV4 pages use: 'triton' (CUDA),
-    'cpu' (the C kernels where they build, else torch) or 'torch' (torch only)."""
-
-    kind = config.kernels
-    if kind == "auto":
-        if config.device.startswith("cuda"):
-            return "triton" if triton_available() else "torch"
-        return "cpu"
-    if kind not in ("torch", "triton", "cpu"):
-        raise ValueError(f"unknown kernels {kind!r}; choose auto, torch, cpu or triton")
-    if kind == "triton":
-        if not triton_available():
-            raise ValueError("kernels='triton' needs the triton package")
-        if not config.device.startswith("cuda") and not interpreting():
-            raise ValueError("Triton kernels on CPU run only in the interpreter (TRITON_INTERPRET=1)")
-    return kind
-
-
-def make_kv_layout(arch: ModelArchConfig, cache: CacheConfig, model_dtype: torch.dtype,
-                   device: str, quant: dict | None, kernels: str = "torch") -> KVCacheLayout:
-    kind = cache.kv_cache_dtype
-    if kind == "auto":
-        # a QoQ checkpoint says whether it was calibrated for KV4
-        kind = {4: "int4", 8: "int8"}.get((quant or {}).get("kv_bits"), "model")
-    cpu = kernels == "cpu" and device == "cpu" and paged_decode.available()
-    if kind == "int4":
-        cls = CpuInt4KVCacheLayout if cpu else Int4KVCacheLayout
-        if kernels == "triton":
-            cls = TritonInt4KVCacheLayout
-        layout = cls(arch.num_kv_heads, arch.head_dim, cache.block_size)
-    elif kind == "int8":
-        cls = CpuInt8KVCacheLayout if cpu else Int8KVCacheLayout
-        layout = cls(arch.num_kv_heads, arch.head_dim, cache.block_size)
-    else:
-        dtype = model_dtype if kind == "model" else parse_dtype(kind, device)
-        cls = CpuDenseKVCacheLayout if cpu and paged_decode.supports_dtype(dtype) else DenseKVCacheLayout
-        layout = cls(arch.num_kv_heads, arch.head_dim, cache.block_size, dtype)
-    if cache.quantized_prefill is not None:
-        layout.quantized_prefill = cache.quantized_prefill
-    else:  # lossy whenever the pages hold less than the activations do
-        layout.quantized_prefill = (not isinstance(layout, DenseKVCacheLayout)
-                                    or layout.dtype != model_dtype)
-    return layout
-
-
-def make_linear_method(config: EngineConfig, quant: dict | None, kernels: str = "torch") -> LinearMethod:
-    if quant is None:
-        if config.quantization == "w8a8":
-            return W8A8LinearMethod(native_cpu_ops=kernels == "cpu")
-        if config.quantization is not None:
-            raise ValueError(f"unknown --quantization {config.quantization!r} (only w8a8 is "
-                             "applied at load; QoQ W4A8 needs a checkpoint from `qoqserve quantize`)")
-        return UnquantizedLinearMethod()
-    backend = config.w4a8_backend
-    if backend == "auto":
-        backend = "triton" if kernels == "triton" else "torch-int8"
-    return QoQLinearMethod(quant["group_size"], backend, native_cpu_ops=kernels == "cpu")
 
 
 def num_blocks_for_budget(cache: CacheConfig, layout: KVCacheLayout, num_layers: int,
@@ -126,46 +50,37 @@ def num_blocks_for_budget(cache: CacheConfig, layout: KVCacheLayout, num_layers:
 
 
 def resident_bytes(module: torch.nn.Module) -> int:
-    """Bytes of every tensor the module keeps alive: parameters, buffers, and the
-    derived tensors linear methods cache as attributes (each storage once)."""
+    """Bytes of every tensor the module keeps alive: its parameters and buffers
+    (linear methods register what they derive as buffers), each storage once."""
     seen, total = set(), 0
-    for m in module.modules():
-        tensors = list(m._parameters.values()) + list(m._buffers.values())
-        tensors += [v for v in vars(m).values() if isinstance(v, torch.Tensor)]
-        for t in tensors:
-            if t is None or t.device.type == "meta":
-                continue
-            key = t.untyped_storage().data_ptr()
-            if key not in seen:
-                seen.add(key)
-                total += t.untyped_storage().nbytes()
+    for t in list(module.parameters()) + list(module.buffers()):
+        if t.device.type == "meta":
+            continue
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
     return total
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, arch: ModelArchConfig, tensors, max_positions: int,
-                 quant: dict | None = None):
+                 quant: QuantizationConfig | None = None):
+        """quant: the checkpoint's scheme (ModelSource.quant_config; None: full precision)."""
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         self.block_size = config.cache.block_size
-        self.kernels = resolve_kernels(config)
-        self.layout = make_kv_layout(arch, config.cache, self.dtype, config.device, quant, self.kernels)
-        method = make_linear_method(config, quant, self.kernels)
+        self.backends = select_backends(config, arch, quant or UnquantizedConfig())
+        self.attention = self.backends.attention
+        self.layout = self.attention.layout
         with torch.device(self.device):
-            self.model = LlamaForCausalLM(arch, self.layout, self.dtype, linear_method=method,
+            self.model = LlamaForCausalLM(arch, self.attention, self.dtype,
+                                          linear_method=self.backends.linear_method,
                                           max_positions=max_positions,
-                                          key_transform=uses_key_transform(quant))
+                                          key_transform=self.backends.quant.key_transform)
         self.model.load_weights(tensors)
         self.model.eval()
-        if config.compile:
-            # every (layout, dtype, batch==1) combination is its own graph; several
-            # engines in one process (benchmarks) exceed dynamo's default limit of 8
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            compiled = torch.compile(decode_attention, dynamic=True)
-            for module in self.model.modules():
-                if isinstance(module, PagedAttention):
-                    module.compiled_decode = compiled
         self.num_blocks = num_blocks_for_budget(config.cache, self.layout, arch.num_layers, self.device)
         self.kv_caches = [self.layout.allocate(self.num_blocks, self.device)
                           for _ in range(arch.num_layers)]
@@ -182,7 +97,7 @@ class ModelRunner:
                  ", ".join(f"{p} x{n}" for p, n in paths.items()),
                  sum(resident_bytes(m) for m in linears) / 2**20, resident_bytes(self.model) / 2**20)
         log.info("KV cache: %d pages x %d tokens, %s (%s kernels), %d bytes/token/layer",
-                 self.num_blocks, self.block_size, self.layout.name, self.layout.kernel,
+                 self.num_blocks, self.block_size, self.layout.name, self.attention.name,
                  self.layout.bytes_per_token())
 
     def stats(self) -> dict:
@@ -190,7 +105,7 @@ class ModelRunner:
         return {"weight_bytes": resident_bytes(self.model),
                 "linear_weight_bytes": sum(resident_bytes(m) for m in self.model.modules()
                                            if isinstance(m, Linear)),
-                "kv_layout": self.layout.name, "kv_kernel": self.layout.kernel,
+                "kv_layout": self.layout.name, "kv_kernel": self.attention.name,
                 "kv_bytes_per_token": self.layout.bytes_per_token() * len(self.kv_caches),
                 "num_kv_blocks": self.num_blocks, "block_size": self.block_size,
                 "linear_paths": paths, "dtype": str(self.dtype).replace("torch.", "")}

@@ -303,6 +303,20 @@ def w4a8_channel_linear_sim(x, u, s1, z) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------- KV4
+# bytes of one page row (one token's K or V of one head) per KV page format: the
+# torch layouts (layers/kv_cache.py) and the C/Triton kernels read this one table
+_KV_ROW_BYTES = {"int4": lambda d: d // 2 + 4,   # packed codes, fp16 scale, fp16 zero
+                 "int8": lambda d: d + 2,        # int8 codes, fp16 scale
+                 "float16": lambda d: 2 * d, "bfloat16": lambda d: 2 * d, "float32": lambda d: 4 * d}
+KV_FORMATS = tuple(_KV_ROW_BYTES)
+
+
+def kv_row_bytes(fmt: str, head_dim: int) -> int:
+    if fmt not in _KV_ROW_BYTES:
+        raise ValueError(f"unknown KV page format {fmt!r}; choose from {', '.join(KV_FORMATS)}")
+    return _KV_ROW_BYTES[fmt](head_dim)
+
+
 def quantize_kv4(x: torch.Tensor):
     """Per token, per head asymmetric UINT4 over the last dim of x [T, H, D].
 

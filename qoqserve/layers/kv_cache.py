@@ -1,11 +1,14 @@
-"""KV-cache layouts: how K/V of one layer are stored in pages.
+"""KV-cache layouts: how K/V of one layer are stored in pages (the storage
+format only; the kernels that read and write pages are attention backends,
+layers/attention_backends.py, chosen per format and device).
 
 The extension point for KV quantization. A layout answers three questions:
 how many bytes one token costs (so the runner can size the page pool from a
-memory budget), how fresh K/V are written into their slots, and how a batch of
-paged histories is read back as dense K/V for attention. The FP layout stores
-values as they are; the KV4 layout (codes + inline scale/zero) plugs in the
-same way.
+memory budget), how fresh K/V are written into their slots (the torch
+reference of every kernel), and how a batch of paged histories is read back
+as dense K/V. The FP layout stores values as they are; the KV4 layout (codes +
+inline scale/zero) plugs in the same way. Row sizes come from
+qoq_ref.kv_row_bytes, which the C kernels read too.
 """
 from __future__ import annotations
 
@@ -14,20 +17,10 @@ from abc import ABC, abstractmethod
 import torch
 
 from qoqserve.kernels import qoq_ref
-from qoqserve.kernels.cpu import kv4_write
-from qoqserve.kernels.cpu.paged_decode import paged_decode_attention
 
 
 class KVCacheLayout(ABC):
     name = "abstract"
-    # Whether prefill attends to K/V as stored rather than as computed. QServe
-    # attends to the fresh values; we default to the stored ones whenever the
-    # store is lossy, because a prompt whose prefix comes from the prefix cache
-    # can only see stored values: otherwise its output would depend on what
-    # ran before it. It is also exactly what the fake-quant simulation measures.
-    quantized_prefill = False
-    kernel = "torch"              # which code writes and reads the pages (load log, stats)
-    has_decode_kernel = False     # True: decode_attention() replaces the torch decode path
 
     def __init__(self, num_kv_heads: int, head_dim: int, block_size: int):
         self.num_kv_heads = num_kv_heads
@@ -51,11 +44,6 @@ class KVCacheLayout(ABC):
         """x [T, Hkv, D] as it reads back after a write (identity for exact layouts)."""
         return x
 
-    def decode_attention(self, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
-                         context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-        """A fused kernel: q [B, H, D] over each sequence's pages -> [B, H, D]."""
-        raise NotImplementedError
-
     @abstractmethod
     def page_rows(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Views [num_slots, Hkv, row] of the K rows and the V rows of a page pool."""
@@ -78,7 +66,7 @@ class DenseKVCacheLayout(KVCacheLayout):
         self.name = str(dtype).replace("torch.", "")
 
     def bytes_per_token(self) -> int:
-        return 2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_kv_heads * qoq_ref.kv_row_bytes(self.name, self.head_dim)
 
     def allocate(self, num_blocks: int, device: torch.device) -> torch.Tensor:
         return torch.zeros(2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
@@ -155,7 +143,7 @@ class Int4KVCacheLayout(QuantizedRowKVCacheLayout):
         super().__init__(num_kv_heads, head_dim, block_size)
         if head_dim % 2:
             raise ValueError(f"KV4 needs an even head_dim, got {head_dim}")
-        self.row_bytes = head_dim // 2 + 4
+        self.row_bytes = qoq_ref.kv_row_bytes(self.name, head_dim)
 
     def _encode(self, x: torch.Tensor) -> torch.Tensor:
         codes, scale, zero = qoq_ref.quantize_kv4(x)
@@ -176,7 +164,7 @@ class Int8KVCacheLayout(QuantizedRowKVCacheLayout):
 
     def __init__(self, num_kv_heads: int, head_dim: int, block_size: int):
         super().__init__(num_kv_heads, head_dim, block_size)
-        self.row_bytes = head_dim + 2
+        self.row_bytes = qoq_ref.kv_row_bytes(self.name, head_dim)
 
     def _encode(self, x: torch.Tensor) -> torch.Tensor:
         codes, scale = qoq_ref.quantize_kv8(x)
@@ -187,47 +175,3 @@ class Int8KVCacheLayout(QuantizedRowKVCacheLayout):
         codes = rows[..., :d].contiguous().view(torch.int8).float()
         scale = rows[..., d:].contiguous().view(torch.float16).float()  # [..., 1]
         return (codes * scale).to(dtype)
-
-
-class TritonInt4KVCacheLayout(Int4KVCacheLayout):
-    """The same KV4 pages, written and read by the Triton kernels (the CUDA path)."""
-    kernel = "triton"
-    has_decode_kernel = True
-
-    def write(self, cache, k, v, slot_mapping) -> None:
-        # lazy: Triton (imports triton, present only with it)
-        from qoqserve.kernels.triton.kv4_attention import kv4_write
-        kv4_write(cache, k, v, slot_mapping)
-
-    def decode_attention(self, q, cache, block_tables, context_lens, scale):
-        # lazy: Triton (imports triton, present only with it)
-        from qoqserve.kernels.triton.kv4_attention import kv4_decode_attention
-        return kv4_decode_attention(q, cache, block_tables, context_lens, scale)
-
-
-class CpuDecodeKernel:
-    """Mixin: decode attention by the C kernel (qoqserve/kernels/cpu/paged_decode.c),
-    which converts each page row once per token instead of materializing the
-    history; the same kernel for every page format."""
-    kernel = "c"
-    has_decode_kernel = True
-
-    def decode_attention(self, q, cache, block_tables, context_lens, scale):
-        k_rows, v_rows = self.page_rows(cache)
-        return paged_decode_attention(q, k_rows, v_rows, self.name, self.block_size, block_tables,
-                                      context_lens, scale)
-
-
-class CpuInt4KVCacheLayout(CpuDecodeKernel, Int4KVCacheLayout):
-    def write(self, cache, k, v, slot_mapping) -> None:
-        if not kv4_write.available():
-            return super().write(cache, k, v, slot_mapping)
-        kv4_write.kv4_write(cache, k, v, slot_mapping)
-
-
-class CpuInt8KVCacheLayout(CpuDecodeKernel, Int8KVCacheLayout):
-    pass
-
-
-class CpuDenseKVCacheLayout(CpuDecodeKernel, DenseKVCacheLayout):
-    pass

@@ -1,8 +1,8 @@
 """Checkpoint loading: HF safetensors directories and GGUF files, plus tokenizers."""
+from qoqserve.errors import ModelLoadError
 from qoqserve.models.arch import ModelArchConfig, UnsupportedModelError
 
 from .base import ModelSource
-from .errors import ModelLoadError
 from .source import default_gguf_path, load_model_source
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 

@@ -18,7 +18,7 @@ def export_hf_dir(model: str | None, out_dir: str, dtype: str = "bfloat16") -> s
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}")
     source = load_model_source(model)
-    if source.quant_config is not None:
+    if source.quant_config.name != "fp":
         raise ValueError(f"{source.path}: a QoQ checkpoint holds integer codes; export its source model")
     os.makedirs(out_dir, exist_ok=True)
     tensors = {name: t.to(_DTYPES[dtype]).contiguous() for name, t in source.iter_tensors()}

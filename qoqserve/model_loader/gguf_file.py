@@ -14,10 +14,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from qoqserve.errors import ModelLoadError
 from qoqserve.models.arch import ModelArchConfig, UnsupportedModelError
 
-from .base import ModelSource, TensorIter, check_tensor_inventory
-from .errors import ModelLoadError
+from .base import ModelSource, TensorIter
+from .schema import check_inventory
 from .tokenizer import tokenizer_from_gguf_metadata
 
 _ARCHS = {"llama": "llama", "qwen2": "qwen2"}
@@ -180,9 +181,9 @@ def load_gguf(path: str) -> ModelSource:
         if hf is None:
             raise ModelLoadError(f"{path}: unexpected tensor {t.name!r} for a {a} model")
         renamed[hf] = t
-    check_tensor_inventory(
-        arch, {n: tuple(int(d) for d in reversed(t.shape.tolist())) for n, t in renamed.items()},
-        path)
+    check_inventory(
+        arch, None, {n: (tuple(int(d) for d in reversed(t.shape.tolist())), None)
+                     for n, t in renamed.items()}, path)
 
     try:
         tokenizer = tokenizer_from_gguf_metadata(meta, path)

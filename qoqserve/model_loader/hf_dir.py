@@ -9,11 +9,12 @@ from typing import Any
 
 from safetensors import safe_open
 
+from qoqserve.errors import ModelLoadError
+from qoqserve.layers.quantization import config_from_file
 from qoqserve.models.arch import ModelArchConfig
 
-from . import qoq_checkpoint
-from .base import ModelSource, TensorIter, check_tensor_inventory
-from .errors import ModelLoadError
+from .base import ModelSource, TensorIter
+from .schema import check_inventory
 from .tokenizer import tokenizer_from_hf_dir
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
@@ -134,8 +135,8 @@ def load_hf_dir(path: str) -> ModelSource:
             arch.bos_token_id = gen["bos_token_id"]
 
     quant_path = os.path.join(path, "quant_config.json")
-    quant = _read_json(quant_path) if os.path.isfile(quant_path) else None
-    group_size = qoq_checkpoint.quant_group_size(quant, quant_path) if quant else None
+    quant_file = _read_json(quant_path) if os.path.isfile(quant_path) else None
+    quant = config_from_file(quant_file, quant_path)
 
     files = _weight_files(path)
     located: dict[str, tuple[str, int]] = {}  # name -> (file, data offset)
@@ -147,18 +148,14 @@ def load_hf_dir(path: str) -> ModelSource:
                 continue
             if name == "lm_head.weight" and arch.tie_word_embeddings:
                 continue  # some exporters store the tied copy anyway
-            if dtype not in _FLOAT_DTYPES and quant is None:
+            if dtype not in _FLOAT_DTYPES and quant_file is None:
                 raise ModelLoadError(f"{file}: tensor {name!r} has non-float dtype {dtype} "
                                      "(only QoQ checkpoints with quant_config.json hold integers)")
             if name in located:
                 raise ModelLoadError(f"{file}: tensor {name!r} also present in {located[name][0]}")
             located[name], shapes[name], dtypes[name] = (file, begin), shape, dtype
     where = files[0] if len(files) == 1 else os.path.join(path, "model.safetensors.index.json")
-    if quant is None:
-        check_tensor_inventory(arch, shapes, where)
-    else:
-        qoq_checkpoint.check_inventory(arch, group_size, {n: (dtypes[n], shapes[n]) for n in shapes}, where,
-                                       qoq_checkpoint.uses_key_transform(quant))
+    check_inventory(arch, quant, {n: (shapes[n], dtypes[n]) for n in shapes}, where)
 
     tokenizer = tokenizer_from_hf_dir(path, arch.eos_token_ids, arch.bos_token_id)
     # one eos list for everyone: stop on any id the config or the tokenizer names
@@ -176,8 +173,7 @@ def load_hf_dir(path: str) -> ModelSource:
             with safe_open(file, framework="pt") as handle:
                 for name in names:
                     tensor = handle.get_tensor(name)
-                    if quant is not None:
-                        qoq_checkpoint.check_values(name, tensor, file)
+                    quant.check_tensor(name, tensor, file)
                     yield name, tensor
 
     return ModelSource(path=path, name=_display_name(path), arch=arch, tokenizer=tokenizer,

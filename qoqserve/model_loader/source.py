@@ -8,8 +8,9 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from qoqserve.errors import ModelLoadError
+
 from .base import ModelSource
-from .errors import ModelLoadError
 from .gguf_file import load_gguf
 from .hf_dir import load_hf_dir
 from .synthetic import is_synthetic, load_synthetic

@@ -15,11 +15,16 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
 
+from qoqserve.errors import ModelLoadError
+from qoqserve.layers.quantization import (
+    QoQConfig,
+    QuantizationConfig,
+    UnquantizedConfig,
+)
 from qoqserve.models.arch import ModelArchConfig
 
-from .base import ModelSource, expected_tensor_shapes
-from .errors import ModelLoadError
-from .qoq_checkpoint import expected_tensors
+from .base import ModelSource
+from .schema import expected_tensors
 from .tokenizer import Tokenizer
 
 PREFIX = "synthetic:"
@@ -69,20 +74,12 @@ def _parse(spec: str) -> tuple[str, str, int]:
     return name, fmt, kv_bits
 
 
-def _fp_tensors(arch: ModelArchConfig, seed: int):
+def _tensors(arch: ModelArchConfig, quant: QuantizationConfig, seed: int):
+    """Random tensors for every name of the schema, in the ranges real ones have."""
     g = torch.Generator().manual_seed(seed)
-    for name, shape in expected_tensor_shapes(arch).items():
-        if name.endswith("norm.weight"):
-            yield name, torch.ones(shape, dtype=torch.float16)
-        else:
-            yield name, (torch.randn(shape, generator=g) * 0.02).half()
-
-
-def _qoq_tensors(arch: ModelArchConfig, group_size: int, seed: int):
-
-    g = torch.Generator().manual_seed(seed)
-    for name, (shape, dtype) in expected_tensors(arch, group_size).items():
-        leaf = name.rsplit(".", 1)[1]
+    group = getattr(quant, "group_size", 0)
+    for name, spec in expected_tensors(arch, quant).items():
+        shape, leaf = spec.shape, name.rsplit(".", 1)[1]
         if leaf == "qweight":
             yield name, torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
         elif leaf == "s1":  # |W| ~ 0.02 for INT8 magnitudes ~ 60
@@ -90,7 +87,7 @@ def _qoq_tensors(arch: ModelArchConfig, group_size: int, seed: int):
         elif leaf == "s2":
             yield name, torch.randint(1, 9, shape, generator=g, dtype=torch.uint8)  # s2*(u-8) fits INT8
         elif leaf == "zeros":
-            fill = torch.full(shape, 8, dtype=torch.uint8) if group_size else \
+            fill = torch.full(shape, 8, dtype=torch.uint8) if group else \
                 torch.randint(0, 16, shape, generator=g, dtype=torch.uint8)
             yield name, fill
         elif name.endswith("norm.weight"):
@@ -102,17 +99,13 @@ def _qoq_tensors(arch: ModelArchConfig, group_size: int, seed: int):
 def load_synthetic(spec: str, seed: int = 0) -> ModelSource:
     name, fmt, kv_bits = _parse(spec)
     arch = synthetic_arch(name)
-    quant = None
-    if fmt == "fp":
-        factory = lambda: _fp_tensors(arch, seed)  # noqa: E731
-    else:
+    quant: QuantizationConfig = UnquantizedConfig()
+    if fmt != "fp":
         group = {"qoq-g128": 128, "qoq-g64": 64, "qoq-chn": 0}[fmt]
         dims = (arch.hidden_size, arch.intermediate_size, arch.num_heads * arch.head_dim)
         if group and any(d % group for d in dims):
             raise ModelLoadError(f"{spec!r}: input sizes {dims} are not all multiples of group {group}")
-        quant = {"format": "qoq-w4a8", "version": 1, "group_size": group, "w_bits": 4, "a_bits": 8,
-                 "kv_bits": kv_bits, "steps": [], "synthetic": True}
-        factory = lambda: _qoq_tensors(arch, group, seed)  # noqa: E731
+        quant = QoQConfig(group, kv_bits)
     return ModelSource(path=spec, name=spec[len(PREFIX):], arch=arch,
                        tokenizer=_placeholder_tokenizer(arch.vocab_size),
-                       tensor_iter_factory=factory, quant_config=quant)
+                       tensor_iter_factory=lambda: _tensors(arch, quant, seed), quant_config=quant)

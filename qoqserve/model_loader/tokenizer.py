@@ -17,7 +17,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 
-from .errors import ModelLoadError
+from qoqserve.errors import ModelLoadError
 
 # llama.cpp token_type values (gguf.TokenType)
 _CONTROL, _USER_DEFINED = 3, 4

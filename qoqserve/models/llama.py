@@ -6,15 +6,15 @@ one sequence ends (AttentionMetadata).
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from qoqserve.layers.attention import AttentionMetadata, PagedAttention
+from qoqserve.layers.attention_backends import AttentionBackend
 from qoqserve.layers.key_transform import KeyTransform
-from qoqserve.layers.kv_cache import KVCacheLayout
 from qoqserve.layers.linear import (
     Linear,
     LinearMethod,
@@ -27,7 +27,7 @@ from qoqserve.models.arch import ModelArchConfig
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, method: LinearMethod, layout: KVCacheLayout,
+    def __init__(self, cfg: ModelArchConfig, method: LinearMethod, attention: AttentionBackend | None,
                  rope: RotaryEmbedding, dtype: torch.dtype, key_transform: bool = False):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -35,7 +35,7 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, [q_size, kv_size, kv_size], cfg.attention_bias, method, dtype)
         self.o_proj = Linear(q_size, cfg.hidden_size, False, method, dtype)
         self.rope = rope
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, layout)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, attention)
         self.sizes = [q_size, kv_size, kv_size]
         self.key_transform = (KeyTransform(self.num_kv_heads, self.head_dim, dtype)
                               if key_transform else None)
@@ -63,10 +63,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, method, layout, rope, dtype, key_transform: bool = False):
+    def __init__(self, cfg, method, attention, rope, dtype, key_transform: bool = False):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, method, layout, rope, dtype, key_transform)
+        self.self_attn = Attention(cfg, method, attention, rope, dtype, key_transform)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, method, dtype)
 
@@ -77,18 +77,17 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.mlp.gate_up_proj.input_from_norm(self.post_attention_layernorm, h))
 
 
-# checkpoint name suffix -> (module attribute path, shard index of a fused layer)
-_FUSED = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
-}
+class TensorSpec(NamedTuple):
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None  # None: any float type (converted on load)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, layout: KVCacheLayout, dtype: torch.dtype,
+    # fused linear -> the checkpoint matrices it holds, in order along its output
+    packed_modules_mapping = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
+                              "gate_up_proj": ("gate_proj", "up_proj")}
+
+    def __init__(self, cfg: ModelArchConfig, attention: AttentionBackend | None, dtype: torch.dtype,
                  linear_method: LinearMethod | None = None, max_positions: int | None = None,
                  key_transform: bool = False):
         """key_transform: attention has a KeyTransform (QoQ checkpoints for KV4 carry one)."""
@@ -99,7 +98,7 @@ class LlamaForCausalLM(nn.Module):
                                          requires_grad=False)
         rope = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
                                cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, method, layout, rope, dtype, key_transform)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, method, attention, rope, dtype, key_transform)
                                     for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         # lm_head and embeddings stay high precision (QoQ keeps them unquantized)
@@ -135,7 +134,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters(remove_duplicate=False))
         seen: set[str] = set()
         for name, tensor in tensors:
-            target, shard = self._map_name(name)
+            target, shard = self.map_checkpoint_name(name)
             if target is None:
                 continue
             if target not in params:
@@ -161,7 +160,7 @@ class LlamaForCausalLM(nn.Module):
                 except ValueError as e:
                     raise ValueError(f"{name}: {e}") from None
 
-    def _map_name(self, name: str) -> tuple[str | None, int | None]:
+    def map_checkpoint_name(self, name: str) -> tuple[str | None, int | None]:
         if "rotary_emb" in name:
             return None, None
         name = name.removeprefix("model.")
@@ -169,10 +168,33 @@ class LlamaForCausalLM(nn.Module):
             return "embed_tokens", None
         if name == "lm_head.weight":
             return ("embed_tokens" if self.cfg.tie_word_embeddings else "lm_head"), None
-        for src, (dst, shard) in _FUSED.items():
-            if f".{src}." in name:
-                return name.replace(src, dst), shard
+        for fused, parts in self.packed_modules_mapping.items():
+            for shard, part in enumerate(parts):
+                if f".{part}." in name:
+                    return name.replace(f".{part}.", f".{fused}."), shard
         return name, None
+
+    def checkpoint_schema(self, fused_linears: bool) -> dict[str, TensorSpec]:
+        """Every tensor a checkpoint for this model must hold, under HF names:
+        derived from the parameters the linear methods created, so it is the
+        inverse of load_weights by construction. fused_linears: fused linears'
+        tensors are stored whole (qkv_proj.*) rather than per part (q_proj.*).
+        Cheap on the meta device."""
+        linears = {n: m for n, m in self.named_modules() if isinstance(m, Linear)}
+        out = {}
+        for name, p in self.named_parameters():  # the tied lm_head is listed once
+            dtype = p.dtype if getattr(p, "exact_dtype", False) else None
+            module, _, leaf = name.rpartition(".")
+            parent, _, short = module.rpartition(".")
+            if module in linears and not fused_linears and short in self.packed_modules_mapping:
+                for part, size in zip(self.packed_modules_mapping[short], linears[module].output_sizes):
+                    out[f"model.{parent}.{part}.{leaf}"] = TensorSpec((size, *p.shape[1:]), dtype)
+            elif name in ("embed_tokens", "lm_head"):
+                out[("model." if name == "embed_tokens" else "") + name + ".weight"] = \
+                    TensorSpec(tuple(p.shape), dtype)
+            else:
+                out["model." + name] = TensorSpec(tuple(p.shape), dtype)
+        return out
 
     def _check_complete(self, seen: set[str]) -> None:
         """Every parameter must have come from the checkpoint: torch.empty leftovers

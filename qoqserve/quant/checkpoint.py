@@ -7,36 +7,34 @@ import os
 import torch
 from safetensors.torch import save_file
 
-from qoqserve.model_loader.qoq_checkpoint import (
-    FORMAT_NAME,
-    FORMAT_VERSION,
-    linear_shapes,
-)
-from qoqserve.quant import sim
+from qoqserve.layers.quantization import QoQConfig
+from qoqserve.model_loader.schema import expected_tensors
 from qoqserve.quant.calibration import CalibrationSet
+from qoqserve.quant.config import QuantConfig
 from qoqserve.quant.pipeline import QuantResult
 from qoqserve.version import __version__
 
 
+def runtime_config(cfg: QuantConfig) -> QoQConfig:
+    """The runtime scheme a recipe's checkpoint is read with."""
+    return QoQConfig(cfg.group_size, cfg.kv_bits, cfg.uses_key_transform)
+
+
 def export_tensors(result: QuantResult) -> dict[str, torch.Tensor]:
-    model = result.model
-    out = {"model.embed_tokens.weight": model.embed_tokens.detach().half(),
-           "model.norm.weight": model.norm.weight.detach().half()}
-    if not model.cfg.tie_word_embeddings:
-        out["lm_head.weight"] = model.lm_head.detach().half()
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        out[p + "input_layernorm.weight"] = layer.input_layernorm.weight.detach().half()
-        out[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight.detach().half()
-        kt = layer.self_attn.key_transform
-        if kt is not None:  # rotation in fp32: fp16 would break its orthogonality
-            out[p + "self_attn.key_transform.shift"] = kt.shift.detach().half()
-            out[p + "self_attn.key_transform.rotation"] = kt.rotation.detach().float()
-    for name in linear_shapes(model.cfg):
-        linear = model.get_submodule(name.removeprefix("model."))
-        for pname, t in sim.qoq_tensors(linear).items():
-            out[f"{name}.{pname}"] = t.half() if pname == "bias" else t
-    return {k: v.contiguous().cpu() for k, v in out.items()}
+    """Every tensor the runtime's schema asks for, taken from the quantized
+    model by the name load_weights maps it to: the writer cannot write a name
+    the loader does not expect, nor leave one out."""
+    model, qoq = result.model, runtime_config(result.config)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    out = {}
+    for name, spec in expected_tensors(model.cfg, qoq).items():
+        target, _ = model.map_checkpoint_name(name)
+        t = params[target].detach()
+        t = t.to(spec.dtype or qoq.float_storage_dtype(name))
+        if tuple(t.shape) != spec.shape:
+            raise ValueError(f"{name}: quantized model holds {tuple(t.shape)}, schema says {spec.shape}")
+        out[name] = t.contiguous().cpu()
+    return out
 
 
 def save_checkpoint(result: QuantResult, source, calib: CalibrationSet, out_dir: str) -> None:
@@ -50,9 +48,7 @@ def save_checkpoint(result: QuantResult, source, calib: CalibrationSet, out_dir:
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(result.model.cfg.to_hf_config("float16"), f, indent=2)
     quant = {
-        "format": FORMAT_NAME, "version": FORMAT_VERSION, "method": "qoq",
-        "group_size": cfg.group_size, "w_bits": 4, "a_bits": 8, "kv_bits": cfg.kv_bits,
-        "key_transform": cfg.uses_key_transform,
+        **runtime_config(cfg).to_config(),
         "steps": result.steps, "config": cfg.to_dict(),
         "calibration": {"sha256": calib.sha256, "file": os.path.basename(calib.source),
                         "samples": len(calib.samples), "seq_len": len(calib.samples[0])},

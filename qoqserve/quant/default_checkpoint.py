@@ -11,8 +11,8 @@ import os
 import shutil
 import sys
 
+from qoqserve.layers.quantization.qoq import FORMAT_VERSION
 from qoqserve.model_loader import load_model_source
-from qoqserve.model_loader.qoq_checkpoint import FORMAT_VERSION
 from qoqserve.paths import cache_dir
 from qoqserve.quant.calibration import load_calibration
 from qoqserve.quant.checkpoint import save_checkpoint

@@ -18,7 +18,9 @@ from tqdm import tqdm
 
 from qoqserve.kernels import qoq_ref
 from qoqserve.layers.attention import AttentionMetadata
+from qoqserve.layers.attention_backends import AttentionBackend
 from qoqserve.layers.kv_cache import DenseKVCacheLayout, Int4KVCacheLayout
+from qoqserve.layers.quantization import QoQConfig
 from qoqserve.models.llama import LlamaForCausalLM
 from qoqserve.quant import sim
 from qoqserve.quant.calibration import CalibrationSet
@@ -54,12 +56,11 @@ def build_fp_model(source, cfg: QuantConfig, device: str) -> LlamaForCausalLM:
     """fp32 model; with KV4 every layer attends to fake-quantized K/V, prefill included."""
     a = dataclasses.replace(source.arch)  # rotation unties lm_head: never mutate the source's arch
     if cfg.kv_bits == 4:
-        layout = Int4KVCacheLayout(a.num_kv_heads, a.head_dim, 16)
-        layout.quantized_prefill = True
+        attention = AttentionBackend(Int4KVCacheLayout(a.num_kv_heads, a.head_dim, 16), quantized_prefill=True)
     else:
-        layout = DenseKVCacheLayout(a.num_kv_heads, a.head_dim, 16, torch.float32)
+        attention = AttentionBackend(DenseKVCacheLayout(a.num_kv_heads, a.head_dim, 16, torch.float32))
     with torch.device(device):
-        model = LlamaForCausalLM(a, layout, torch.float32, max_positions=max(cfg.calib_seq_len, 4096),
+        model = LlamaForCausalLM(a, attention, torch.float32, max_positions=max(cfg.calib_seq_len, 4096),
                                  key_transform=cfg.uses_key_transform)
     # an FP source has no key transform: it starts as the identity it was built as
     identity = [(f"model.layers.{i}.self_attn.key_transform.{n}", p.detach().clone())
@@ -200,13 +201,13 @@ def _layer_steps(cfg: QuantConfig) -> list[str]:
     return [step for step, ok in applies.items() if ok and getattr(cfg, step)]
 
 
-def _round_to_storage(model) -> None:
-    """The checkpoint stores the unquantized tensors in fp16; round them here too, so
-    the in-memory simulation is exactly the model a checkpoint load gives back."""
+def _round_to_storage(model, qoq: QoQConfig) -> None:
+    """Round the unquantized tensors to the dtype the checkpoint stores them in
+    (QoQConfig.float_storage_dtype), so the in-memory simulation is exactly the
+    model a checkpoint load gives back."""
     for name, p in model.named_parameters():
-        # the key rotation is stored in fp32: fp16 would break its orthogonality
-        if p.is_floating_point() and p.dtype == torch.float32 and not name.endswith("key_transform.rotation"):
-            p.data.copy_(p.data.half().float())
+        if p.is_floating_point() and p.dtype == torch.float32:
+            p.data.copy_(p.data.to(qoq.float_storage_dtype(name)).float())
 
 
 def quantize_model(source, cfg: QuantConfig, calib: CalibrationSet, device: str = "cpu",
@@ -243,6 +244,6 @@ def quantize_model(source, cfg: QuantConfig, calib: CalibrationSet, device: str 
             hidden = _run_layer(layer, hidden, seq_len)
             infos.append(info)
         if cfg.is_qoq_format:
-            _round_to_storage(model)
+            _round_to_storage(model, QoQConfig(cfg.group_size, cfg.kv_bits, cfg.uses_key_transform))
     steps += _layer_steps(cfg)
     return QuantResult(model, cfg, steps, infos, time.perf_counter() - start)

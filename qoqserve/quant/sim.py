@@ -1,6 +1,6 @@
 """Turning a calibrated fp32 linear into its quantized form, in memory.
 
-QoQ formats become a QoQLinearMethod layer (the same parameters the
+QoQ formats become a QoQSimMethod layer (the same parameters the
 checkpoint stores, executed by the `sim` backend); the baselines of the
 accuracy table (W8A8, plain W4 groups) become FakeQuantLinearMethod layers.
 """
@@ -12,7 +12,7 @@ from torch import nn
 
 from qoqserve.kernels import qoq_ref
 from qoqserve.layers.linear import Linear, LinearMethod
-from qoqserve.layers.qoq_linear import QoQLinearMethod
+from qoqserve.layers.quantization.qoq_methods import QoQSimMethod
 
 
 def fake_quant_act_int8(x: torch.Tensor) -> torch.Tensor:
@@ -67,7 +67,7 @@ def _swap_method(layer: Linear, method: LinearMethod) -> torch.Tensor | None:
 
 def convert_to_qoq(layer: Linear, q, group_size: int) -> None:
     """Install QoQ parameters (QWeightGroup or QWeightChannel) on layer, sim backend."""
-    _swap_method(layer, QoQLinearMethod(group_size, backend="sim"))
+    _swap_method(layer, QoQSimMethod(group_size))
     layer.qweight.data.copy_(qoq_ref.pack_uint4(q.u))
     layer.s1.data.copy_(q.s1)
     layer.zeros.data.copy_(q.z)
@@ -79,12 +79,3 @@ def convert_to_qoq(layer: Linear, q, group_size: int) -> None:
 def convert_to_fake(layer: Linear, w_deq: torch.Tensor, quantize_activations: bool, label: str) -> None:
     _swap_method(layer, FakeQuantLinearMethod(quantize_activations, label))
     layer.weight.data.copy_(w_deq)
-
-
-def qoq_tensors(layer: Linear) -> dict[str, torch.Tensor]:
-    """The checkpoint tensors of a converted layer (names relative to the layer)."""
-    names = ["qweight", "s1", "zeros"] + (["s2"] if layer.method.group_size else [])
-    out = {n: getattr(layer, n).detach() for n in names}
-    if layer.has_bias:
-        out["bias"] = layer.bias.detach()
-    return out

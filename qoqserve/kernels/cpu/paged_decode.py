@@ -7,6 +7,7 @@ import ctypes
 import torch
 
 from qoqserve.kernels.cpu.build import load_library
+from qoqserve.kernels.qoq_ref import kv_row_bytes
 
 # -fassociative-math lets the dot products vectorize; no finite-math flags,
 # the softmax starts from -inf
@@ -14,10 +15,8 @@ _FLAGS = ["-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-tr
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _SIGNATURES = {"paged_decode_attention": (
     _I, [_P, _P, _P, _L, _L, _I, _P, _P, _P] + [_I] * 6 + [ctypes.c_float, _I])}
-# page formats, as the C enum numbers them; a row's bytes for head_dim D
+# page formats, as the C enum numbers them (row sizes: qoq_ref.kv_row_bytes)
 FORMATS = {"int4": 0, "int8": 1, "float16": 2, "bfloat16": 3, "float32": 4}
-_ROW_BYTES = {"int4": lambda d: d // 2 + 4, "int8": lambda d: d + 2, "float16": lambda d: 2 * d,
-              "bfloat16": lambda d: 2 * d, "float32": lambda d: 4 * d}
 
 
 def load():
@@ -46,7 +45,7 @@ def paged_decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.
     if fmt not in FORMATS or k_rows.stride() != v_rows.stride() or k_rows.stride(2) != 1:
         raise ValueError(f"unsupported pages: {fmt}, strides {k_rows.stride()} / {v_rows.stride()}")
     size = k_rows.element_size()
-    if row * size != _ROW_BYTES[fmt](d) or h % hkv or h // hkv > 64:
+    if row * size != kv_row_bytes(fmt, d) or h % hkv or h // hkv > 64:
         raise ValueError(f"unsupported shapes: q {tuple(q.shape)}, {fmt} rows {tuple(k_rows.shape)}")
     qf = q.float().contiguous()
     tables = block_tables.to(torch.int64).contiguous()

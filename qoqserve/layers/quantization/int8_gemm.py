@@ -18,14 +18,13 @@ from qoqserve.kernels.cpu import w4a8_ops
 
 
 def int8_linear(x: torch.Tensor, w_int8: torch.Tensor, s1: torch.Tensor, zeros: torch.Tensor | None,
-                bias: torch.Tensor | None, native: bool) -> torch.Tensor:
+                bias: torch.Tensor | None, cpu_ops: bool) -> torch.Tensor:
     """x @ (s1 * (w - z))^T on INT8 math, in x's dtype: per-token INT8 x, INT32
     GEMM, epilogue. zeros: per-channel zero points (w = the 0..15 codes), or None
-    (w is already the signed INT8 operand). native: the activation quantization
+    (w is already the signed INT8 operand). cpu_ops: the activation quantization
     and epilogue run as one C pass each (bit-identical to the torch reference)."""
-
     x2, lead = x.reshape(-1, x.shape[-1]), x.shape[:-1]
-    if native and w4a8_ops.supports(x2):
+    if cpu_ops and w4a8_ops.supports(x2):
         x_q, s_a = w4a8_ops.quantize_act_int8(x2)
         w8 = w_int8.view(torch.int8) if w_int8.dtype == torch.uint8 else w_int8
         acc = qoq_ref.int8_mm(x_q, w8)
@@ -43,6 +42,7 @@ def int8_linear(x: torch.Tensor, w_int8: torch.Tensor, s1: torch.Tensor, zeros: 
 
 
 def fused_int8_available() -> bool:
+    """The fused C kernel builds and this CPU has AVX-512 VNNI."""
     return kernel.available()
 
 
@@ -56,7 +56,6 @@ class PackedInt8Gemm(nn.Module):
                  bias: torch.Tensor | None):
         """w [N, K]: the signed INT8 operand, or with per-channel `zeros` the
         uint8 codes 0..15 (then the kernel needs no offset: codes are unsigned)."""
-
         super().__init__()
         self.out_features, self.in_features = w.shape
         self.offset = 0 if zeros is not None else 128
@@ -68,7 +67,6 @@ class PackedInt8Gemm(nn.Module):
                              persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-
         x2, lead = x.reshape(-1, x.shape[-1]), x.shape[:-1]
         if x2.dtype not in kernel.DTYPES:  # fp16: exact in fp32, and the reference rounds at the end
             return self(x2.float()).to(x.dtype).reshape(*lead, -1)

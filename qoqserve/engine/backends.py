@@ -1,0 +1,104 @@
+"""One home for backend selection: device, the kernels that build here and the
+user's flags -> the quantization scheme, the linear method, the KV page
+format and the attention kernels over it. The runner, `bench memory` and the
+tests all ask here; nothing else decides.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qoqserve.config import CacheConfig, EngineConfig, parse_dtype
+from qoqserve.kernels.triton import interpreting, triton_available
+from qoqserve.layers.attention_backends import (
+    AttentionBackend,
+    CpuAttention,
+    TritonAttention,
+)
+from qoqserve.layers.kv_cache import (
+    DenseKVCacheLayout,
+    Int4KVCacheLayout,
+    Int8KVCacheLayout,
+    KVCacheLayout,
+)
+from qoqserve.layers.linear import LinearMethod
+from qoqserve.layers.quantization import (
+    KernelChoice,
+    QuantizationConfig,
+    resolve_quantization,
+)
+from qoqserve.layers.quantization.int8_gemm import fused_int8_available
+from qoqserve.models.arch import ModelArchConfig
+
+
+@dataclass
+class Backends:
+    quant: QuantizationConfig      # the scheme that runs (checkpoint's, or applied at load)
+    choice: KernelChoice
+    linear_method: LinearMethod
+    attention: AttentionBackend    # page format (attention.layout) + kernels
+
+
+def resolve_kernels(config: EngineConfig) -> str:
+    """Which kernel family runs: 'triton' (CUDA), 'cpu' (our C kernels where
+    they build, else torch) or 'torch' (torch only)."""
+    kind = config.kernels
+    if kind == "auto":
+        if config.device.startswith("cuda"):
+            return "triton" if triton_available() else "torch"
+        return "cpu"
+    if kind not in ("torch", "triton", "cpu"):
+        raise ValueError(f"unknown kernels {kind!r}; choose auto, torch, cpu or triton")
+    if kind == "triton":
+        if not triton_available():
+            raise ValueError("kernels='triton' needs the triton package")
+        if not config.device.startswith("cuda") and not interpreting():
+            raise ValueError("Triton kernels on CPU run only in the interpreter (TRITON_INTERPRET=1)")
+    return kind
+
+
+def kernel_choice(config: EngineConfig) -> KernelChoice:
+    kernels = resolve_kernels(config)
+    w4a8 = config.w4a8_backend
+    if w4a8 == "auto":
+        w4a8 = "triton" if kernels == "triton" else "torch-int8"
+    fused = kernels == "cpu" and config.device == "cpu" and fused_int8_available()
+    return KernelChoice(kernels=kernels, w4a8=w4a8, fused_int8=fused)
+
+
+def kv_layout(arch: ModelArchConfig, cache: CacheConfig, model_dtype: torch.dtype, device: str,
+              kv_format: str | None) -> KVCacheLayout:
+    """The page format: --kv-cache-dtype, or with 'auto' what the checkpoint was
+    calibrated for (kv_format), else the activations' dtype."""
+    kind = cache.kv_cache_dtype
+    if kind == "auto":
+        kind = kv_format or "model"
+    if kind == "int4":
+        return Int4KVCacheLayout(arch.num_kv_heads, arch.head_dim, cache.block_size)
+    if kind == "int8":
+        return Int8KVCacheLayout(arch.num_kv_heads, arch.head_dim, cache.block_size)
+    dtype = model_dtype if kind == "model" else parse_dtype(kind, device)
+    return DenseKVCacheLayout(arch.num_kv_heads, arch.head_dim, cache.block_size, dtype)
+
+
+def attention_backend(layout: KVCacheLayout, choice: KernelChoice, cache: CacheConfig,
+                      model_dtype: torch.dtype, device: str, compile: bool) -> AttentionBackend:
+    # prefill sees stored K/V whenever the pages hold less than the activations do
+    lossy = not isinstance(layout, DenseKVCacheLayout) or layout.dtype != model_dtype
+    prefill = lossy if cache.quantized_prefill is None else cache.quantized_prefill
+    if choice.kernels == "triton" and TritonAttention.supports(layout):
+        return TritonAttention(layout, prefill)
+    if choice.kernels == "cpu" and device == "cpu" and CpuAttention.supports(layout):
+        return CpuAttention(layout, prefill)
+    return AttentionBackend(layout, prefill, compiled=compile)
+
+
+def select_backends(config: EngineConfig, arch: ModelArchConfig,
+                    checkpoint_quant: QuantizationConfig) -> Backends:
+    quant = resolve_quantization(checkpoint_quant, config.quantization)
+    choice = kernel_choice(config)
+    layout = kv_layout(arch, config.cache, config.torch_dtype, config.device, quant.get_kv_format())
+    attention = attention_backend(layout, choice, config.cache, config.torch_dtype, config.device,
+                                  config.compile)
+    return Backends(quant, choice, quant.get_linear_method(choice), attention)

@@ -1,0 +1,22 @@
+"""The error types callers are meant to catch, at the bottom of the package so
+every layer can raise them (the server maps them to OpenAI-style errors)."""
+from __future__ import annotations
+
+
+class ModelLoadError(ValueError):
+    """A checkpoint (directory or file) cannot be used.
+
+    Subclasses ValueError so callers that validate user input can catch both
+    this and UnsupportedModelError with one clause. The message always names
+    the offending file, because "truncated file" alone is useless when a
+    sharded checkpoint has dozens of them.
+    """
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses at admission: its own fault, nobody else's.
+    `param` names the offending field (OpenAI's error.param), when there is one."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param

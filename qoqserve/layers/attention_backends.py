@@ -1,0 +1,134 @@
+"""Attention backends: the kernels that write K/V into pages and attend a
+decode step over them, apart from the page formats they read
+(layers/kv_cache.py). The engine picks one per (format, device)
+(engine/backends.py); each exposes the same two operations.
+
+* `AttentionBackend` itself: the portable torch reference: the layout's own
+  write, decode by gathering each sequence's pages into a padded batch (fp64
+  SDPA on CPU), or with `compiled=True` a torch.compile'd gather + dequantize
+  + attend;
+* `CpuAttention`: our C kernels (kernels/cpu/): one paged-decode kernel for
+  every page format, and the KV4 page write;
+* `TritonAttention`: the CUDA path for KV4 pages (kernels/triton/).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from qoqserve.kernels.cpu import kv4_write, paged_decode
+from qoqserve.layers.kv_cache import (
+    DenseKVCacheLayout,
+    Int4KVCacheLayout,
+    KVCacheLayout,
+)
+
+
+class AttentionBackend:
+    """A page format plus the kernels over it. The torch reference: the
+    layout's write; decode by gathering each sequence's pages into a padded
+    batch (fp64 SDPA on CPU) or, compiled, by decode_attention below."""
+    name = "torch"
+
+    def __init__(self, layout: KVCacheLayout, quantized_prefill: bool | None = None,
+                 compiled: bool = False):
+        """quantized_prefill None: whenever the pages are lossy (not dense)."""
+        self.layout = layout
+        # Whether prefill attends to K/V as stored rather than as computed. QServe
+        # attends to the fresh values; we default to the stored ones whenever the
+        # store is lossy, because a prompt whose prefix comes from the prefix cache
+        # can only see stored values: otherwise its output would depend on what
+        # ran before it. It is also exactly what the fake-quant simulation measures.
+        self.quantized_prefill = (not isinstance(layout, DenseKVCacheLayout)
+                                  if quantized_prefill is None else quantized_prefill)
+        self._compiled = None
+        if compiled:
+            # every (layout, dtype, batch==1) combination is its own graph; several
+            # engines in one process (benchmarks) exceed dynamo's default limit of 8
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            self._compiled = torch.compile(decode_attention, dynamic=True)
+
+    def write(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+        self.layout.write(cache, k, v, slot_mapping)
+
+    def decode(self, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+               context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [B, H, D], one query per sequence over its pages -> [B, H, D]."""
+        if self._compiled is not None:
+            return self._compiled(self.layout, cache, block_tables, context_lens, q, scale, q.shape[1])
+        # fp64 on CPU: torch's bf16 SDPA with a mask is ~7x slower than fp32 there,
+        # and the padded length (the longest sequence in the batch) changes the
+        # summation order; in fp64 that difference vanishes when rounding back,
+        # so a request's output does not depend on what else is in the batch.
+        work = torch.float64 if q.device.type == "cpu" else q.dtype
+        kc, vc = self.layout.read(cache, block_tables, work)  # [B, L, Hkv, D]
+        length = kc.shape[1]
+        mask = torch.arange(length, device=q.device)[None, :] < context_lens[:, None]
+        qh = q.to(work).unsqueeze(2)             # [B, H, 1, D]
+        kh, vh = kc.transpose(1, 2), vc.transpose(1, 2)  # [B, Hkv, L, D]
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask[:, None, None, :], scale=scale,
+                                           enable_gqa=q.shape[1] != kc.shape[2])
+        return o[:, :, 0, :].to(q.dtype)
+
+
+class CpuAttention(AttentionBackend):
+    """Decode by paged_decode.c, which converts each page row once per token
+    instead of materializing the history; the same kernel for every format."""
+    name = "c"
+
+    @staticmethod
+    def supports(layout: KVCacheLayout) -> bool:
+        if not paged_decode.available():
+            return False
+        return not isinstance(layout, DenseKVCacheLayout) or paged_decode.supports_dtype(layout.dtype)
+
+    def write(self, cache, k, v, slot_mapping) -> None:
+        if isinstance(self.layout, Int4KVCacheLayout) and kv4_write.available():
+            kv4_write.kv4_write(cache, k, v, slot_mapping)
+        else:
+            self.layout.write(cache, k, v, slot_mapping)
+
+    def decode(self, q, cache, block_tables, context_lens, scale):
+        k_rows, v_rows = self.layout.page_rows(cache)
+        return paged_decode.paged_decode_attention(q, k_rows, v_rows, self.layout.name,
+                                                   self.layout.block_size, block_tables,
+                                                   context_lens, scale)
+
+
+class TritonAttention(AttentionBackend):
+    """KV4 pages written and read by the Triton kernels (the CUDA path)."""
+    name = "triton"
+
+    @staticmethod
+    def supports(layout: KVCacheLayout) -> bool:
+        return isinstance(layout, Int4KVCacheLayout)
+
+    def write(self, cache, k, v, slot_mapping) -> None:
+        # lazy: Triton (imports triton, present only with it)
+        from qoqserve.kernels.triton.kv4_attention import kv4_write as triton_kv4_write
+        triton_kv4_write(cache, k, v, slot_mapping)
+
+    def decode(self, q, cache, block_tables, context_lens, scale):
+        # lazy: Triton (imports triton, present only with it)
+        from qoqserve.kernels.triton.kv4_attention import kv4_decode_attention
+        return kv4_decode_attention(q, cache, block_tables, context_lens, scale)
+
+
+def decode_attention(layout: KVCacheLayout, cache: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, q: torch.Tensor, scale: float,
+                     num_heads: int) -> torch.Tensor:
+    """One query per sequence over its paged history, in fp32, GQA by reshape.
+
+    Written as plain tensor math so torch.compile can fuse the page gather,
+    the KV4 unpacking/dequantization and both products into one loop nest
+    instead of materializing the dequantized history.
+    """
+    k, v = layout.read(cache, block_tables, torch.float32)     # [B, L, Hkv, D]
+    b, length, hkv, d = k.shape
+    qg = q.float().reshape(b, hkv, num_heads // hkv, d)
+    scores = torch.einsum("bkgd,blkd->bkgl", qg, k) * scale
+    valid = torch.arange(length, device=q.device)[None, :] < context_lens[:, None]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    out = torch.einsum("bkgl,blkd->bkgd", torch.softmax(scores, dim=-1), v)
+    return out.reshape(b, num_heads, d).to(q.dtype)
