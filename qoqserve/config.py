@@ -64,6 +64,9 @@ class SchedulerConfig:
     max_num_seqs: int = opt(64, "most sequences in one step")
     max_num_batched_tokens: int = opt(4096, "most tokens in one step")
     max_model_len: int | None = opt(None, "context window (default: the model's)")
+    max_prompt_tokens: int | None = opt(None, "longest prompt accepted (default: the context "
+                                              "window minus one)")
+    max_tokens_limit: int | None = opt(None, "largest max_tokens accepted (default: the context window)")
 
 
 @dataclass

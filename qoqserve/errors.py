@@ -17,6 +17,7 @@ class InvalidRequestError(ValueError):
     """A request the engine refuses at admission: its own fault, nobody else's.
     `param` names the offending field (OpenAI's error.param), when there is one."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.param = param
+        self.code = code

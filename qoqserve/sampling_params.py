@@ -3,9 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from qoqserve.errors import InvalidRequestError
 
-class InvalidSamplingParams(ValueError):
-    pass
+
+class InvalidSamplingParams(InvalidRequestError):
+    """A sampling parameter out of range; `param` names it."""
 
 
 @dataclass
@@ -35,7 +37,7 @@ class SamplingParams:
 
     def validate(self) -> None:
         def bad(msg: str):
-            raise InvalidSamplingParams(msg)
+            raise InvalidSamplingParams(msg, param=msg.split()[0])
 
         if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0:
             bad(f"temperature must be in [0, 100], got {self.temperature!r}")
@@ -51,8 +53,10 @@ class SamplingParams:
             bad(f"min_tokens must be >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            bad(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not -2**63 <= self.seed < 2**64):
+            # torch generators take 64-bit seeds; a larger one must fail here, not mid-step
+            bad(f"seed must be an integer in [-2^63, 2^64), got {self.seed!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop must be a non-empty string or a list of non-empty strings")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):

@@ -25,11 +25,14 @@ for backend in ("torch-int8", "torch-int8-percall"):
     lins = [m for m in r.model.modules() if isinstance(m, Linear)]
     s = r.stats()
     for m_rows in (1, 32, 256):
-        xs = [torch.randn(m_rows, l.in_features) for l in lins]
+        xs = [torch.randn(m_rows, lin.in_features) for lin in lins]
         with torch.inference_mode():
-            for l, x in zip(lins, xs): l(x)
+            for lin, x in zip(lins, xs):
+                lin(x)
             t = time.perf_counter()
             for _ in range(3):
-                for l, x in zip(lins, xs): l(x)
+                for lin, x in zip(lins, xs):
+                    lin(x)
             dt = (time.perf_counter() - t) / 3
-        print(f"{backend:<20} M={m_rows:<4} all 120 linears: {dt*1e3:7.1f} ms   linear weights resident {s['linear_weight_bytes']/2**20:.1f} MiB", flush=True)
+        print(f"{backend:<20} M={m_rows:<4} all 120 linears: {dt*1e3:7.1f} ms   linear weights "
+              f"resident {s['linear_weight_bytes']/2**20:.1f} MiB", flush=True)

@@ -4,7 +4,7 @@ import gc
 
 import pytest
 
-from qoqserve.engine.llm_engine import InvalidRequestError
+from qoqserve.errors import InvalidRequestError
 from qoqserve.llm import LLM
 from qoqserve.sampling_params import SamplingParams
 

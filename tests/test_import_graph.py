@@ -10,7 +10,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "qoqserve"
 
 # lowest first; a module may import its own package and anything in a lower layer
 LAYERS = [
-    {"version", "paths", "errors", "sampling_params", "config"},
+    {"version", "paths", "errors"},
+    {"sampling_params", "config"},
     {"kernels"},
     {"layers"},
     {"models"},

@@ -35,7 +35,8 @@ def tiny_qwen2():
 
 def ours_from(ref, dtype=torch.float32):
     arch = ModelArchConfig.from_hf_config(ref.config.to_dict())
-    model = LlamaForCausalLM(arch, AttentionBackend(DenseKVCacheLayout(arch.num_kv_heads, arch.head_dim, 16, dtype)), dtype)
+    attention = AttentionBackend(DenseKVCacheLayout(arch.num_kv_heads, arch.head_dim, 16, dtype))
+    model = LlamaForCausalLM(arch, attention, dtype)
     model.load_weights(ref.state_dict().items())
     return model, arch
 

@@ -337,8 +337,8 @@ def test_full_pipeline_on_smollm2(smol_rotated):
 
 
 def _with_key_transform(model, arch):
-    kt = LlamaForCausalLM(arch, AttentionBackend(DenseKVCacheLayout(arch.num_kv_heads, arch.head_dim, 16, torch.float32)),
-                          torch.float32, key_transform=True)
+    attention = AttentionBackend(DenseKVCacheLayout(arch.num_kv_heads, arch.head_dim, 16, torch.float32))
+    kt = LlamaForCausalLM(arch, attention, torch.float32, key_transform=True)
     missing, unexpected = kt.load_state_dict(model.state_dict(), strict=False)
     assert not unexpected and all("key_transform" in m for m in missing)
     return kt

@@ -1,14 +1,19 @@
 import pytest
 import torch
 
+from qoqserve.engine.sequence import Sequence
 from qoqserve.layers.sampler import Sampler, _filter_top_k_top_p, apply_penalties
 from qoqserve.sampling_params import InvalidSamplingParams, SamplingParams
+
+
+def reqs(params):
+    return [Sequence(f"r{i}", [1, 2, 3], p) for i, p in enumerate(params)]
 
 
 def test_greedy_is_argmax_and_logprob_is_log_softmax():
     logits = torch.randn(3, 50)
     params = [SamplingParams(temperature=0, logprobs=True)] * 3
-    toks, lps, top = Sampler()(logits, params, [None] * 3, [None] * 3)
+    toks, lps, top = Sampler()(logits, reqs(params))
     assert toks == logits.argmax(-1).tolist()
     ref = torch.log_softmax(logits, -1)
     assert lps == pytest.approx([float(ref[i, t]) for i, t in enumerate(toks)])
@@ -18,7 +23,7 @@ def test_greedy_is_argmax_and_logprob_is_log_softmax():
 def test_top_logprobs_are_the_most_likely_tokens_per_row():
     logits = torch.randn(3, 50)
     params = [SamplingParams(temperature=0, logprobs=True, top_logprobs=k) for k in (0, 1, 5)]
-    toks, lps, top = Sampler()(logits, params, [None] * 3, [None] * 3)
+    toks, lps, top = Sampler()(logits, reqs(params))
     ref = torch.log_softmax(logits, -1)
     assert [len(t) for t in top] == [0, 1, 5]
     for i, row in enumerate(top):
@@ -43,22 +48,28 @@ def test_seeded_sampling_is_reproducible_and_batch_independent():
     torch.manual_seed(0)
     logits = torch.randn(4, 100)
     p = SamplingParams(temperature=1.0, seed=123)
-    s = Sampler(seed=0)
-    alone = s(logits[2:3], [p], [torch.Generator().manual_seed(123)], [None])[0]
-    gens = [None, None, torch.Generator().manual_seed(123), None]
+    alone = Sampler(seed=0)(logits[2:3], [Sequence("a", [1], p)])[0]
     free = SamplingParams(temperature=1.0)
-    batch = s(logits, [free, free, p, free], gens, [None] * 4)[0]
+    batch = Sampler(seed=0)(logits, reqs([free, free, p, free]))[0]
     assert batch[2] == alone[0]
+
+
+def test_a_seeded_request_keeps_its_generator_until_released():
+    logits = torch.zeros(1, 1000)  # uniform: every draw moves the generator
+    s, req = Sampler(), Sequence("s", [1], SamplingParams(temperature=1.0, seed=7))
+    first = [s(logits, [req])[0][0] for _ in range(3)]
+    s.release("s")
+    again = [s(logits, [req])[0][0] for _ in range(3)]
+    assert first == again and len(set(first)) > 1  # the same stream, restarted by release
 
 
 def test_sampling_follows_the_distribution():
     logits = torch.log(torch.tensor([0.7, 0.2, 0.1]))
-    g = torch.Generator().manual_seed(0)
     counts = torch.zeros(3)
     s = Sampler()
-    p = SamplingParams(temperature=1.0)
+    req = reqs([SamplingParams(temperature=1.0, seed=0)])
     for _ in range(2000):
-        counts[s(logits[None], [p], [g], [None])[0][0]] += 1
+        counts[s(logits[None], req)[0][0]] += 1
     assert torch.allclose(counts / 2000, torch.tensor([0.7, 0.2, 0.1]), atol=0.04)
 
 
@@ -75,7 +86,7 @@ def test_penalties():
 @pytest.mark.parametrize("kwargs", [
     dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-5), dict(max_tokens=0),
     dict(max_tokens=1.5), dict(stop=[""]), dict(seed="x"), dict(repetition_penalty=0),
-    dict(presence_penalty=3), dict(min_tokens=5, max_tokens=2), dict(top_k=True),
+    dict(presence_penalty=3), dict(min_tokens=5, max_tokens=2), dict(top_k=True), dict(seed=2**70),
     dict(top_logprobs=21, logprobs=True), dict(top_logprobs=2),
 ])
 def test_invalid_params_are_rejected_with_a_message(kwargs):

@@ -14,9 +14,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from qoqserve.bench.precisions import Precision
-from qoqserve.config import CacheConfig, parse_dtype
-from qoqserve.engine.backends import kv_layout
-from qoqserve.layers.quantization.int8_gemm import fused_int8_available
+from qoqserve.config import CacheConfig, EngineConfig, parse_dtype
+from qoqserve.engine.backends import kernel_choice, kv_layout
 from qoqserve.model_loader.schema import linear_shapes
 from qoqserve.models.arch import ModelArchConfig
 
@@ -52,10 +51,12 @@ def linear_bytes(n: int, k: int, weights: str, group_size: int, storage: str, el
 
 
 def linear_storage(device: str) -> str:
-    """How INT8 linears keep their weights on this device (see linear_bytes)."""
-    if device.startswith("cuda"):
+    """How INT8 linears keep their weights with the engine's default backends on
+    this device (engine/backends.py; see linear_bytes)."""
+    choice = kernel_choice(EngineConfig(device=device))
+    if choice.w4a8 == "triton":
         return "packed4"  # the Triton GEMM reads packed codes
-    return "vnni" if fused_int8_available() else "int8"
+    return "vnni" if choice.fused_int8 else "int8"
 
 
 def plan_memory(arch: ModelArchConfig, p: Precision, device: str, seq_len: int,

@@ -149,12 +149,14 @@ def run_memory_cmd(args) -> int:
 
     if (args.memory_gb is None) == (args.kv_budget_gb is None):
         raise ValueError("give exactly one of --memory-gb and --kv-budget-gb")
+    def gb(v):
+        return None if v is None else int(v * 2**30)
+
     plans = []
     for name in args.precisions:
         p = get_precision(name)
         # only the architecture is read: QoQ precisions need no checkpoint here
         arch = load_model_source(model_for(get_precision("fp16"), args.model)).arch
-        gb = (lambda v: None if v is None else int(v * 2**30))
         plans.append(plan_memory(arch, p, args.device, args.seq_len, budget_bytes=gb(args.kv_budget_gb),
                                  memory_bytes=gb(args.memory_gb), reserve_bytes=gb(args.reserve_gb),
                                  group_size=args.group_size))

@@ -18,10 +18,6 @@ def register(sub) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $QOQSERVE_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: its name)")
     p.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
-    p.add_argument("--max-prompt-tokens", type=int, default=None,
-                   help="longest prompt accepted (default: the context window minus one)")
-    p.add_argument("--max-tokens-limit", type=int, default=None,
-                   help="largest max_tokens accepted (default: the context window)")
     p.add_argument("--graceful-shutdown-s", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight requests may take to finish before abort")
     add_engine_args(p)
@@ -38,7 +34,6 @@ def run(args) -> int:
     model = args.model_path or args.model or "qoq"
     config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                           served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
-                          max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
                           graceful_shutdown_s=args.graceful_shutdown_s)
     engine = make_engine(args, model)
     s = engine.stats()

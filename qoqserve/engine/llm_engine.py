@@ -4,19 +4,19 @@ from __future__ import annotations
 import logging
 
 from qoqserve.config import EngineConfig
+from qoqserve.engine.admission import Admission, PreparedRequest
 from qoqserve.engine.block_manager import BlockManager
 from qoqserve.engine.model_runner import ModelRunner
 from qoqserve.engine.output import OutputTracker, RequestOutput
 from qoqserve.engine.scheduler import Scheduler
 from qoqserve.engine.sequence import Sequence
+from qoqserve.errors import InvalidRequestError
 from qoqserve.model_loader import load_model_source
 from qoqserve.sampling_params import SamplingParams
 
+__all__ = ["InvalidRequestError", "LLMEngine", "PreparedRequest"]
+
 log = logging.getLogger(__name__)
-
-
-class InvalidRequestError(ValueError):
-    pass
 
 
 class LLMEngine:
@@ -35,6 +35,9 @@ class LLMEngine:
         self.max_model_len = min(context, self.runner.num_blocks * bs)
         self.block_manager = BlockManager(self.runner.num_blocks, bs, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+        sched = config.scheduler
+        self.admission = Admission(self.tokenizer, self.arch.vocab_size, self.max_model_len,
+                                   sched.max_prompt_tokens, sched.max_tokens_limit)
         self.eos_ids = set(self.tokenizer.eos_token_ids) | set(self.arch.eos_token_ids)
         self.trackers: dict[str, OutputTracker] = {}
         self.num_prompt_tokens = 0
@@ -42,35 +45,31 @@ class LLMEngine:
         self._runner_stats = self.runner.stats()  # fixed after load; stats() is called every step
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        if not all(isinstance(t, int) and 0 <= t < self.arch.vocab_size for t in prompt):
-            raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.arch.vocab_size})")
-        return list(prompt)
+        """Prompt token ids (validated); pure, so any thread may call it."""
+        return self.admission.tokenize(prompt)
 
-    def add_request(self, request_id: str, prompt: str | list[int],
+    def prepare_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                        max_tokens_must_fit: bool = False) -> PreparedRequest:
+        """Admission checks without queueing (pure: any thread may call it); raises
+        InvalidRequestError. add_request takes the result without checking again."""
+        return self.admission.prepare(prompt, params, max_tokens_must_fit)
+
+    def add_request(self, request_id: str, prompt: str | list[int] | PreparedRequest,
                     params: SamplingParams | None = None) -> list[int]:
         """Queue a request; returns its prompt token ids. Raises InvalidRequestError."""
         if request_id in self.trackers:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        params = params or SamplingParams()
-        ids = self.tokenize(prompt)
-        if not ids:
-            raise InvalidRequestError("prompt is empty")
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {len(ids)} tokens but the context window is {self.max_model_len} "
-                f"tokens (prompt plus at least one generated token must fit)")
-        seq = Sequence(request_id, ids, params)
+        req = prompt if isinstance(prompt, PreparedRequest) else self.prepare_request(prompt, params)
+        seq = Sequence(request_id, list(req.prompt_token_ids), req.params)
         self.trackers[request_id] = OutputTracker(seq, self.tokenizer, self.eos_ids, self.max_model_len)
         self.scheduler.add(seq)
-        return ids
+        return seq.token_ids[:seq.num_prompt_tokens]
 
     def abort(self, request_id: str) -> bool:
         tracker = self.trackers.pop(request_id, None)
         if tracker is None:
             return False
-        self.scheduler.finish(tracker.seq, "abort")
+        self._finish(tracker.seq, "abort")
         return True
 
     def has_unfinished(self) -> bool:
@@ -86,16 +85,19 @@ class LLMEngine:
         self.num_generation_tokens += len(seqs)
         outputs = []
         for i, seq in enumerate(seqs):
-            seq.append(tokens[i], logprobs[i] if logprobs is not None else None,
-                       top[i] if top is not None else None)
-            self.block_manager.on_token_computed(seq)
+            self.scheduler.postprocess(seq, tokens[i], logprobs[i] if logprobs is not None else None,
+                                       top[i] if top is not None else None)
             tracker = self.trackers[seq.request_id]
             reason = tracker.on_token(tokens[i])
             if reason is not None:
-                self.scheduler.finish(seq, reason)
+                self._finish(seq, reason)
                 del self.trackers[seq.request_id]
             outputs.append(tracker.make_output())
         return outputs
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        self.runner.release(seq.request_id)
 
     def stats(self) -> dict:
         bm = self.block_manager

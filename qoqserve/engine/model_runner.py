@@ -156,14 +156,11 @@ class ModelRunner:
         hidden = self.model(ids, positions, meta, self.kv_caches)
         if is_prefill:
             hidden = hidden[torch.tensor(meta.query_starts[1:], device=self.device) - 1]
-        logits = self.model.compute_logits(hidden)
-        for seq in seqs:
-            if seq.params.seed is not None and seq.generator is None:
-                seq.generator = torch.Generator().manual_seed(seq.params.seed)
-        return self.sampler(
-            logits, [s.params for s in seqs], [s.generator for s in seqs],
-            [(s.token_ids[:s.num_prompt_tokens], s.output_counts) if s.params.has_penalties else None
-             for s in seqs])
+        return self.sampler(self.model.compute_logits(hidden), seqs)
+
+    def release(self, request_id: str) -> None:
+        """A request ended: drop its sampling state."""
+        self.sampler.release(request_id)
 
     def prompt_logprobs(self, token_ids: list[int]) -> torch.Tensor:
         return self.model.prompt_logprobs(token_ids)

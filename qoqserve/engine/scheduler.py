@@ -65,6 +65,13 @@ class Scheduler:
         self.running = kept
         return scheduled, False
 
+    def postprocess(self, seq: Sequence, token: int, logprob: float | None,
+                    top: list[tuple[int, float]] | None) -> None:
+        """A step produced seq's next token: record it, and let the block
+        manager register the page it may have completed in the prefix cache."""
+        seq.append(token, logprob, top)
+        self.block_manager.on_token_computed(seq)
+
     def _preempt(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1

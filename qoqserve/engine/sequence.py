@@ -4,7 +4,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import Any
 
 from qoqserve.sampling_params import SamplingParams
 
@@ -33,7 +32,6 @@ class Sequence:
     last_token_time: float | None = None
     # token-count bookkeeping for presence/frequency penalties
     output_counts: dict[int, int] = field(default_factory=dict)
-    generator: Any = None  # torch.Generator of a seeded request, made on first sampling
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

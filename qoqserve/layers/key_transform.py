@@ -7,9 +7,8 @@ attends to, so the softmax, and the layer's output, are unchanged. What
 changes is what per-token KV4 sees: keys carry a large per-channel offset
 (shared by all tokens) and a few outlier channels. Subtracting the calibrated
 mean removes the first; the Hadamard-like R spreads the second over all
-channels. On SmolLM2 (KV4 alone, 4k-token excerpt) this cut the perplexity
-loss from +14.8% (rotation + SmoothAttention) to +5.3% (docs/accuracy.md). It runs on q and k before the cache write, so every KV
-layout and attention kernel works unchanged.
+channels (what that buys on SmolLM2: docs/accuracy.md). It runs on q and k
+before the cache write, so every KV layout and attention kernel works unchanged.
 """
 from __future__ import annotations
 

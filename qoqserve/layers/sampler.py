@@ -5,9 +5,20 @@ request draws the same tokens whatever else shares its batch.
 """
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from qoqserve.sampling_params import SamplingParams
+
+
+class SamplingRequest(Protocol):
+    """What the sampler reads of a request (engine.Sequence has it)."""
+    request_id: str
+    params: SamplingParams
+    token_ids: list[int]
+    num_prompt_tokens: int
+    output_counts: dict[int, int]
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
@@ -42,16 +53,31 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
 
 
 class Sampler:
+    """Owns the sampling state: the engine-wide generator, and one generator
+    per seeded request (made on its first token, kept across preemptions, and
+    dropped by release() when the request ends)."""
+
     def __init__(self, seed: int = 0):
         self.generator = torch.Generator().manual_seed(seed)
+        self._generators: dict[str, torch.Generator] = {}
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None],
-                 penalty_inputs: list[tuple[list[int], dict[int, int]] | None]
+    def release(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def _generator(self, req: SamplingRequest) -> torch.Generator:
+        if req.params.seed is None:
+            return self.generator
+        gen = self._generators.get(req.request_id)
+        if gen is None:
+            gen = self._generators[req.request_id] = torch.Generator().manual_seed(req.params.seed)
+        return gen
+
+    def __call__(self, logits: torch.Tensor, requests: list[SamplingRequest]
                  ) -> tuple[list[int], list[float] | None, list[list[tuple[int, float]]] | None]:
         """logits [B, V] -> chosen token per row; when any row asks, each chosen token's
         logprob and each row's top_logprobs most likely (token, logprob) pairs.
         Logprobs are of the model's distribution, before penalties and temperature."""
+        params = [r.params for r in requests]
         logits = logits.float().cpu()
         tokens: list[int] = []
         want_logprobs = any(p.logprobs for p in params)
@@ -64,14 +90,14 @@ class Sampler:
                 continue
             row = logits[i]
             if p.has_penalties:
-                row = apply_penalties(row, p, *penalty_inputs[i])
+                req = requests[i]
+                row = apply_penalties(row, p, req.token_ids[:req.num_prompt_tokens], req.output_counts)
             if p.greedy:
                 tokens.append(int(row.argmax()))
                 continue
             row = _filter_top_k_top_p(row / p.temperature, p.top_k, p.top_p)
             probs = row.softmax(-1)
-            gen = generators[i] or self.generator
-            tokens.append(int(torch.multinomial(probs, 1, generator=gen)))
+            tokens.append(int(torch.multinomial(probs, 1, generator=self._generator(requests[i]))))
         chosen = top = None
         if logprobs is not None:
             chosen = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()

@@ -2,8 +2,9 @@
 
 The default set ships with the package (qoqserve/data/calibration_en.txt). It
 was written by the embedded SmolLM2-135M-Instruct itself from the prompts in
-scripts/make_calibration_text.py, so the project may redistribute it, and it never overlaps the evaluation texts (the license files
-in /usr/share/common-licenses): a test checks that no 12-token run is shared.
+scripts/make_calibration_text.py, so the project may redistribute it, and it
+never overlaps the evaluation texts (the license files in
+/usr/share/common-licenses): a test checks that no 12-token run is shared.
 """
 from __future__ import annotations
 

@@ -16,10 +16,9 @@ class QuantConfig:
     # per-head rotation of V folded into v_proj/o_proj; off by default: it did not
     # lower the KV4 loss on SmolLM2 (docs/accuracy.md)
     rotate_v: bool = False
-    # SmoothAttention: off by default. After the key transform it made SmolLM2
-    # worse (QoQ g64, full license text: off +19.3%, alpha searched per layer by
-    # attention-output error +21.7%; KV4 alone on a 4k excerpt, fixed 0.5: +5.3% ->
-    # +7.2%). When on, alpha None = searched over smooth_attention_grid (0 = none).
+    # SmoothAttention: off by default: after the key transform it made SmolLM2
+    # worse (docs/accuracy.md). When on, alpha None = searched over
+    # smooth_attention_grid (0 = none).
     smooth_attention: bool = False
     smooth_attention_alpha: float | None = None
     smooth_attention_grid: tuple[float, ...] = (0.0, 0.125, 0.25, 0.375, 0.5)
@@ -32,8 +31,8 @@ class QuantConfig:
     clip: bool = False            # weight clipping ratio search
     gptq: bool = True             # error-compensating rounding
     group_search: bool = True     # level-2 (s2, z) by weighted error search, not by range
-    # 128 x 512 asks for more than the shipped text holds (~88 windows): all of it is
-    # used; going from 64 windows to all of them took QoQ g64 from +20.9% to +19.3%
+    # 128 x 512 asks for more than the shipped text holds: all of it is used
+    # (fewer windows cost accuracy: docs/accuracy.md)
     calib_samples: int = 128
     calib_seq_len: int = 512
     seed: int = 0

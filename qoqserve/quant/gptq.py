@@ -40,9 +40,9 @@ def _inverse_cholesky(h: torch.Tensor, percdamp: float) -> torch.Tensor:
     eye = torch.eye(k, dtype=h.dtype, device=h.device)
     damp = percdamp * torch.diag(h).mean()
     for _ in range(6):
-        l, info = torch.linalg.cholesky_ex(h + damp * eye)
+        chol, info = torch.linalg.cholesky_ex(h + damp * eye)
         if int(info) == 0:
-            hinv = torch.cholesky_inverse(l)
+            hinv = torch.cholesky_inverse(chol)
             u, info = torch.linalg.cholesky_ex(hinv, upper=True)
             if int(info) == 0:
                 return u

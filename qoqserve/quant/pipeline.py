@@ -104,7 +104,8 @@ def _quantize_linear(linear, cap, cfg: QuantConfig, info: dict, name: str) -> No
     group_params = None
     if cfg.group_search and g:
         hdiag = None if hessian is None else torch.diag(hessian)
-        group_params = lambda x, col: search_group_params(x, None if hdiag is None else hdiag[col:col + g])
+        def group_params(x, col):
+            return search_group_params(x, None if hdiag is None else hdiag[col:col + g])
     quantizer = qoq_ref.WeightQuantizer(w, g, clip, group_params)
     if cfg.gptq:
         # Dynamic groups (params from the error-compensated columns). act_order with

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from qoqserve.engine.llm_engine import InvalidRequestError
+from qoqserve.errors import InvalidRequestError
 from qoqserve.server.async_engine import AsyncEngine, EngineDeadError
 from qoqserve.server.config import ServerConfig
 from qoqserve.server.metrics import ServerMetrics
@@ -104,7 +104,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str,
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(request: Request, e: InvalidRequestError):
-        return error_response(APIError(400, str(e)))
+        return error_response(APIError(400, str(e), param=e.param, code=e.code))
 
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, e: EngineDeadError):

@@ -15,7 +15,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from qoqserve.engine.llm_engine import LLMEngine
+from qoqserve.engine.llm_engine import LLMEngine, PreparedRequest
 from qoqserve.engine.output import RequestOutput
 from qoqserve.sampling_params import SamplingParams
 
@@ -53,18 +53,18 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        """Prompt token ids (validated); pure, so any thread may call it."""
-        return self.engine.tokenize(prompt)
+    def prepare_request(self, prompt: str | list[int], params: SamplingParams,
+                        max_tokens_must_fit: bool = False) -> PreparedRequest:
+        """The engine's admission checks (pure, so any thread may call them)."""
+        return self.engine.prepare_request(prompt, params, max_tokens_must_fit)
 
-    async def generate(self, request_id: str, prompt: str | list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, request: PreparedRequest) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs as steps produce them. Leaving the
         iteration early (client gone, task cancelled) aborts the request."""
         if not self.is_alive:
             raise EngineDeadError("the engine is not running")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._inbox.put(("add", request_id, prompt, params, stream))
+        self._inbox.put(("add", request_id, request, stream))
         finished = False
         try:
             while True:
@@ -120,9 +120,9 @@ class AsyncEngine:
 
     def _handle(self, msg: tuple) -> None:
         if msg[0] == "add":
-            _, rid, prompt, params, stream = msg
+            _, rid, request, stream = msg
             try:
-                self.engine.add_request(rid, prompt, params)
+                self.engine.add_request(rid, request)
             except Exception as e:  # bad input: the caller gets the error, the loop goes on
                 stream.put(e)
                 return

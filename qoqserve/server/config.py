@@ -11,7 +11,5 @@ class ServerConfig:
     api_key: str | None = None     # Bearer token required on /v1/* when set
     served_model_name: str | None = None  # default: the model's own name
     max_body_bytes: int = 4 * 2**20
-    max_prompt_tokens: int | None = None  # default: the context window minus one
-    max_tokens_limit: int | None = None   # largest max_tokens accepted; default: the context window
     graceful_shutdown_s: float = 30.0     # on SIGTERM, in-flight requests get this long to finish
     log_level: str = "info"

@@ -22,7 +22,7 @@ def _new_token_logprobs(out: RequestOutput, everything: bool):
     return ids, lps, tops
 
 
-class _Format:
+class Format:
     object_name = ""
     chunk_object_name = ""
 
@@ -63,7 +63,7 @@ class _Format:
         raise NotImplementedError
 
 
-class CompletionFormat(_Format):
+class CompletionFormat(Format):
     object_name = chunk_object_name = "text_completion"
 
     def __init__(self, *args, echo_text: str = ""):
@@ -99,7 +99,7 @@ class CompletionFormat(_Format):
         return {"index": 0, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
 
 
-class ChatFormat(_Format):
+class ChatFormat(Format):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 

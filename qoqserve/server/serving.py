@@ -1,7 +1,10 @@
-"""OpenAI requests -> engine requests: validation, limits, streaming, disconnects.
+"""OpenAI requests -> engine requests: the API's own fields, streaming, disconnects.
 
-Everything a request can get wrong is checked here, before the engine sees
-it, so a stream only starts once the request is known to be good.
+The engine's admission (engine/admission.py) checks prompts, limits and
+sampling parameters, once; this layer checks only what belongs to the OpenAI
+API (model name, n, unsupported fields) and maps the engine's errors to
+OpenAI errors. Both happen before the stream starts, so a stream only starts
+once the request is known to be good.
 """
 from __future__ import annotations
 
@@ -13,12 +16,13 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from qoqserve.engine.llm_engine import InvalidRequestError
+from qoqserve.engine.admission import PreparedRequest
 from qoqserve.engine.output import RequestOutput
-from qoqserve.sampling_params import InvalidSamplingParams, SamplingParams
+from qoqserve.errors import InvalidRequestError
+from qoqserve.sampling_params import SamplingParams
 from qoqserve.server.async_engine import AsyncEngine
 from qoqserve.server.config import ServerConfig
-from qoqserve.server.formats import ChatFormat, CompletionFormat, _Format
+from qoqserve.server.formats import ChatFormat, CompletionFormat, Format
 from qoqserve.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -37,9 +41,6 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
         self.max_model_len = engine.max_model_len
-        self.max_prompt_tokens = min(config.max_prompt_tokens or self.max_model_len,
-                                     self.max_model_len - 1)
-        self.max_tokens_limit = config.max_tokens_limit or self.max_model_len
 
     # ---- validation -----------------------------------------------------------
 
@@ -55,27 +56,11 @@ class OpenAIServing:
         if req.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
 
-    def _sampling_params(self, req: SamplingFields, num_prompt_tokens: int, max_tokens: int | None,
-                         prompt_param: str, logprobs: bool = False, top_logprobs: int = 0) -> SamplingParams:
-        if num_prompt_tokens == 0:
-            raise APIError(400, "the prompt is empty", param=prompt_param)
-        if num_prompt_tokens > self.max_prompt_tokens:
-            raise APIError(400, f"the prompt has {num_prompt_tokens} tokens; this server accepts "
-                           f"at most {self.max_prompt_tokens}", param=prompt_param, code="prompt_too_long")
-        if max_tokens is not None and max_tokens > self.max_tokens_limit:
-            raise APIError(400, f"max_tokens must be at most {self.max_tokens_limit}, got {max_tokens}",
-                           param="max_tokens")
-        room = self.max_model_len - num_prompt_tokens
-        if max_tokens is None:
-            max_tokens = min(room, self.max_tokens_limit)
-        elif max_tokens > room:
-            raise APIError(
-                400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"you requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
-                f"prompt, {max_tokens} for the completion). Please reduce the prompt or max_tokens.",
-                param="max_tokens", code="context_length_exceeded")
+    def _prepare(self, req: SamplingFields, prompt: str | list[int], max_tokens: int | None,
+                 prompt_param: str, logprobs: bool = False, top_logprobs: int = 0) -> PreparedRequest:
+        """The engine's admission of this request; its errors as OpenAI 400s."""
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
                 top_k=-1 if req.top_k in (None, 0) else req.top_k,
@@ -86,14 +71,10 @@ class OpenAIServing:
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
                 include_stop_str_in_output=req.include_stop_str_in_output)
-        except InvalidSamplingParams as e:
-            raise APIError(400, str(e), param=str(e).split()[0]) from None
-
-    def _token_ids(self, prompt: str | list[int], param: str) -> list[int]:
-        try:
-            return self.engine.tokenize(prompt)
+            return self.engine.prepare_request(prompt, params, max_tokens_must_fit=True)
         except InvalidRequestError as e:
-            raise APIError(400, str(e), param=param) from None
+            param = prompt_param if e.param == "prompt" else e.param
+            raise APIError(400, str(e), param=param, code=e.code) from None
 
     # ---- endpoints --------------------------------------------------------------
 
@@ -113,13 +94,13 @@ class OpenAIServing:
             raise APIError(400, f"logprobs must be in [0, 20], got {req.logprobs}", param="logprobs")
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo together with logprobs is not supported", param="echo")
-        ids = self._token_ids(prompt, "prompt")
-        params = self._sampling_params(req, len(ids), req.max_tokens, "prompt",
-                                       logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0)
+        prepared = self._prepare(req, prompt, req.max_tokens, "prompt",
+                                 logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0)
+        ids = prepared.prompt_token_ids
         echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)) if req.echo else ""
         fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", self.model_name, self.tokenizer, len(ids),
                                echo_text=echo)
-        return await self._respond(fmt, ids, params, req, raw)
+        return await self._respond(fmt, prepared, req, raw)
 
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         self._check_common(req)
@@ -140,16 +121,16 @@ class OpenAIServing:
         # the template already carries BOS where the model wants one
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = self._sampling_params(req, len(ids), max_tokens, "messages", logprobs=req.logprobs,
-                                       top_logprobs=req.top_logprobs or 0)
+        prepared = self._prepare(req, ids, max_tokens, "messages", logprobs=req.logprobs,
+                                 top_logprobs=req.top_logprobs or 0)
         fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, self.tokenizer, len(ids))
-        return await self._respond(fmt, ids, params, req, raw)
+        return await self._respond(fmt, prepared, req, raw)
 
     # ---- running ----------------------------------------------------------------
 
-    async def _respond(self, fmt: _Format, ids: list[int], params: SamplingParams,
-                       req: SamplingFields, raw: Request):
-        outputs = self.engine.generate(fmt.id, ids, params)
+    async def _respond(self, fmt: Format, prepared: PreparedRequest, req: SamplingFields,
+                       raw: Request):
+        outputs = self.engine.generate(fmt.id, prepared)
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(self._sse(outputs, fmt, usage), media_type="text/event-stream",
@@ -183,7 +164,7 @@ class OpenAIServing:
             raise APIError(500, "the request ended without output", type="server_error")
         return out
 
-    async def _sse(self, outputs: AsyncIterator[RequestOutput], fmt: _Format, include_usage: bool):
+    async def _sse(self, outputs: AsyncIterator[RequestOutput], fmt: Format, include_usage: bool):
         last = None
         try:
             async for out in outputs:

@@ -1,0 +1,73 @@
+"""Request admission: every request's prompt and parameters are checked and
+normalized here, once, before it enters the scheduler. The engine raises
+InvalidRequestError (with the offending `param` and an OpenAI `code`), which
+the HTTP server maps to a 400 and the Python API raises as is.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from qoqserve.errors import InvalidRequestError
+from qoqserve.model_loader.tokenizer import Tokenizer
+from qoqserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A request that passed admission: token ids and final parameters."""
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class Admission:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
+                 max_prompt_tokens: int | None = None, max_tokens_limit: int | None = None):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        # a prompt plus at least one generated token must fit the context window
+        self.max_prompt_tokens = min(max_prompt_tokens or max_model_len, max_model_len - 1)
+        self.max_tokens_limit = max_tokens_limit or max_model_len
+
+    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        if not isinstance(prompt, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in prompt):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.vocab_size})",
+                                      param="prompt")
+        return list(prompt)
+
+    def prepare(self, prompt: str | list[int], params: SamplingParams | None = None,
+                max_tokens_must_fit: bool = False) -> PreparedRequest:
+        """max_tokens_must_fit: refuse a max_tokens the context cannot hold (the
+        OpenAI API's rule) instead of stopping at the context window (LLM's)."""
+        params = params or SamplingParams()
+        ids = self.tokenize(prompt)
+        n = len(ids)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if n > self.max_prompt_tokens:
+            window = (f"the context window is {self.max_model_len} tokens (prompt plus at least one "
+                      "generated token must fit)") if self.max_prompt_tokens == self.max_model_len - 1 \
+                else "a limit of this server"
+            raise InvalidRequestError(f"the prompt has {n} tokens; at most {self.max_prompt_tokens} "
+                                      f"are accepted ({window})", param="prompt", code="prompt_too_long")
+        max_tokens = params.max_tokens
+        if max_tokens is not None and max_tokens > self.max_tokens_limit:
+            raise InvalidRequestError(f"max_tokens must be at most {self.max_tokens_limit}, got {max_tokens}",
+                                      param="max_tokens")
+        room = self.max_model_len - n
+        if max_tokens is None:
+            params = dataclasses.replace(params, max_tokens=min(room, self.max_tokens_limit))
+        elif max_tokens > room and max_tokens_must_fit:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {n + max_tokens} tokens ({n} in the prompt, {max_tokens} for the "
+                "completion). Please reduce the prompt or max_tokens.",
+                param="max_tokens", code="context_length_exceeded")
+        if not all(t < self.vocab_size for t in params.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be below the vocabulary size {self.vocab_size}",
+                                      param="stop_token_ids")
+        return PreparedRequest(ids, params)
