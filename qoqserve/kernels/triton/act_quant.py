@@ -29,7 +29,11 @@ def _rmsnorm_quant_kernel(x_ptr, w_ptr, q_ptr, s_ptr, rs_ptr, K, stride_x, eps,
     cols = tl.arange(0, BLOCK)
     ok = cols < K
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-    xn = x * tl.math.rsqrt(tl.sum(x * x, axis=0) / K + eps)
+    # correctly rounded mean and 1/sqrt (not rsqrt.approx / div.full, what a plain
+    # `/` and tl.math.rsqrt compile to), as torch computes them on CPU: an fp32
+    # ulp here can flip the fp16 rounding of the row's largest element
+    inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(tl.sum(x * x, axis=0), K.to(tl.float32)) + eps))
+    xn = x * inv
     w = tl.load(w_ptr + cols, mask=ok, other=0.0)
     # as RMSNorm: normalize in fp32, round to the activation dtype, then scale
     y = (w * xn.to(w.dtype)).to(tl.float32)
@@ -45,7 +49,8 @@ def _silu_mul_quant_kernel(gu_ptr, q_ptr, s_ptr, rs_ptr, K, stride_gu,
     g_raw = tl.load(gu_ptr + row * stride_gu + cols, mask=ok, other=0.0)
     u_raw = tl.load(gu_ptr + row * stride_gu + K + cols, mask=ok, other=0.0)
     g = g_raw.to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(g_raw.dtype)
+    # a correctly rounded division, as torch's silu on CPU (a plain `/` is div.full on GPU)
+    silu = tl.math.div_rn(g, 1.0 + tl.exp(-g)).to(g_raw.dtype)
     y = (silu * u_raw).to(tl.float32)
     _store_quantized(y, q_ptr + row * K, s_ptr, rs_ptr, row, cols, ok)
 
@@ -60,6 +65,10 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, rs_ptr, K, stride_x, BLOCK: tl.constexpr)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
+    if x.dim() != 2:
+        raise ValueError(f"expected a [M, K] activation, got shape {tuple(x.shape)}")
+    if not x.dtype.is_floating_point:
+        raise ValueError(f"expected a floating-point activation, got {x.dtype}")
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
@@ -77,6 +86,10 @@ def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float):
     """RMSNorm(x) * weight, quantized: (int8 [M, K], scale fp32 [M], row sum fp32 [M])."""
     x = _rows(x)
     m, k = x.shape
+    if weight.shape != (k,) or weight.device != x.device:
+        raise ValueError(f"norm weight {tuple(weight.shape)} on {weight.device} does not match "
+                         f"K={k} on {x.device}")
+    weight = weight.contiguous()
     q, s, rs = _outputs(m, k, x.device)
     if m:
         block = triton.next_power_of_2(k)
@@ -89,6 +102,8 @@ def silu_mul_quant(gate_up: torch.Tensor):
     """silu(gate) * up of gate_up [M, 2I], quantized: (int8 [M, I], scale, row sum)."""
     gate_up = _rows(gate_up)
     m, k2 = gate_up.shape
+    if k2 % 2:
+        raise ValueError(f"gate_up has an odd width {k2}")
     k = k2 // 2
     q, s, rs = _outputs(m, k, gate_up.device)
     if m:
