@@ -70,22 +70,23 @@ def _load_kv4_tile(rows, tok_ok, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: 
 @triton.jit(do_not_specialize=["stride_bt"])
 def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, ml_ptr, qk_scale,
                          stride_qb, stride_qh, stride_bt, stride_ob, stride_oh, stride_slot, stride_head,
+                         splits,
                          D: tl.constexpr, D_PAD: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                          BS: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP16: tl.constexpr,
-                         WORDS: tl.constexpr, SPLITS: tl.constexpr, F32_DOT: tl.constexpr):
+                         WORDS: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr):
     # KV heads vary fastest: the programs reading one token's interleaved head
     # rows (which share DRAM sectors) run side by side
     kvh = tl.program_id(0)
     b = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(ctx_ptr + b)
-    if SPLITS == 1:
-        lo = 0
-        hi = ctx
-    else:
-        chunk = tl.cdiv(tl.cdiv(ctx, SPLITS), BLOCK_N) * BLOCK_N
+    if SPLIT:
+        chunk = tl.cdiv(tl.cdiv(ctx, splits), BLOCK_N) * BLOCK_N
         lo = split * chunk
         hi = tl.minimum(ctx, lo + chunk)
+    else:
+        lo = 0
+        hi = ctx
     rg = tl.arange(0, G_PAD)
     rd = tl.arange(0, D_PAD)
     g_ok = rg < G
@@ -134,29 +135,28 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, ml_ptr, 
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     o_mask = g_ok[:, None] & d_ok[None, :]
-    if SPLITS == 1:
+    if not SPLIT:
         # an empty context (a padded batch slot) gives 0, not 0/0
         out = acc / tl.maximum(l_i, 1e-30)[:, None]
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + rd[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=o_mask)
     else:
         # partials [B, H, SPLITS, D_PAD] (unnormalized) and [B, H, SPLITS, 2] (m, l)
-        part = (b * (G * tl.num_programs(0)) + heads).to(tl.int64) * SPLITS + split
+        part = (b * (G * tl.num_programs(0)) + heads).to(tl.int64) * splits + split
         tl.store(out_ptr + part[:, None] * D_PAD + rd[None, :], acc, mask=o_mask)
         tl.store(ml_ptr + part * 2, m_i, mask=g_ok)
         tl.store(ml_ptr + part * 2 + 1, l_i, mask=g_ok)
 
 
 @triton.jit
-def _merge_splits_kernel(part_ptr, ml_ptr, out_ptr, stride_ob, stride_oh, H,
-                         D: tl.constexpr, D_PAD: tl.constexpr, SPLITS: tl.constexpr,
-                         S_PAD: tl.constexpr):
+def _merge_splits_kernel(part_ptr, ml_ptr, out_ptr, stride_ob, stride_oh, H, splits,
+                         D: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr):
     h = tl.program_id(0)
     b = tl.program_id(1)
     rs = tl.arange(0, S_PAD)
     rd = tl.arange(0, D_PAD)
-    s_ok = rs < SPLITS
-    base = (b.to(tl.int64) * H + h) * SPLITS + rs
+    s_ok = rs < splits
+    base = (b.to(tl.int64) * H + h) * splits + rs
     m = tl.load(ml_ptr + base * 2, mask=s_ok, other=float("-inf"))
     ll = tl.load(ml_ptr + base * 2 + 1, mask=s_ok, other=0.0)
     m_all = tl.max(m, axis=0)
@@ -206,22 +206,25 @@ def _decode(q, k_src, v_src, block_tables, context_lens, sm_scale, bs, hkv, stri
     g_pad = max(triton.next_power_of_2(g), 16) if g > 1 else 1
     if splits is None:
         splits = num_splits(b, hkv, block_tables.shape[1] * bs, sms)
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"splits must be in 1..{MAX_SPLITS}, got {splits}")
     meta = dict(D=d, D_PAD=d_pad, G=g, G_PAD=g_pad, BS=bs, BLOCK_N=block_n, KV_FP16=kv_fp16,
-                WORDS=words, SPLITS=splits, F32_DOT=q.dtype == torch.float32, num_warps=4, num_stages=2)
+                WORDS=words, SPLIT=splits > 1, F32_DOT=q.dtype == torch.float32, num_warps=4, num_stages=2)
     scale = sm_scale * LOG2E
     common = (q, k_src, v_src, block_tables, context_lens)
     if splits == 1:
         _paged_decode_kernel[(hkv, b, 1)](
             *common, out, out, scale, q.stride(0), q.stride(1), block_tables.stride(0),
-            out.stride(0), out.stride(1), stride_slot, stride_head, **meta)
+            out.stride(0), out.stride(1), stride_slot, stride_head, 1, **meta)
         return out
     part = torch.empty(b, h, splits, d_pad, dtype=torch.float32, device=q.device)
     ml = torch.empty(b, h, splits, 2, dtype=torch.float32, device=q.device)
     _paged_decode_kernel[(hkv, b, splits)](
         *common, part, ml, scale, q.stride(0), q.stride(1), block_tables.stride(0),
-        0, 0, stride_slot, stride_head, **meta)
-    _merge_splits_kernel[(h, b)](part, ml, out, out.stride(0), out.stride(1), h, D=d, D_PAD=d_pad,
-                                 SPLITS=splits, S_PAD=triton.next_power_of_2(splits), num_warps=4)
+        0, 0, stride_slot, stride_head, splits, **meta)
+    # the split count is a runtime argument and S_PAD fixed: one variant for every count
+    _merge_splits_kernel[(h, b)](part, ml, out, out.stride(0), out.stride(1), h, splits, D=d,
+                                 D_PAD=d_pad, S_PAD=MAX_SPLITS, num_warps=4)
     return out
 
 

@@ -76,11 +76,11 @@ def split_k_for(m: int, n: int, k: int, tile: Tile, bk: int, num_sms: int) -> in
 
 @triton.jit
 def _epilogue(acc, rm, rn, m_ok, n_ok, sa_ptr, rowsum_ptr, z_ptr, s1_ptr, bias_ptr,
-              GROUP: tl.constexpr, HAS_BIAS: tl.constexpr):
+              PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr):
     sa = tl.load(sa_ptr + rm, mask=m_ok, other=0.0).to(tl.float32)
     s1 = tl.load(s1_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
     y = acc.to(tl.float32) * sa[:, None] * s1[None, :]
-    if GROUP == 0:
+    if PER_CHANNEL:
         rs = tl.load(rowsum_ptr + rm, mask=m_ok, other=0.0).to(tl.float32)
         zs = tl.load(z_ptr + rn, mask=n_ok, other=0).to(tl.float32) * s1
         y = y - rs[:, None] * zs[None, :]
@@ -93,7 +93,7 @@ def _epilogue(acc, rm, rn, m_ok, n_ok, sa_ptr, rowsum_ptr, z_ptr, s1_ptr, bias_p
 def _w4a8_gemm_kernel(x_ptr, sa_ptr, rowsum_ptr, qw_ptr, s2_ptr, z_ptr, s1_ptr, bias_ptr, out_ptr,
                       M, N, K, stride_xm, stride_om, stride_wn, stride_gn, k_per_split,
                       GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_ACC: tl.constexpr,
-                      SPLIT_K: tl.constexpr,
+                      ATOMIC: tl.constexpr,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -127,19 +127,19 @@ def _w4a8_gemm_kernel(x_ptr, sa_ptr, rowsum_ptr, qw_ptr, s2_ptr, z_ptr, s1_ptr, 
         acc += tl.dot(x, tl.trans(w), out_dtype=tl.int32)
     out_ptrs = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
     ok = m_ok[:, None] & n_ok[None, :]
-    if SPLIT_K > 1:
+    if ATOMIC:
         tl.atomic_add(out_ptrs, acc, mask=ok, sem="relaxed")
     elif OUT_ACC:
         tl.store(out_ptrs, acc, mask=ok)
     else:
         y = _epilogue(acc, rm, rn, m_ok, n_ok, sa_ptr, rowsum_ptr, z_ptr, s1_ptr, bias_ptr,
-                      GROUP, HAS_BIAS)
+                      GROUP == 0, HAS_BIAS)
         tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _w4a8_epilogue_kernel(acc_ptr, sa_ptr, rowsum_ptr, z_ptr, s1_ptr, bias_ptr, out_ptr, M, N,
-                          GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
                           BM: tl.constexpr, BN: tl.constexpr):
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -148,7 +148,8 @@ def _w4a8_epilogue_kernel(acc_ptr, sa_ptr, rowsum_ptr, z_ptr, s1_ptr, bias_ptr, 
     offs = rm.to(tl.int64)[:, None] * N + rn[None, :]
     ok = m_ok[:, None] & n_ok[None, :]
     acc = tl.load(acc_ptr + offs, mask=ok, other=0)
-    y = _epilogue(acc, rm, rn, m_ok, n_ok, sa_ptr, rowsum_ptr, z_ptr, s1_ptr, bias_ptr, GROUP, HAS_BIAS)
+    y = _epilogue(acc, rm, rn, m_ok, n_ok, sa_ptr, rowsum_ptr, z_ptr, s1_ptr, bias_ptr, PER_CHANNEL,
+                  HAS_BIAS)
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -231,13 +232,15 @@ def w4a8_gemm(x_q: torch.Tensor, s_a: torch.Tensor, qweight: torch.Tensor, s1: t
     _w4a8_gemm_kernel[grid](
         x_q, s_a, rowsum, qweight, s2_arg, zeros, s1, bias_arg, out,
         m, n, k, x_q.stride(0), out.stride(0), k // 2, k // group_size if group_size else 0,
-        k_per_split, GROUP=group_size, HAS_BIAS=bias is not None, OUT_ACC=return_acc,
-        SPLIT_K=split_k, BM=tile.bm, BN=tile.bn, BK=bk, num_warps=tile.warps, num_stages=tile.stages)
+        # the atomic (split) variant ignores bias and output mode: one variant, not four
+        k_per_split, GROUP=group_size, HAS_BIAS=bias is not None and split_k == 1,
+        OUT_ACC=return_acc and split_k == 1, ATOMIC=split_k > 1, BM=tile.bm, BN=tile.bn, BK=bk, num_warps=tile.warps, num_stages=tile.stages)
     if return_acc or split_k == 1:
         return out
     y = torch.empty(m, n, dtype=out_dtype, device=x_q.device)
     ebm, ebn = EPILOGUE_TILE
     _w4a8_epilogue_kernel[(triton.cdiv(m, ebm), triton.cdiv(n, ebn))](
-        out, s_a, rowsum, zeros, s1, bias_arg, y, m, n, GROUP=group_size, HAS_BIAS=bias is not None,
+        out, s_a, rowsum, zeros, s1, bias_arg, y, m, n, PER_CHANNEL=group_size == 0,
+        HAS_BIAS=bias is not None,
         BM=ebm, BN=ebn, num_warps=4)
     return y
