@@ -146,11 +146,14 @@ def test_rmsnorm_quant_matches_rmsnorm_then_quantize(dtype, k):
     _assert_quantized_like(rmsnorm_quant(*on_device(x, norm.weight), norm.eps), norm(x))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_silu_mul_quant_matches_torch(dtype):
+@pytest.mark.parametrize("dtype,max_block", [(torch.float32, None), (torch.float16, None),
+                                             (torch.float16, 64)])
+def test_silu_mul_quant_matches_torch(dtype, max_block):
+    """max_block 64: the two-pass path of rows too long for one block (3 chunks)."""
     gate_up = (torch.randn(6, 2 * 192) * 2).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
-    _assert_quantized_like(silu_mul_quant(gate_up.to(DEVICE)), F.silu(gate) * up)
+    kw = {"max_block": max_block} if max_block else {}
+    _assert_quantized_like(silu_mul_quant(gate_up.to(DEVICE), **kw), F.silu(gate) * up)
 
 
 def test_quant_int8_is_exact():

@@ -37,6 +37,7 @@ class Launch:
     kwargs: dict
     label: str
     hot: bool = True
+    grid: tuple = ()
 
 
 @dataclass
@@ -63,7 +64,7 @@ class _Recorder:
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            self.sink.append(Launch(self.fn, args, kwargs, self.label[0]))
+            self.sink.append(Launch(self.fn, args, kwargs, self.label[0], grid=tuple(grid)))
         return launch
 
 

@@ -209,7 +209,7 @@ def _decode(q, k_src, v_src, block_tables, context_lens, sm_scale, bs, hkv, stri
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits must be in 1..{MAX_SPLITS}, got {splits}")
     meta = dict(D=d, D_PAD=d_pad, G=g, G_PAD=g_pad, BS=bs, BLOCK_N=block_n, KV_FP16=kv_fp16,
-                WORDS=words, SPLIT=splits > 1, F32_DOT=q.dtype == torch.float32, num_warps=4, num_stages=2)
+                WORDS=words, SPLIT=splits > 1, F32_DOT=q.dtype == torch.float32, num_warps=8, num_stages=2)
     scale = sm_scale * LOG2E
     common = (q, k_src, v_src, block_tables, context_lens)
     if splits == 1:

@@ -133,4 +133,9 @@ def engine_launches(quick: bool = False) -> list[Launch]:
             _act_launches(ARCHS, DTYPES, label)
             _kv_launches(ARCHS, DTYPES, (16, 64), (1, 8, 64), label)
         _fp16_paged_launches(label)
+    for launch in sink:
+        # fp32 models on CUDA are a correctness configuration (tests, references),
+        # not a served one: their exact fp32 dots may spill without failing the check
+        if launch.kwargs.get("F32_DOT"):
+            launch.hot = False
     return sink
