@@ -117,3 +117,29 @@ def test_targets_parse(text, cc):
     from qoqserve.cli.check_kernels import parse_target
 
     assert parse_target(text) == cc
+
+
+KEYS = '''
+import torch
+from qoqserve.kernels.triton import paged_decode, w4a8_gemm
+from qoqserve.kernels.triton.aot import recording, variant_key
+from qoqserve.kernels.triton.variants import _e, _gemm
+with recording([w4a8_gemm, paged_decode]) as (sink, label):
+    for m in (2, 16):                      # one tile bucket; 16 would specialize as divisible
+        _gemm(m, 4096, 4096, 128, torch.float16, False)
+    for width in (17, 32):                 # block-table widths (its row stride)
+        paged_decode.kv4_decode_attention(_e(64, 32, 128), _e(64 * 32, 16, 2, 8, 68, dtype=torch.uint8),
+                                          _e(64, width, dtype=torch.int64), _e(64, dtype=torch.int64), 0.1)
+gemm = [variant_key(l, 90) for l in sink if l.fn.__name__ == "_w4a8_gemm_kernel"]
+dec = [variant_key(l, 90) for l in sink if l.fn.__name__ == "_paged_decode_kernel"]
+print(len(set(gemm)), len(gemm), len(set(dec)), len(dec))
+'''
+
+
+def test_batch_size_and_table_width_do_not_select_new_variants(tmp_path):
+    """M and the block-table stride are not specialized: serving does not
+    recompile when the batch grows inside a tile bucket or tables widen."""
+    proc = subprocess.run([sys.executable, "-c", KEYS], cwd=ROOT, env=_env(tmp_path),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["1", "2", "1", "2"]
