@@ -5,6 +5,7 @@ the AOT compile in tests/test_triton_aot.py)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import time
@@ -78,3 +79,35 @@ def test_kernel_meta_keeps_views_and_reads_compiled_kernels():
     fn = SimpleNamespace(device_caches={0: ({"key": compiled},)}, arg_names=["x", "n", "BLOCK"])
     assert meta_rows({"k": fn}) == [dict(kernel="k", n_regs=96, n_spills=0, shared=4096, num_warps=4,
                                          num_stages=3, constexprs={"BLOCK": "64"})]
+
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+# stands in for python3 on a GPU machine: logs each call; the env probe passes,
+# the GEMM bench fails, everything else succeeds
+echo "$@" >> "$CALLS"
+if [ "$1" = "-" ]; then cat > /dev/null; echo "torch 2.11.0 (fake)"; exit 0; fi
+case "$*" in *"--only gemm"*) echo "boom"; exit 3;; esac
+echo "ran $*"
+"""
+
+
+def test_stages_run_in_order_and_a_failing_one_does_not_stop_the_rest(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    calls = tmp_path / "calls.txt"
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PYTHON": str(fake), "CALLS": str(calls)}
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh")], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr   # one stage failed
+    lines = calls.read_text().splitlines()
+    order = ["-", "pytest", "gpu_kernel_meta.py", "--only gemm", "--only attention", "gpu_engine_smoke.py",
+             "bench throughput"]
+    assert len(lines) == len(order) and all(key in line for key, line in zip(order, lines)), lines
+    assert all(str(out) in line for line in lines[2:6])          # results go under $OUT
+    stages = [json.loads(x) for x in (out / "gpu_check_stages.jsonl").read_text().splitlines()]
+    assert [s["stage"] for s in stages] == ["tests", "meta", "gemm", "attention", "smoke", "throughput"]
+    assert [s["exit"] for s in stages] == [0, 0, 3, 0, 0, 0]
+    assert "boom" in (out / "bench_gemm.txt").read_text()
+    assert (out / "gpu_check.md").read_text().count("\n") == 2 + 7
