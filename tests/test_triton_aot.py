@@ -29,7 +29,12 @@ def _env(tmp_path) -> dict:
 
 def _launched_kernel_names() -> set[str]:
     """Names of the kernels the wrappers launch (`*_kernel` jit functions)."""
-    from qoqserve.kernels.triton import act_quant, kv4_attention, paged_decode, w4a8_gemm
+    from qoqserve.kernels.triton import (
+        act_quant,
+        kv4_attention,
+        paged_decode,
+        w4a8_gemm,
+    )
 
     names = set()
     for mod in (act_quant, w4a8_gemm, paged_decode, kv4_attention):

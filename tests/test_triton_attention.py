@@ -7,12 +7,12 @@ import os
 
 import pytest
 import torch
+from conftest import make_pages
 
 from qoqserve.kernels.triton.kv4_attention import kv4_decode_attention, kv4_write
 from qoqserve.kernels.triton.paged_decode import fp16_paged_decode_attention, num_splits
 from qoqserve.layers.attention import AttentionMetadata, PagedAttention
 from qoqserve.layers.kv_cache import DenseKVCacheLayout, Int4KVCacheLayout
-from conftest import make_pages
 
 DEVICE = os.environ.get("QOQSERVE_TEST_DEVICE", "cpu")
 # K/V tiles, queries and probabilities enter the tensor cores in fp16 (fp32
@@ -110,7 +110,7 @@ def test_context_splits_only_where_the_batch_underfills_the_gpu():
 
 
 def test_decode_validates_its_inputs():
-    layout, cache, tables, ctx = make_pages(4, 2, 64, [10, 20], num_blocks=8)
+    _, cache, tables, ctx = make_pages(4, 2, 64, [10, 20], num_blocks=8)
     q = torch.randn(2, 4, 64)
     bad = [(q, cache, tables.t().contiguous().t(), ctx),        # block table columns strided
            (q, cache, tables, ctx.float()),

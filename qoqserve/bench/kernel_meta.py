@@ -51,7 +51,12 @@ def launched_kernels(modules) -> dict:
 
 
 def collect(device: str = "cuda") -> list[dict]:
-    from qoqserve.kernels.triton import act_quant, kv4_attention, paged_decode, w4a8_gemm
+    from qoqserve.kernels.triton import (
+        act_quant,
+        kv4_attention,
+        paged_decode,
+        w4a8_gemm,
+    )
     from qoqserve.kernels.triton.variants import engine_launches
 
     errors = []

@@ -82,7 +82,6 @@ def bench_gemm(writer: RowWriter, device: torch.device, shapes: dict, m_values) 
                 label = f"W4A8 {'g%d' % g if g else 'per-channel'} (ours)"
                 measure(writer, "gemm", shape, label,
                         lambda: w4a8_gemm(x, s_a, qw, s1, z, s2, g, rowsum), device, t_int8, "int8")
-        del w_int8, w16, packed
 
 
 def sdpa_backend(q, k, v, scale):
@@ -139,7 +138,6 @@ def bench_attention(writer: RowWriter, device: torch.device, batches, contexts, 
             pool = fp16.allocate(num_blocks, device).normal_()
             measure(writer, "attention", shape, "FP16 paged decode (ours, Triton, same kernel)",
                     lambda: fp16_paged_decode_attention(q, pool, tables, lens, scale), device, **base)
-            del pool
             kv4 = Int4KVCacheLayout(kv_heads, head_dim, block_size).allocate(num_blocks, device)
             try:
                 _fill_kv4(kv4, num_blocks * block_size, kv_heads, head_dim, device)
@@ -150,7 +148,6 @@ def bench_attention(writer: RowWriter, device: torch.device, batches, contexts, 
                     lambda: kv4_decode_attention(q, kv4, tables, lens, scale), device, **base)
             measure(writer, "attention", shape, "KV4 paged decode, no context split",
                     lambda: kv4_decode_attention(q, kv4, tables, lens, scale, splits=1), device, **base)
-            del kv4
 
 
 def bench_kv4_write(writer: RowWriter, device: torch.device, tokens: int, kv_heads: int, head_dim: int,

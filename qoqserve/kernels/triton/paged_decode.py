@@ -18,7 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
-from qoqserve.kernels.triton.common import fp16_from_bytes, fp16_pair_from_word, unpack_uint4
+from qoqserve.kernels.triton.common import (
+    fp16_from_bytes,
+    fp16_pair_from_word,
+    unpack_uint4,
+)
 
 LOG2E = 1.4426950408889634
 BLOCK_N = 64           # tokens per tile; a first choice, to tune on a GPU

@@ -60,7 +60,7 @@ def _gemm_launches(archs, groups, dtypes, biases, label):
 
 def _act_launches(archs, dtypes, label):
     for name in archs:
-        hidden, inter, heads, kv, hd = ARCHS[name]
+        hidden, inter, heads, _, hd = ARCHS[name]
         for dtype in dtypes:
             tag = f"{name} {str(dtype)[6:]}"
             label[0] = f"{tag} rmsnorm K={hidden}"
