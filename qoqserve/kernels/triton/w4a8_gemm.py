@@ -234,13 +234,13 @@ def w4a8_gemm(x_q: torch.Tensor, s_a: torch.Tensor, qweight: torch.Tensor, s1: t
         m, n, k, x_q.stride(0), out.stride(0), k // 2, k // group_size if group_size else 0,
         # the atomic (split) variant ignores bias and output mode: one variant, not four
         k_per_split, GROUP=group_size, HAS_BIAS=bias is not None and split_k == 1,
-        OUT_ACC=return_acc and split_k == 1, ATOMIC=split_k > 1, BM=tile.bm, BN=tile.bn, BK=bk, num_warps=tile.warps, num_stages=tile.stages)
+        OUT_ACC=return_acc and split_k == 1, ATOMIC=split_k > 1, BM=tile.bm, BN=tile.bn, BK=bk,
+        num_warps=tile.warps, num_stages=tile.stages)
     if return_acc or split_k == 1:
         return out
     y = torch.empty(m, n, dtype=out_dtype, device=x_q.device)
     ebm, ebn = EPILOGUE_TILE
     _w4a8_epilogue_kernel[(triton.cdiv(m, ebm), triton.cdiv(n, ebn))](
         out, s_a, rowsum, zeros, s1, bias_arg, y, m, n, PER_CHANNEL=group_size == 0,
-        HAS_BIAS=bias is not None,
-        BM=ebm, BN=ebn, num_warps=4)
+        HAS_BIAS=bias is not None, BM=ebm, BN=ebn, num_warps=4)
     return y
