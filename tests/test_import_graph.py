@@ -138,10 +138,12 @@ def test_local_imports_say_why_they_are_lazy():
                     continue
                 i = node.lineno - 1
                 ok = "lazy:" in lines[i]
-                while not ok and i > 0:  # up through this block of imports and comments
+                while not ok and i > 0:  # up through this block of imports, comments, blanks
                     i -= 1
                     text = lines[i].strip()
-                    if not text.startswith(("#", "from ", "import ")):
+                    in_block = (not text or text.startswith(("#", "from ", "import "))
+                                or text.endswith((",", "(", ")")))
+                    if not in_block:
                         break
                     ok = "lazy:" in text
                 if not ok:

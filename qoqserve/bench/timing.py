@@ -39,3 +39,15 @@ def best_of_rounds(fn, repeats: int, warmup: int = 1, rounds: int = 3) -> float:
             fn()
         best = min(best, (time.perf_counter() - start) / repeats)
     return best
+
+
+def kernel_ms(fn, device: torch.device) -> float:
+    """Median time of fn() in ms. On CUDA triton's do_bench: many calls back to
+    back (host launch gaps hidden behind queued work) with the L2 cache
+    flushed between them (weights come from HBM, as in a real model); on CPU
+    (smoke tests only) plain wall time."""
+    if device.type == "cuda":
+        # lazy: Triton, only timed on CUDA
+        from triton.testing import do_bench
+        return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    return time_ms(fn, device, iters=1, warmup=0)

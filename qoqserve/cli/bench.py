@@ -37,10 +37,11 @@ def register(sub) -> None:
     ker = bsub.add_parser("kernels", help="GPU kernels: W4A8 GEMM vs cuBLAS INT8 vs FP16, "
                                           "KV4 decode attention vs FP16")
     ker.add_argument("--device", default="cuda")
-    ker.add_argument("--iters", type=int, default=20)
     ker.add_argument("--tiny", action="store_true",
                      help="tiny shapes: a smoke test of the code paths (CPU: TRITON_INTERPRET=1)")
-    ker.add_argument("--json-out", default=None)
+    ker.add_argument("--only", choices=["gemm", "attention"], default=None)
+    ker.add_argument("--out-dir", default=None,
+                     help="append each row, as measured, to OUT_DIR/kernels_gpu.jsonl and .md")
     ker.set_defaults(func=run_kernels_cmd)
 
     thr = bsub.add_parser("throughput", help="QServe protocol: max batch in a memory budget, "
@@ -193,18 +194,16 @@ def run_serve_cmd(args) -> int:
 
 def run_kernels_cmd(args) -> int:
     # lazy: CLI start-up (load what a subcommand needs when it runs)
-    from qoqserve.bench.kernels import as_dicts, format_rows, run
+    from qoqserve.bench.kernels import run
+    from qoqserve.bench.rows import RowWriter
 
-    rows = run(args.device, args.tiny, args.iters)
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.machine()
-    print(f"# {name}, torch {torch.__version__}, median of {args.iters} runs"
-          + (" (tiny shapes: smoke test, timings meaningless)" if args.tiny else ""))
-    print(format_rows(rows))
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump({"device": name, "torch": torch.__version__, "tiny": args.tiny,
-                       "rows": as_dicts(rows)}, f, indent=2)
-    return 0
+    print(f"# {name}, torch {torch.__version__}, do_bench median, L2 flushed"
+          + (" (tiny shapes: smoke test, timings meaningless)" if args.tiny else ""), flush=True)
+    rows = run(args.device, args.tiny, args.only, RowWriter(args.out_dir))
+    failed = [r for r in rows if r.error]
+    print(f"# {len(rows)} rows, {len(failed)} failed", flush=True)
+    return 1 if failed else 0
 
 
 def run_decode_cmd(args) -> int:

@@ -5,14 +5,14 @@ import argparse
 import logging
 import sys
 
-from qoqserve.cli import bench, convert, evaluate, generate, quantize, serve
+from qoqserve.cli import bench, check_kernels, convert, evaluate, generate, quantize, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qoqserve", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (generate, serve, quantize, evaluate, bench, convert):
+    for module in (generate, serve, quantize, evaluate, bench, convert, check_kernels):
         module.register(sub)
     return parser
 
