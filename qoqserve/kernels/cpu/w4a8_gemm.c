@@ -40,12 +40,13 @@
 #endif
 
 #define NB 16  /* output channels per weight block: one zmm of int32 */
+#define NR 4   /* weight blocks per tile (SIMD) */
+#define MR 6   /* rows per tile: 24 accumulators of the 32 zmm */
 
 typedef struct {
     const int8_t *xq; const float *sa; const int32_t *qsum; int64_t M, Kp, N;
     const uint8_t *w, *gp; int64_t group;  /* gp NULL and group 0: per channel */
     const float *s1, *rowsum, *zs1, *bias; void *y; int out_bf16;
-    uint8_t *panels;  /* per thread, 64*Kp bytes each (SIMD path) */
 } Job;
 
 /* ------------------------------------------------------------- scalar */
@@ -130,8 +131,6 @@ static void blocks_scalar(const Job *j, int64_t nb_lo, int64_t nb_hi, int8_t *ro
 #include <immintrin.h>
 
 #define SIMD __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
-#define NR 4   /* weight blocks per tile */
-#define MR 6   /* rows per tile: 24 accumulators of the 32 zmm */
 
 SIMD static inline __mmask16 tail_mask(int64_t left) {
     return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
@@ -305,6 +304,21 @@ static int simd_supported(void) { return 0; }
 /* 1 when this CPU runs the AVX-512 VNNI path */
 int w4a8_gemm_simd(void) { return simd_supported(); }
 
+/* Scratch kept per thread across calls and grown on demand: a decode step
+ * makes over a hundred calls of a few microseconds each, and a fresh panel
+ * above malloc's mmap threshold would cost a syscall and page faults each. */
+static __thread uint8_t *tl_main, *tl_panel;
+static __thread size_t tl_main_size, tl_panel_size;
+
+static uint8_t *grow(uint8_t **buf, size_t *size, size_t need) {
+    if (need > *size) {
+        free(*buf);
+        *buf = aligned_alloc(64, (need + 63) & ~(size_t)63);
+        *size = *buf ? need : 0;
+    }
+    return *buf;
+}
+
 /* x [M, K] fp32/bf16 -> y [M, N] fp32/bf16 on packed codes (layout above):
  *   y = (x_q . w) * s_a[m] * s1[n] (- rowsum[m] * zs1[n]) (+ bias[n]),
  * w = s2*(u - z) per group (gp != NULL; group % 8 == 0, K % group == 0) or u
@@ -317,19 +331,18 @@ int w4a8_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w,
     if (simd && !simd_supported()) return -2;
     if ((gp != NULL) != (group > 0) || (group && (group % 8 || K % group))) return -3;
     const int64_t Kp = (K + 7) & ~(int64_t)7, nblocks = (N + NB - 1) / NB;
-    const int nt = threads > 0 ? threads : 1;
-    int8_t *xq = malloc((size_t)(M * Kp) + 64);
-    float *sa = malloc(sizeof(float) * (size_t)M);
-    int32_t *qsum = malloc(sizeof(int32_t) * (size_t)M);
-    /* the panel holds NR blocks of 16 channels x Kp; the scalar path one row of Kp */
-    const size_t per_thread = (size_t)(4 * NB * Kp + 64 + 63) & ~(size_t)63;
-    uint8_t *scratch = aligned_alloc(64, per_thread * (size_t)nt);
-    if (!xq || !sa || !qsum || !scratch) {
-        free(xq); free(sa); free(qsum); free(scratch);
-        return -1;
-    }
-    Job job = {xq, sa, qsum, M, Kp, N, w, gp, group, s1, rowsum, zs1, bias, y, out_bf16, scratch};
-    #pragma omp parallel num_threads(nt) if (M * N * K > (1 << 18))
+    const size_t xq_bytes = ((size_t)(M * Kp) + 63) & ~(size_t)63;
+    uint8_t *main_buf = grow(&tl_main, &tl_main_size, xq_bytes + 8 * (size_t)M);
+    if (!main_buf) return -1;
+    int8_t *xq = (int8_t *)main_buf;
+    float *sa = (float *)(main_buf + xq_bytes);
+    int32_t *qsum = (int32_t *)(sa + M);
+    /* the SIMD panel holds NR blocks of 16 channels x Kp, needed only past one
+     * row tile; the scalar path keeps one channel's Kp weights */
+    const size_t panel_bytes = simd ? (M > MR ? (size_t)(NR * NB * Kp) : 0) : (size_t)Kp;
+    Job job = {xq, sa, qsum, M, Kp, N, w, gp, group, s1, rowsum, zs1, bias, y, out_bf16};
+    int failed = 0;
+    #pragma omp parallel num_threads(threads > 0 ? threads : 1) if (M * N * K > (1 << 18))
     {
         int t = 0, T = 1;
 #ifdef _OPENMP
@@ -344,15 +357,19 @@ int w4a8_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w,
 #endif
             quantize_row_scalar(xm, x_bf16, K, Kp, xq + m * Kp, sa + m, qsum + m);
         }
-        /* contiguous, balanced ranges of blocks: one block finer than the tile */
-        const int64_t lo = nblocks * t / T, hi = nblocks * (t + 1) / T;
-        uint8_t *mine = scratch + per_thread * (size_t)t;
+        uint8_t *mine = panel_bytes ? grow(&tl_panel, &tl_panel_size, panel_bytes) : NULL;
+        if (panel_bytes && !mine) {
+            #pragma omp atomic write
+            failed = 1;
+        } else {
+            /* contiguous, balanced ranges of blocks: one block finer than the tile */
+            const int64_t lo = nblocks * t / T, hi = nblocks * (t + 1) / T;
 #if HAVE_SIMD
-        if (simd) blocks_simd(&job, lo, hi, mine);
-        else
+            if (simd) blocks_simd(&job, lo, hi, mine);
+            else
 #endif
-            blocks_scalar(&job, lo, hi, (int8_t *)mine);
+                blocks_scalar(&job, lo, hi, (int8_t *)mine);
+        }
     }
-    free(xq); free(sa); free(qsum); free(scratch);
-    return 0;
+    return failed ? -1 : 0;
 }
