@@ -135,6 +135,9 @@ def test_refuses_layouts_it_cannot_run():
     s2[0, 0], c["zeros"][0, 0] = 16, 0  # 16 * 15 = 240 leaves INT8
     with pytest.raises(ValueError, match="INT8"):
         PackedW4A8Gemm(c["qweight"], c["s1"], s2, c["zeros"], None, 32)
+    s2[0, 0], c["zeros"][0, 0] = 0, 0  # fits INT8 trivially, but s2 - 1 leaves the nibble
+    with pytest.raises(ValueError, match="s2 < 1"):
+        PackedW4A8Gemm(c["qweight"], c["s1"], s2, c["zeros"], None, 32)
 
 
 def test_resident_bytes_of_the_embedded_model_stay_under_0_56_per_weight(default_source):
@@ -142,7 +145,7 @@ def test_resident_bytes_of_the_embedded_model_stay_under_0_56_per_weight(default
     h, d = arch.hidden_size, arch.head_dim
     shapes = [(h, (arch.num_heads + 2 * arch.num_kv_heads) * d), (arch.num_heads * d, h),
               (h, 2 * arch.intermediate_size), (arch.intermediate_size, h)]
-    for group in (0, 64):  # what the embedded model's K = 576 allows besides g32 (see docs)
+    for group in (0, 32, 64):  # every group size the embedded model's K = 576 allows
         for k, n in shapes:
             mod = _packed(_checkpoint(n, k, group, seed=k + n), group, with_bias=False)
             assert mod.resident_bytes <= 0.56 * n * k, (group, k, n, mod.resident_bytes / (n * k))

@@ -74,18 +74,18 @@ def repack_codes(qweight: torch.Tensor) -> torch.Tensor:
 
 
 def pack_group_params(s2: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    """s2, z [N, K/g] -> uint8 [ceil(N/16), K/g, 32]: per block and group, s2 of
-    its 16 channels then (s2*z - 128) mod 256. Refuses s2/z for which some code
-    0..15 makes s2*(u - z) leave INT8 (the in-register expansion relies on it)."""
+    """s2, z [N, K/g] -> uint8 [ceil(N/16), K/g, 16]: per block and group, one byte
+    per channel, (s2 - 1) << 4 | z. Refuses s2/z for which some code 0..15 makes
+    s2*(u - z) leave INT8 (the in-register expansion relies on it; it also
+    bounds s2 by 16, so s2 - 1 fits the nibble)."""
     s2i, zi = s2.to(torch.int32), zeros.to(torch.int32)
-    if s2i.numel() and (int((s2i * -zi).min()) < -128 or int((s2i * (15 - zi)).max()) > 127):
-        raise ValueError("s2*(u - z) leaves the INT8 range for some code: corrupt s2/zeros")
+    if s2i.numel() and (int(s2i.min()) < 1 or int((s2i * -zi).min()) < -128
+                        or int((s2i * (15 - zi)).max()) > 127):
+        raise ValueError("s2*(u - z) leaves the INT8 range for some code (or s2 < 1): corrupt s2/zeros")
     n, groups = s2i.shape
     np_ = -(-n // BLOCK_N) * BLOCK_N
-    c = (s2i * zi - 128) % 256
-    padded = [torch.nn.functional.pad(t, (0, 0, 0, np_ - n), value=v) for t, v in ((s2i, 1), (c, 128))]
-    both = torch.stack([t.view(np_ // BLOCK_N, BLOCK_N, groups).transpose(1, 2) for t in padded], dim=2)
-    return both.reshape(np_ // BLOCK_N, groups, 2 * BLOCK_N).to(torch.uint8).contiguous()
+    byte = torch.nn.functional.pad((s2i - 1) * 16 + zi, (0, 0, 0, np_ - n))  # padding: s2 1, z 0
+    return byte.view(np_ // BLOCK_N, BLOCK_N, groups).transpose(1, 2).to(torch.uint8).contiguous()
 
 
 def w4a8_linear(x2: torch.Tensor, codes: torch.Tensor, gparams: torch.Tensor | None, group_size: int,
@@ -117,7 +117,7 @@ def w4a8_linear(x2: torch.Tensor, codes: torch.Tensor, gparams: torch.Tensor | N
 class PackedW4A8Gemm(nn.Module):
     """One QoQ linear with its codes kept 4-bit in the kernel's layout, plus
     fp32 s1 (and z*s1 per channel, bias). Resident: ceil(N/16)*16 x ceil(K/8)*8
-    / 2 bytes of codes, 32 bytes per 16 channels and group, 4N bytes per vector."""
+    / 2 bytes of codes, 1 byte per channel and group, 4N bytes per vector."""
 
     def __init__(self, qweight: torch.Tensor, s1: torch.Tensor, s2: torch.Tensor | None,
                  zeros: torch.Tensor, bias: torch.Tensor | None, group_size: int):
