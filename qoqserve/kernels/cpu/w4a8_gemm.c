@@ -289,10 +289,15 @@ SIMD static void run_panel(const Job *j, int64_t m0, int64_t nb0, int mr, int nr
 SIMD static void blocks_simd(const Job *j, int64_t nb_lo, int64_t nb_hi, uint8_t *panel) {
     for (int64_t nb0 = nb_lo; nb0 < nb_hi; nb0 += NR) {
         const int nr = nb_hi - nb0 < NR ? (int)(nb_hi - nb0) : NR;
-        const int mr = j->M < MR ? (int)j->M : MR;
-        run_packed(j, 0, nb0, mr, nr, j->M > MR ? panel : NULL);
-        for (int64_t m0 = MR; m0 < j->M; m0 += MR)
-            run_panel(j, m0, nb0, j->M - m0 < MR ? (int)(j->M - m0) : MR, nr, panel);
+        /* row tiles as even as MR allows (8 rows: 4 + 4, not 6 + 2) */
+        const int64_t tiles = (j->M + MR - 1) / MR, base = j->M / tiles, extra = j->M % tiles;
+        int64_t m0 = 0;
+        for (int64_t t = 0; t < tiles; t++) {
+            const int mr = (int)(base + (t < extra));
+            if (t == 0) run_packed(j, 0, nb0, mr, nr, tiles > 1 ? panel : NULL);
+            else run_panel(j, m0, nb0, mr, nr, panel);
+            m0 += mr;
+        }
     }
 }
 
