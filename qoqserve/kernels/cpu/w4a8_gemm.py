@@ -49,7 +49,10 @@ def isa() -> str:
     want = os.environ.get(ISA_ENV, "").strip().lower()
     if want not in ("", "auto", "scalar", "avx512-vnni"):
         raise ValueError(f"{ISA_ENV}={want!r}: use auto, scalar or avx512-vnni")
-    simd = bool(load().w4a8_gemm_simd())
+    lib = load()
+    if lib is None:
+        raise RuntimeError("the packed W4A8 kernel could not be built here (no C compiler? see the log)")
+    simd = bool(lib.w4a8_gemm_simd())
     if want == "avx512-vnni" and not simd:
         raise RuntimeError(f"{ISA_ENV}=avx512-vnni, but this CPU lacks AVX-512 F/BW/VL/VNNI")
     return "scalar" if want == "scalar" or not simd else "avx512-vnni"
