@@ -157,18 +157,21 @@ def main():
     print(f"# measured in this run (best of before/after the timings): read bandwidth {bw / 1e9:.1f} GB/s "
           f"(torch.sum over 512 MB); INT8 peak {peak / 1e12:.2f} TOPS (torch._int_mm 2048x4096x4096)")
     print()
-    print(f"{'M':>3} {'path':>7} {'ms/step':>8} {'MB':>7} {'GB/s':>6} {'%bw':>5} {'TOPS':>6} {'%peak':>6}"
-          f" {'bw-bound ms':>11} {'x bound':>7}")
-    verdict = {(m, path): times[m][path][0] for m in BATCHES for path in PATHS}
+    # whole step: the best round; shapes: each shape's best round, summed. Under
+    # load from other jobs the second is the steadier estimate (a burst rarely
+    # spans every shape of a round); rates below are from it
+    print(f"{'M':>3} {'path':>7} {'step ms':>8} {'sum ms':>7} {'MB':>7} {'GB/s':>6} {'%bw':>5} {'TOPS':>6} "
+          f"{'%peak':>6} {'bw-bound ms':>11} {'x bound':>7}")
+    verdict = {(m, path): (times[m][path][0], sum(times[m][path][1].values())) for m in BATCHES for path in PATHS}
     per_shape_m1 = {path: times[1][path][1] for path in PATHS}
     for m in BATCHES:
         for path in PATHS:
-            t = verdict[m, path]
+            step, t = verdict[m, path]
             ops = 2 * m * params
             bound = nbytes[path] / bw
-            print(f"{m:>3} {path:>7} {1e3 * t:>8.2f} {nbytes[path] / 1e6:>7.1f} {nbytes[path] / t / 1e9:>6.1f} "
-                  f"{100 * nbytes[path] / t / bw:>5.0f} {ops / t / 1e12:>6.3f} {100 * ops / t / peak:>6.1f}"
-                  f" {1e3 * bound:>11.2f} {t / bound:>7.2f}")
+            print(f"{m:>3} {path:>7} {1e3 * step:>8.2f} {1e3 * t:>7.2f} {nbytes[path] / 1e6:>7.1f} "
+                  f"{nbytes[path] / t / 1e9:>6.1f} {100 * nbytes[path] / t / bw:>5.0f} {ops / t / 1e12:>6.3f} "
+                  f"{100 * ops / t / peak:>6.1f} {1e3 * bound:>11.2f} {t / bound:>7.2f}")
     print()
     print("# M=1 per shape (30 layers each, timed inside the step): ms, GB/s, fraction of the read bandwidth")
     for name in shapes:
@@ -178,11 +181,12 @@ def main():
             by = sum(layer[name]["bytes"][path] for layer in layers)
             cells.append(f"{path} {1e3 * t:.3f} ms {by / t / 1e9:.1f} GB/s ({100 * by / t / bw:.0f}%)")
         print(f"#   {name:>13}: " + "; ".join(cells))
-    m1 = verdict[1, "int8"] / verdict[1, "packed"]
-    m32 = verdict[32, "int8"] / verdict[32, "packed"]
-    default = m1 >= 1.0 and m32 >= 1 / 1.1
-    print(f"# decision rule (issue 17): packed/int8 speed {m1:.2f}x at M=1 (needs >= 1), {m32:.2f}x at M=32 "
-          f"(needs >= {1 / 1.1:.2f}): packed kernel {'qualifies as the default' if default else 'does NOT qualify'}")
+    for i, what in enumerate(("whole-step best", "sum of shape bests")):
+        m1 = verdict[1, "int8"][i] / verdict[1, "packed"][i]
+        m32 = verdict[32, "int8"][i] / verdict[32, "packed"][i]
+        ok = m1 >= 1.0 and m32 >= 1 / 1.1
+        print(f"# decision rule (issue 17), {what}: packed/int8 speed {m1:.2f}x at M=1 (needs >= 1), {m32:.2f}x "
+              f"at M=32 (needs >= {1 / 1.1:.2f}): packed kernel {'qualifies as the default' if ok else 'does NOT qualify'}")
 
 
 if __name__ == "__main__":
