@@ -125,6 +125,14 @@ def test_leading_dims_are_kept():
     assert torch.equal(got, int8_linear(x, c["w8"], c["s1"], None, c["bias"], native=False))
 
 
+def test_empty_batch_and_casts():
+    c = _checkpoint(20, 64, 32, seed=2)
+    mod = _packed(c, 32)
+    assert mod(torch.randn(0, 64)).shape == (0, 20)
+    with pytest.raises(TypeError, match="fp32"):
+        mod.to(torch.bfloat16)  # the epilogue vectors would lose bits
+
+
 def test_refuses_layouts_it_cannot_run():
     c = _checkpoint(16, 96, 32, seed=1)
     with pytest.raises(ValueError, match="group size 12"):

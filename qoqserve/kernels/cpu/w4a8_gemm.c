@@ -340,6 +340,7 @@ int w4a8_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w,
               const float *bias, void *y, int out_bf16, int simd, int threads) {
     if (simd && !simd_supported()) return -2;
     if ((gp != NULL) != (group > 0) || (group && (group % 8 || K % group))) return -3;
+    if (M <= 0 || N <= 0) return 0;  /* nothing to write (an empty batch) */
     const int64_t Kp = (K + 7) & ~(int64_t)7, nblocks = (N + NB - 1) / NB;
     const size_t xq_bytes = ((size_t)(M * Kp) + 63) & ~(size_t)63;
     uint8_t *main_buf = grow(&tl_main, &tl_main_size, xq_bytes + 8 * (size_t)M);

@@ -143,6 +143,10 @@ class PackedW4A8Gemm(nn.Module):
         self._bind()
 
     def _bind(self) -> None:
+        if self.codes.dtype != torch.uint8 or any(t is not None and t.dtype != torch.float32
+                                                  for t in (self.s1, self.zs1, self.bias)):
+            raise TypeError("PackedW4A8Gemm keeps uint8 codes and fp32 epilogue vectors; casting them "
+                            "would change its numbers (convert the activations instead)")
         # the per-call arguments that only change when the buffers do: reading
         # six buffers through nn.Module.__getattr__ costs more than the kernel
         # at decode sizes
