@@ -1,0 +1,386 @@
+/* The QoQ W4A8 linear on CPU with the weights kept 4-bit: per-token INT8
+ * quantization of the input, the GEMM whose main loop loads the UINT4 codes
+ * packed and unpacks them in registers, and the fp32/bf16 epilogue, in one
+ * call. Numerics are those of int8_linear.c (and so of qoq_ref) bit for bit:
+ * the same activation quantizer, the same exact INT32 accumulator, the same
+ * epilogue in the same order; no FMA contraction (-ffp-contract=off).
+ *
+ * Layout (w4a8_gemm.py repacks it once at load from the checkpoint's
+ * [N, K/2] bytes), Kp = K rounded up to 8, zero codes in the padding:
+ *   codes  uint8 [ceil(N/16), Kp/8, 64]: byte 4i + r of octet p of block b
+ *          holds u[16b + i, 8p + r] in its low nibble and u[16b + i, 8p + 4 + r]
+ *          in its high nibble (i < 16, r < 4). So one 64-byte load gives, by
+ *          one and (low) and one shift + and (high), the two vpdpbusd weight
+ *          operands of input channels 8p..8p+3 and 8p+4..8p+7: 4 consecutive k
+ *          of 16 consecutive n, the order vpdpbusd sums.
+ *   groups uint8 [ceil(N/16), K/g, 16] (group configs only): per block and
+ *          group, one byte per channel: (s2 - 1) << 4 | z. s2 is 1..16
+ *          wherever s2*(u - z) fits INT8 for every code, so 1 byte per group
+ *          instead of the checkpoint's 2 (g32: 0.53 instead of 0.56 byte/weight).
+ *
+ * Per group the codes are expanded in registers to the unsigned operand
+ * s2*(u - z) + 128: vpmullw by s2 gives u*s2 in each byte (u*s2 <= 240, so no
+ * carry crosses a byte), vpsubb of c = (s2*z - 128) mod 256, made per group,
+ * then wraps to s2*(u - z) + 128, which is
+ * in 0..255 because s2*(u - z) fits INT8 (checked at load). The +128 is
+ * removed in INT32 as 128 * sum_k x_q, as in int8_linear.c. Per channel the
+ * codes u are the unsigned operand as they are and the zero point is removed
+ * in the epilogue: y = s_a*s1*(x_q . u) - (z*s1)*rowsum(x).
+ *
+ * With more rows than one tile holds, the first row tile also stores the
+ * expanded operand of its 64 columns to a per-thread panel (64*Kp bytes) that
+ * the later row tiles read, so the codes are unpacked once per call.
+ *
+ * The AVX-512 (F/BW/VL/VNNI) code is compiled by target attributes and chosen
+ * at run time (w4a8_gemm_simd); the scalar code beside it runs anywhere.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define NB 16  /* output channels per weight block: one zmm of int32 */
+#define NR 4   /* weight blocks per tile (SIMD) */
+#define MR 6   /* rows per tile: 24 accumulators of the 32 zmm */
+
+typedef struct {
+    const int8_t *xq; const float *sa; const int32_t *qsum; int64_t M, Kp, N;
+    const uint8_t *w, *gp; int64_t group;  /* gp NULL and group 0: per channel */
+    const float *s1, *rowsum, *zs1, *bias; void *y; int out_bf16;
+} Job;
+
+/* ------------------------------------------------------------- scalar */
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {  /* round to nearest even; NaN kept NaN */
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* the max/min below pick their second operand on NaN, as vmaxps/vminps do */
+static void quantize_row_scalar(const void *x, int bf16, int64_t K, int64_t Kp, int8_t *q,
+                                float *scale, int32_t *qsum) {
+    float a = 0.f;
+    for (int64_t k = 0; k < K; k++) {
+        float v = fabsf(bf16 ? bf16_to_float(((const uint16_t *)x)[k]) : ((const float *)x)[k]);
+        a = v > a ? v : a;
+    }
+    float s = a > 0.f ? a / 127.f : 1.f;
+    int32_t sum = 0;
+    for (int64_t k = 0; k < K; k++) {
+        float v = bf16 ? bf16_to_float(((const uint16_t *)x)[k]) : ((const float *)x)[k];
+        float r = nearbyintf(v / s);
+        r = r > -127.f ? r : -127.f;
+        r = r < 127.f ? r : 127.f;
+        q[k] = (int8_t)r;
+        sum += (int32_t)r;
+    }
+    memset(q + K, 0, (size_t)(Kp - K));
+    *scale = s;
+    *qsum = sum;
+}
+
+static inline float epilogue_scalar(const Job *j, int64_t m, int64_t n, int32_t acc) {
+    float v = (float)acc * j->sa[m] * j->s1[n];
+    if (j->zs1) v = v - j->rowsum[m] * j->zs1[n];
+    if (j->bias) v = v + j->bias[n];
+    return v;
+}
+
+/* signed weights of channel n (s2*(u - z), or u per channel) into row[Kp] */
+static void unpack_channel(const Job *j, int64_t n, int8_t *row) {
+    const int64_t b = n / NB, i = n % NB, octets = j->Kp / 8;
+    const uint8_t *w = j->w + b * octets * 64 + 4 * i;
+    for (int64_t k = 0; k < j->Kp; k++) {
+        const uint8_t byte = w[(k / 8) * 64 + k % 4];
+        int u = (k % 8) < 4 ? byte & 15 : byte >> 4;
+        if (j->gp) {
+            const uint8_t g = j->gp[(b * (j->Kp / j->group) + k / j->group) * NB + i];
+            u = ((g >> 4) + 1) * (u - (g & 15));
+        }
+        row[k] = (int8_t)u;
+    }
+}
+
+static void blocks_scalar(const Job *j, int64_t nb_lo, int64_t nb_hi, int8_t *row) {
+    for (int64_t n = nb_lo * NB; n < nb_hi * NB && n < j->N; n++) {
+        unpack_channel(j, n, row);
+        for (int64_t m = 0; m < j->M; m++) {
+            const int8_t *x = j->xq + m * j->Kp;
+            int32_t acc = 0;
+            for (int64_t k = 0; k < j->Kp; k++) acc += (int32_t)x[k] * row[k];
+            float v = epilogue_scalar(j, m, n, acc);
+            if (j->out_bf16) ((uint16_t *)j->y)[m * j->N + n] = float_to_bf16(v);
+            else ((float *)j->y)[m * j->N + n] = v;
+        }
+    }
+}
+
+/* ---------------------------------------------------------- AVX-512 VNNI */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define HAVE_SIMD 1
+#include <immintrin.h>
+
+#define SIMD __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+
+SIMD static inline __mmask16 tail_mask(int64_t left) {
+    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+}
+
+SIMD static inline __m512 load_f32(const void *x, int bf16, int64_t i, __mmask16 k) {
+    if (bf16) {
+        __m256i h = _mm256_maskz_loadu_epi16(k, (const uint16_t *)x + i);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_maskz_loadu_ps(k, (const float *)x + i);
+}
+
+/* float_to_bf16 on 16 lanes (vcvtneps2bf16 would flush denormals) */
+SIMD static inline __m256i to_bf16(__m512 v) {
+    __m512i b = _mm512_castps_si512(v), hi = _mm512_srli_epi32(b, 16);
+    __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+SIMD static void quantize_row_simd(const void *x, int bf16, int64_t K, int64_t Kp, int8_t *q,
+                                   float *scale, int32_t *qsum) {
+    __m512 amax = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16)  /* NaN lanes keep amax (second operand) */
+        amax = _mm512_max_ps(_mm512_abs_ps(load_f32(x, bf16, k, tail_mask(K - k))), amax);
+    float a = _mm512_reduce_max_ps(amax);
+    float s = a > 0.f ? a / 127.f : 1.f;
+    __m512 vs = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+    __m512i sum = _mm512_setzero_si512();
+    for (int64_t k = 0; k < K; k += 16) {
+        __mmask16 m = tail_mask(K - k);
+        __m512 r = _mm512_roundscale_ps(_mm512_div_ps(load_f32(x, bf16, k, m), vs),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m512i c = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi));
+        sum = _mm512_add_epi32(sum, c);
+        _mm_mask_storeu_epi8(q + k, m, _mm512_cvtsepi32_epi8(c));
+    }
+    memset(q + K, 0, (size_t)(Kp - K));
+    *scale = s;
+    *qsum = _mm512_reduce_add_epi32(sum);
+}
+
+/* epilogue of one row of one weight block, from its INT32 accumulator */
+SIMD static inline void store(const Job *j, int64_t m, int64_t nb, __m512i acc) {
+    const int64_t n0 = nb * NB;
+    const __mmask16 k = tail_mask(j->N - n0);
+    if (j->gp) acc = _mm512_sub_epi32(acc, _mm512_set1_epi32(128 * j->qsum[m]));
+    __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(j->sa[m])),
+                             _mm512_maskz_loadu_ps(k, j->s1 + n0));
+    if (j->zs1)
+        v = _mm512_sub_ps(v, _mm512_mul_ps(_mm512_set1_ps(j->rowsum[m]), _mm512_maskz_loadu_ps(k, j->zs1 + n0)));
+    if (j->bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, j->bias + n0));
+    if (j->out_bf16) _mm256_mask_storeu_epi16((uint16_t *)j->y + m * j->N + n0, k, to_bf16(v));
+    else _mm512_mask_storeu_ps((float *)j->y + m * j->N + n0, k, v);
+}
+
+SIMD static inline __m512i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+/* The accumulators are named registers, not an array (GCC copies an array of
+ * zmm around on every iteration); guards are constants at each call site. */
+#define FOR_ROWS(X, b) X(0, b) X(1, b) X(2, b) X(3, b) X(4, b) X(5, b)
+#define FOR_TILE(X) FOR_ROWS(X, 0) FOR_ROWS(X, 1) FOR_ROWS(X, 2) FOR_ROWS(X, 3)
+#define FOR_BLOCKS(X) X(0) X(1) X(2) X(3)
+#define DECLARE(i, b) __m512i a##i##b = _mm512_setzero_si512();
+#define STORE(i, b) if (i < mr && b < nr) store(j, m0 + i, nb0 + b, a##i##b);
+#define DP(i, b, wv, kk) if (i < mr && b < nr) a##i##b = _mm512_dpbusd_epi32(a##i##b, wv, bcast4(x + i * Kp + (kk)));
+#define DP_LO(i, b) DP(i, b, lo##b, 8 * p)
+#define DP_HI(i, b) DP(i, b, hi##b, 8 * p + 4)
+/* s2 in the low byte of each 16-bit lane, c in every byte, per 32-bit lane (channel) */
+#define GROUP_PARAMS(b) __m512i s2w##b = _mm512_setzero_si512(), cw##b = s2w##b; \
+    if (grouped && b < nr) { \
+        __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(j->gp + ((nb0 + b) * groups + gi) * NB))); \
+        __m512i s2 = _mm512_add_epi32(_mm512_srli_epi32(d, 4), one); \
+        __m512i zs2 = _mm512_mullo_epi16(s2, _mm512_and_si512(d, nib)); \
+        s2w##b = _mm512_or_si512(s2, _mm512_slli_epi32(s2, 16)); \
+        cw##b = _mm512_shuffle_epi8(_mm512_sub_epi32(zs2, c128), rep); \
+    }
+#define UNPACK(b) __m512i lo##b = _mm512_setzero_si512(), hi##b = lo##b; \
+    if (b < nr) { \
+        __m512i pk = _mm512_loadu_si512(w + b * wblock + p * 64); \
+        lo##b = _mm512_and_si512(pk, nib); \
+        hi##b = _mm512_and_si512(_mm512_srli_epi16(pk, 4), nib); \
+        if (grouped) { \
+            lo##b = _mm512_sub_epi8(_mm512_mullo_epi16(lo##b, s2w##b), cw##b); \
+            hi##b = _mm512_sub_epi8(_mm512_mullo_epi16(hi##b, s2w##b), cw##b); \
+        } \
+        if (panel) { \
+            _mm512_store_si512(panel + b * pblock + p * 128, lo##b); \
+            _mm512_store_si512(panel + b * pblock + p * 128 + 64, hi##b); \
+        } \
+    }
+#define BLOCK(b) UNPACK(b) FOR_ROWS(DP_LO, b) FOR_ROWS(DP_HI, b)
+
+/* rows m0..m0+mr of blocks nb0..nb0+nr from the packed codes; with a panel,
+ * also writes the expanded operand there for the later row tiles */
+SIMD static inline __attribute__((always_inline)) void tile_packed(
+        const Job *j, int64_t m0, int64_t nb0, const int mr, const int nr, const int grouped,
+        uint8_t *panel) {
+    FOR_TILE(DECLARE)
+    const int64_t Kp = j->Kp, octets = Kp / 8, wblock = octets * 64, pblock = Kp * NB;
+    const int64_t per_group = grouped ? j->group / 8 : octets, groups = grouped ? Kp / j->group : 1;
+    const uint8_t *w = j->w + nb0 * wblock;
+    const int8_t *x = j->xq + m0 * Kp;
+    const __m512i nib = _mm512_set1_epi8(0x0f);
+    const __m512i rep = _mm512_set4_epi32(0x0c0c0c0c, 0x08080808, 0x04040404, 0x00000000);
+    const __m512i one = _mm512_set1_epi32(1), c128 = _mm512_set1_epi32(128);
+    (void)rep; (void)one; (void)c128;
+    for (int64_t gi = 0; gi < groups; gi++) {
+        FOR_BLOCKS(GROUP_PARAMS)
+        for (int64_t p = gi * per_group; p < (gi + 1) * per_group; p++) {
+            FOR_BLOCKS(BLOCK)
+        }
+    }
+    FOR_TILE(STORE)
+}
+
+#define WLOAD(b) __m512i w##b = _mm512_setzero_si512(); if (b < nr) w##b = _mm512_load_si512(panel + b * pblock + q * 64);
+#define DP_PANEL(i, b) DP(i, b, w##b, 4 * q)
+
+/* rows m0..m0+mr from the expanded panel: int8_linear.c's tile */
+SIMD static inline __attribute__((always_inline)) void tile_panel(
+        const Job *j, int64_t m0, int64_t nb0, const int mr, const int nr, const uint8_t *panel) {
+    FOR_TILE(DECLARE)
+    const int64_t Kp = j->Kp, pblock = Kp * NB;
+    const int8_t *x = j->xq + m0 * Kp;
+    for (int64_t q = 0; q < Kp / 4; q++) {
+        FOR_BLOCKS(WLOAD)
+        FOR_TILE(DP_PANEL)
+    }
+    FOR_TILE(STORE)
+}
+
+#define CASE_P(a, b) case (a) * 8 + (b): \
+    if (j->gp) tile_packed(j, m0, nb0, a, b, 1, panel); else tile_packed(j, m0, nb0, a, b, 0, panel); break;
+#define CASE_R(a, b) case (a) * 8 + (b): tile_panel(j, m0, nb0, a, b, panel); break;
+#define ROW(C, a) C(a, 1) C(a, 2) C(a, 3) C(a, 4)
+
+SIMD static void run_packed(const Job *j, int64_t m0, int64_t nb0, int mr, int nr, uint8_t *panel) {
+    switch (mr * 8 + nr) { ROW(CASE_P, 1) ROW(CASE_P, 2) ROW(CASE_P, 3) ROW(CASE_P, 4) ROW(CASE_P, 5) ROW(CASE_P, 6) }
+}
+
+SIMD static void run_panel(const Job *j, int64_t m0, int64_t nb0, int mr, int nr, const uint8_t *panel) {
+    switch (mr * 8 + nr) { ROW(CASE_R, 1) ROW(CASE_R, 2) ROW(CASE_R, 3) ROW(CASE_R, 4) ROW(CASE_R, 5) ROW(CASE_R, 6) }
+}
+
+SIMD static void blocks_simd(const Job *j, int64_t nb_lo, int64_t nb_hi, uint8_t *panel) {
+    for (int64_t nb0 = nb_lo; nb0 < nb_hi; nb0 += NR) {
+        const int nr = nb_hi - nb0 < NR ? (int)(nb_hi - nb0) : NR;
+        /* row tiles as even as MR allows (8 rows: 4 + 4, not 6 + 2) */
+        const int64_t tiles = (j->M + MR - 1) / MR, base = j->M / tiles, extra = j->M % tiles;
+        int64_t m0 = 0;
+        for (int64_t t = 0; t < tiles; t++) {
+            const int mr = (int)(base + (t < extra));
+            if (t == 0) run_packed(j, 0, nb0, mr, nr, tiles > 1 ? panel : NULL);
+            else run_panel(j, m0, nb0, mr, nr, panel);
+            m0 += mr;
+        }
+    }
+}
+
+static int simd_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
+#else
+#define HAVE_SIMD 0
+static int simd_supported(void) { return 0; }
+#endif
+
+/* 1 when this CPU runs the AVX-512 VNNI path */
+int w4a8_gemm_simd(void) { return simd_supported(); }
+
+/* Scratch kept per thread across calls and grown on demand: a decode step
+ * makes over a hundred calls of a few microseconds each, and a fresh panel
+ * above malloc's mmap threshold would cost a syscall and page faults each. */
+static __thread uint8_t *tl_main, *tl_panel;
+static __thread size_t tl_main_size, tl_panel_size;
+
+static uint8_t *grow(uint8_t **buf, size_t *size, size_t need) {
+    if (need > *size) {
+        free(*buf);
+        *buf = aligned_alloc(64, (need + 63) & ~(size_t)63);
+        *size = *buf ? need : 0;
+    }
+    return *buf;
+}
+
+/* x [M, K] fp32/bf16 -> y [M, N] fp32/bf16 on packed codes (layout above):
+ *   y = (x_q . w) * s_a[m] * s1[n] (- rowsum[m] * zs1[n]) (+ bias[n]),
+ * w = s2*(u - z) per group (gp != NULL; group % 8 == 0, K % group == 0) or u
+ * (per channel: gp NULL, group 0). rowsum/zs1 and bias may be NULL.
+ * Returns 0; -1: out of memory; -2: SIMD asked for where it cannot run;
+ * -3: a group size or K the layout does not allow. */
+int w4a8_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const uint8_t *gp,
+              int64_t group, int64_t N, const float *s1, const float *rowsum, const float *zs1,
+              const float *bias, void *y, int out_bf16, int simd, int threads) {
+    if (simd && !simd_supported()) return -2;
+    if ((gp != NULL) != (group > 0) || (group && (group % 8 || K % group))) return -3;
+    if (M <= 0 || N <= 0) return 0;  /* nothing to write (an empty batch) */
+    const int64_t Kp = (K + 7) & ~(int64_t)7, nblocks = (N + NB - 1) / NB;
+    const size_t xq_bytes = ((size_t)(M * Kp) + 63) & ~(size_t)63;
+    uint8_t *main_buf = grow(&tl_main, &tl_main_size, xq_bytes + 8 * (size_t)M);
+    if (!main_buf) return -1;
+    int8_t *xq = (int8_t *)main_buf;
+    float *sa = (float *)(main_buf + xq_bytes);
+    int32_t *qsum = (int32_t *)(sa + M);
+    /* the SIMD panel holds NR blocks of 16 channels x Kp, needed only past one
+     * row tile; the scalar path keeps one channel's Kp weights */
+    const size_t panel_bytes = simd ? (M > MR ? (size_t)(NR * NB * Kp) : 0) : (size_t)Kp;
+    Job job = {xq, sa, qsum, M, Kp, N, w, gp, group, s1, rowsum, zs1, bias, y, out_bf16};
+    int failed = 0;
+    #pragma omp parallel num_threads(threads > 0 ? threads : 1) if (M * N * K > (1 << 18))
+    {
+        int t = 0, T = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        T = omp_get_num_threads();
+#endif
+        #pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) {
+            const void *xm = (const char *)x + m * K * (x_bf16 ? 2 : 4);
+#if HAVE_SIMD
+            if (simd) { quantize_row_simd(xm, x_bf16, K, Kp, xq + m * Kp, sa + m, qsum + m); continue; }
+#endif
+            quantize_row_scalar(xm, x_bf16, K, Kp, xq + m * Kp, sa + m, qsum + m);
+        }
+        uint8_t *mine = panel_bytes ? grow(&tl_panel, &tl_panel_size, panel_bytes) : NULL;
+        if (panel_bytes && !mine) {
+            #pragma omp atomic write
+            failed = 1;
+        } else {
+            /* contiguous, balanced ranges of blocks: one block finer than the tile */
+            const int64_t lo = nblocks * t / T, hi = nblocks * (t + 1) / T;
+#if HAVE_SIMD
+            if (simd) blocks_simd(&job, lo, hi, mine);
+            else
+#endif
+                blocks_scalar(&job, lo, hi, (int8_t *)mine);
+        }
+    }
+    return failed ? -1 : 0;
+}

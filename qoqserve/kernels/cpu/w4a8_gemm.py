@@ -1,0 +1,183 @@
+"""The QoQ W4A8 linear on packed 4-bit weights (w4a8_gemm.c), via ctypes.
+
+The checkpoint's codes ([N, K/2] bytes, docs/format.md) are repacked once at
+load into the kernel's layout (still 4 bits per weight; see the C file's
+header) and stay packed: the GEMM unpacks and expands them in registers. One
+library holds the AVX-512 VNNI path and a scalar one; the CPU is probed at run
+time, and QOQSERVE_CPU_ISA=scalar forces the scalar path (same numbers).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+
+import torch
+from torch import nn
+
+from qoqserve.kernels import qoq_ref
+from qoqserve.kernels.cpu.build import load_library
+
+_P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+_SIGNATURES = {
+    "w4a8_gemm_simd": (_I, []),
+    "w4a8_gemm": (_I, [_P, _I, _L, _L, _P, _P, _L, _L, _P, _P, _P, _P, _P, _I, _I, _I]),
+}
+BLOCK_N, OCTET_K = 16, 8
+DTYPES = (torch.float32, torch.bfloat16)  # of the input and output
+ISA_ENV = "QOQSERVE_CPU_ISA"
+_ERRORS = {-1: "could not allocate its scratch buffers", -2: "AVX-512 VNNI is not available on this CPU",
+           -3: "got a group size or K its layout does not allow"}
+
+
+def load():
+    # no FMA contraction: the reference rounds each product and sum on its own.
+    # x86: baseline code, the AVX-512 functions carry target attributes and are
+    # chosen at run time, so the library also runs on a CPU without them.
+    flags = ["-ffp-contract=off"]
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        flags += ["-march=x86-64", "-mtune=native"]
+    return load_library("w4a8_gemm", flags, _SIGNATURES)
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def isa() -> str:
+    """The code path calls take: "avx512-vnni" or "scalar" (forced by QOQSERVE_CPU_ISA=scalar)."""
+    want = os.environ.get(ISA_ENV, "").strip().lower()
+    if want not in ("", "auto", "scalar", "avx512-vnni"):
+        raise ValueError(f"{ISA_ENV}={want!r}: use auto, scalar or avx512-vnni")
+    lib = load()
+    if lib is None:
+        raise RuntimeError("the packed W4A8 kernel could not be built here (no C compiler? see the log)")
+    simd = bool(lib.w4a8_gemm_simd())
+    if want == "avx512-vnni" and not simd:
+        raise RuntimeError(f"{ISA_ENV}=avx512-vnni, but this CPU lacks AVX-512 F/BW/VL/VNNI")
+    return "scalar" if want == "scalar" or not simd else "avx512-vnni"
+
+
+def check_group_size(k: int, group_size: int) -> None:
+    if group_size < 0 or (group_size and (group_size % OCTET_K or k % group_size)):
+        raise ValueError(f"packed W4A8 kernel: group size {group_size} must be 0 (per channel) or a "
+                         f"multiple of {OCTET_K} dividing K={k} (the format allows 32, 64, 128, 256)")
+
+
+def repack_codes(qweight: torch.Tensor) -> torch.Tensor:
+    """Checkpoint codes [N, K/2] (low nibble = even k) -> the kernel's uint8
+    [ceil(N/16), ceil(K/8), 64] (see w4a8_gemm.c), zero codes in the padding."""
+    u = qoq_ref.unpack_uint4(qweight)
+    n, k = u.shape
+    np_, kp = -(-n // BLOCK_N) * BLOCK_N, -(-k // OCTET_K) * OCTET_K
+    u = torch.nn.functional.pad(u, (0, kp - k, 0, np_ - n))
+    # [block, i, octet, half, r] -> [block, octet, i, r, half]: byte 4i + r, nibble = half
+    t = u.view(np_ // BLOCK_N, BLOCK_N, kp // OCTET_K, 2, 4).permute(0, 2, 1, 4, 3)
+    return (t[..., 0] | (t[..., 1] << 4)).reshape(np_ // BLOCK_N, kp // OCTET_K, 64).contiguous()
+
+
+def pack_group_params(s2: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """s2, z [N, K/g] -> uint8 [ceil(N/16), K/g, 16]: per block and group, one byte
+    per channel, (s2 - 1) << 4 | z. Refuses s2/z for which some code 0..15 makes
+    s2*(u - z) leave INT8 (the in-register expansion relies on it; it also
+    bounds s2 by 16, so s2 - 1 fits the nibble)."""
+    s2i, zi = s2.to(torch.int32), zeros.to(torch.int32)
+    if s2i.numel() and (int(s2i.min()) < 1 or int((s2i * -zi).min()) < -128
+                        or int((s2i * (15 - zi)).max()) > 127):
+        raise ValueError("s2*(u - z) leaves the INT8 range for some code (or s2 < 1): corrupt s2/zeros")
+    n, groups = s2i.shape
+    np_ = -(-n // BLOCK_N) * BLOCK_N
+    byte = torch.nn.functional.pad((s2i - 1) * 16 + zi, (0, 0, 0, np_ - n))  # padding: s2 1, z 0
+    return byte.view(np_ // BLOCK_N, BLOCK_N, groups).transpose(1, 2).to(torch.uint8).contiguous()
+
+
+def w4a8_linear(x2: torch.Tensor, codes: torch.Tensor, gparams: torch.Tensor | None, group_size: int,
+                n: int, s1: torch.Tensor, rowsum: torch.Tensor | None = None,
+                zs1: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                simd: bool | None = None) -> torch.Tensor:
+    """x2 [M, K] fp32/bf16 -> [M, n] in x2's dtype on the repacked codes: per-token
+    INT8 x2, then acc * s_a * s1 (- rowsum * zs1) (+ bias). s1, zs1, bias: fp32 [n];
+    rowsum: fp32 [M] of the unquantized rows (per channel). simd: None = isa()."""
+    x2 = x2.contiguous()
+    m, k = x2.shape
+    if codes.shape[1] * OCTET_K < k or codes.shape[0] * BLOCK_N < n:
+        raise ValueError(f"packed codes {tuple(codes.shape)} do not cover [{n}, {k}]")
+    if simd is None:
+        simd = isa() != "scalar"
+    y = torch.empty(m, n, dtype=x2.dtype)
+    bf16 = int(x2.dtype == torch.bfloat16)
+    rc = load().w4a8_gemm(x2.data_ptr(), bf16, m, k, codes.data_ptr(),
+                          None if gparams is None else gparams.data_ptr(), group_size, n, s1.data_ptr(),
+                          None if rowsum is None else rowsum.data_ptr(),
+                          None if zs1 is None else zs1.data_ptr(),
+                          None if bias is None else bias.data_ptr(), y.data_ptr(), bf16, int(simd),
+                          torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"packed W4A8 kernel {_ERRORS.get(rc, f'failed ({rc})')}")
+    return y
+
+
+class PackedW4A8Gemm(nn.Module):
+    """One QoQ linear with its codes kept 4-bit in the kernel's layout, plus
+    fp32 s1 (and z*s1 per channel, bias). Resident: ceil(N/16)*16 x ceil(K/8)*8
+    / 2 bytes of codes, 1 byte per channel and group, 4N bytes per vector."""
+
+    def __init__(self, qweight: torch.Tensor, s1: torch.Tensor, s2: torch.Tensor | None,
+                 zeros: torch.Tensor, bias: torch.Tensor | None, group_size: int):
+        """Checkpoint tensors (docs/format.md): qweight uint8 [N, K/2], s1 [N],
+        s2/zeros [N, K/g] (group_size > 0) or zeros [N] and s2 None (per channel)."""
+        super().__init__()
+        self.out_features, self.in_features = qweight.shape[0], 2 * qweight.shape[1]
+        check_group_size(self.in_features, group_size)
+        self.group_size = group_size
+        self.simd = isa() != "scalar"  # QOQSERVE_CPU_ISA is read once, here
+        self.register_buffer("codes", repack_codes(qweight), persistent=False)
+        self.register_buffer("gparams", pack_group_params(s2, zeros) if group_size else None,
+                             persistent=False)
+        self.register_buffer("s1", s1.float().contiguous(), persistent=False)
+        self.register_buffer("zs1", None if group_size else (zeros.float() * self.s1).contiguous(),
+                             persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.float().contiguous(),
+                             persistent=False)
+
+        self._bind()
+
+    def _bind(self) -> None:
+        if self.codes.dtype != torch.uint8 or any(t is not None and t.dtype != torch.float32
+                                                  for t in (self.s1, self.zs1, self.bias)):
+            raise TypeError("PackedW4A8Gemm keeps uint8 codes and fp32 epilogue vectors; casting them "
+                            "would change its numbers (convert the activations instead)")
+        # the per-call arguments that only change when the buffers do: reading
+        # six buffers through nn.Module.__getattr__ costs more than the kernel
+        # at decode sizes
+        ptr = [None if t is None else t.data_ptr() for t in (self.gparams, self.s1, self.zs1, self.bias)]
+        self._args = (self.codes.data_ptr(), ptr[0], self.group_size, self.out_features, ptr[1])
+        self._tail = (ptr[2], ptr[3])
+        self._per_channel = self.zs1 is not None
+
+    def _apply(self, fn, *args, **kwargs):  # .to(), .float(), ...: the buffers may move
+        out = super()._apply(fn, *args, **kwargs)
+        self._bind()
+        return out
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in DTYPES:  # fp16: exact in fp32, and the reference rounds at the end
+            return self(x.float()).to(x.dtype)
+        x2 = (x if x.dim() == 2 else x.reshape(-1, x.shape[-1])).contiguous()
+        m, k = x2.shape
+        if k != self.in_features or x2.device.type != "cpu":
+            raise ValueError(f"expected a CPU input [..., {self.in_features}], got {tuple(x.shape)} on {x.device}")
+        # the per-channel epilogue needs torch's own row sum to match the reference bit for bit
+        rowsum = qoq_ref.act_row_sum(x2) if self._per_channel else None
+        y = torch.empty(m, self.out_features, dtype=x2.dtype)
+        bf16 = int(x2.dtype == torch.bfloat16)
+        rc = load().w4a8_gemm(x2.data_ptr(), bf16, m, k, *self._args,
+                              None if rowsum is None else rowsum.data_ptr(), *self._tail, y.data_ptr(),
+                              bf16, int(self.simd), torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"packed W4A8 kernel {_ERRORS.get(rc, f'failed ({rc})')}")
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], -1)

@@ -1,0 +1,160 @@
+"""The W4A8 GEMM on packed 4-bit weights (kernels/cpu/w4a8_gemm.c) against the
+torch reference (qoq_ref) and today's fused kernel on the INT8 expansion:
+bit-identical outputs for ragged shapes, every group size, per channel, both
+code paths (AVX-512 VNNI and the scalar fallback)."""
+import pytest
+import torch
+
+from qoqserve.kernels import qoq_ref
+from qoqserve.kernels.cpu import w4a8_gemm
+from qoqserve.kernels.cpu.w4a8_gemm import PackedW4A8Gemm
+from qoqserve.layers.int8_gemm import PackedInt8Gemm, int8_linear
+
+GROUPS = (0, 32, 64, 128, 256)
+
+
+def _checkpoint(n, k, group, seed):
+    """Valid checkpoint tensors whose (s2, z) span every pair the loader accepts,
+    so s2*(u - z) reaches both ends of INT8 (-128 with s2=16, z=8)."""
+    g = torch.Generator().manual_seed(seed)
+    u = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    s1 = (torch.rand(n, generator=g) * 1e-2 + 1e-4).half()
+    bias = torch.randn(n, generator=g).half()
+    if not group:
+        z = torch.randint(0, 16, (n,), dtype=torch.uint8, generator=g)
+        return dict(qweight=qoq_ref.pack_uint4(u), s1=s1, s2=None, zeros=z, bias=bias, w8=u, zref=z)
+    pairs = torch.tensor([(s, z) for s in range(1, 17) for z in range(16) if -128 <= -s * z and s * (15 - z) <= 127])
+    pick = pairs[torch.randint(0, len(pairs), (n, k // group), generator=g)]
+    s2, z = pick[..., 0].to(torch.uint8), pick[..., 1].to(torch.uint8)
+    w8 = ((u.view(n, -1, group).long() - z[..., None].long()) * s2[..., None].long()).view(n, k).to(torch.int8)
+    return dict(qweight=qoq_ref.pack_uint4(u), s1=s1, s2=s2, zeros=z, bias=bias, w8=w8, zref=None)
+
+
+def _input(m, k, dtype, seed):
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)) * 3
+    x[0, : min(k, 4)] = torch.tensor([127.0, 0.5, -0.5, 1.5])[: min(k, 4)]  # ties: amax 127 -> scale 1
+    if m > 2:
+        x[2] = 0  # an all-zero row: scale 1, codes 0
+    return x.to(dtype)
+
+
+def _packed(c, group, with_bias=True):
+    return PackedW4A8Gemm(c["qweight"], c["s1"], c["s2"], c["zeros"], c["bias"] if with_bias else None, group)
+
+
+def _check(m, n, k, group, dtype, seed=0):
+    c = _checkpoint(n, k, group, seed)
+    x = _input(m, k, dtype, seed + 1)
+    for with_bias in (False, True):
+        b = c["bias"] if with_bias else None
+        got = _packed(c, group, with_bias)(x)
+        ref = int8_linear(x, c["w8"], c["s1"], c["zref"], b, native=False)  # the torch reference
+        assert got.dtype == dtype and got.shape == (m, n)
+        assert torch.equal(got, ref), (m, n, k, group, dtype, with_bias)
+        # and today's fused kernel on the INT8 expansion
+        assert torch.equal(got, PackedInt8Gemm(c["w8"], c["s1"], c["zref"], b)(x))
+
+
+def test_the_simd_path_is_taken_here():
+    assert w4a8_gemm.available()
+    assert w4a8_gemm.isa() == "avx512-vnni"  # this CPU has AVX-512 VNNI: no silent fallback
+
+
+# M across the 6-row tile and the panel reuse (>6), N across 16-channel blocks
+# and the 4-block tile, K a multiple of each group
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("m,n", [(1, 17), (2, 100), (7, 64), (16, 17), (33, 100), (64, 50), (130, 17)])
+def test_bit_identical_for_ragged_shapes_and_every_group_size(group, m, n):
+    k = 768 if group in (128, 256) else 576
+    _check(m, n, k, group, torch.bfloat16, seed=m * 100 + n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group", GROUPS)
+def test_bit_identical_for_every_input_dtype(dtype, group):
+    _check(9, 40, 512, group, dtype, seed=group)
+
+
+@pytest.mark.parametrize("k", [1536, 576, 10, 6, 2])  # per channel K is only even: padded to 8
+def test_per_channel_any_even_k(k):
+    _check(7, 33, k, 0, torch.float32, seed=k)
+
+
+@pytest.mark.parametrize("group", [8, 48, 1536])  # any multiple of 8 that divides K
+def test_other_group_sizes_the_layout_allows(group):
+    _check(5, 20, 1536, group, torch.float32, seed=group)
+
+
+@pytest.mark.parametrize("group", [0, 64])
+def test_int32_accumulator_is_the_exact_integer(group):
+    """Integer x with max |x| = 127 has s_a = 1 and s1 = 1: y is the accumulator itself."""
+    n, k = 48, 576
+    c = _checkpoint(n, k, group, seed=7)
+    x = torch.randint(-127, 128, (13, k), generator=torch.Generator().manual_seed(8)).float()
+    x[:, 0] = 127
+    mod = PackedW4A8Gemm(c["qweight"], torch.ones(n).half(), c["s2"], c["zeros"], None, group)
+    if group == 0:
+        mod.zs1.zero_()  # leave the zero point out: y = x_q . u
+    acc = qoq_ref.int8_mm(x.to(torch.int8), c["w8"].view(torch.int8) if group == 0 else c["w8"])
+    assert torch.equal(mod(x), acc.float())
+
+
+@pytest.mark.parametrize("group", [0, 64])
+def test_scalar_fallback_is_bit_identical(monkeypatch, group):
+    monkeypatch.setenv(w4a8_gemm.ISA_ENV, "scalar")
+    assert w4a8_gemm.isa() == "scalar"
+    c = _checkpoint(100, 576, group, seed=3)
+    mod = _packed(c, group)
+    assert not mod.simd
+    for m in (1, 7, 33):
+        x = _input(m, 576, torch.bfloat16, seed=m)
+        assert torch.equal(mod(x), int8_linear(x, c["w8"], c["s1"], c["zref"], c["bias"], native=False))
+
+
+def test_isa_env_var_rejects_unknown_values(monkeypatch):
+    monkeypatch.setenv(w4a8_gemm.ISA_ENV, "avx9000")
+    with pytest.raises(ValueError, match="QOQSERVE_CPU_ISA"):
+        w4a8_gemm.isa()
+
+
+def test_leading_dims_are_kept():
+    c = _checkpoint(40, 64, 32, seed=5)
+    x = torch.randn(2, 3, 64)
+    got = _packed(c, 32)(x)
+    assert got.shape == (2, 3, 40)
+    assert torch.equal(got, int8_linear(x, c["w8"], c["s1"], None, c["bias"], native=False))
+
+
+def test_empty_batch_and_casts():
+    c = _checkpoint(20, 64, 32, seed=2)
+    mod = _packed(c, 32)
+    assert mod(torch.randn(0, 64)).shape == (0, 20)
+    with pytest.raises(TypeError, match="fp32"):
+        mod.to(torch.bfloat16)  # the epilogue vectors would lose bits
+
+
+def test_refuses_layouts_it_cannot_run():
+    c = _checkpoint(16, 96, 32, seed=1)
+    with pytest.raises(ValueError, match="group size 12"):
+        PackedW4A8Gemm(c["qweight"], c["s1"], c["s2"], c["zeros"], None, 12)
+    with pytest.raises(ValueError, match="group size 64"):  # 96 is no multiple of 64
+        PackedW4A8Gemm(c["qweight"], c["s1"], c["s2"], c["zeros"], None, 64)
+    s2 = c["s2"].clone()
+    s2[0, 0], c["zeros"][0, 0] = 16, 0  # 16 * 15 = 240 leaves INT8
+    with pytest.raises(ValueError, match="INT8"):
+        PackedW4A8Gemm(c["qweight"], c["s1"], s2, c["zeros"], None, 32)
+    s2[0, 0], c["zeros"][0, 0] = 0, 0  # fits INT8 trivially, but s2 - 1 leaves the nibble
+    with pytest.raises(ValueError, match="s2 < 1"):
+        PackedW4A8Gemm(c["qweight"], c["s1"], s2, c["zeros"], None, 32)
+
+
+def test_resident_bytes_of_the_embedded_model_stay_under_0_56_per_weight(default_source):
+    arch = default_source.arch
+    h, d = arch.hidden_size, arch.head_dim
+    shapes = [(h, (arch.num_heads + 2 * arch.num_kv_heads) * d), (arch.num_heads * d, h),
+              (h, 2 * arch.intermediate_size), (arch.intermediate_size, h)]
+    for group in (0, 32, 64):  # every group size the embedded model's K = 576 allows
+        for k, n in shapes:
+            mod = _packed(_checkpoint(n, k, group, seed=k + n), group, with_bias=False)
+            assert mod.resident_bytes <= 0.56 * n * k, (group, k, n, mod.resident_bytes / (n * k))
+            assert mod.resident_bytes >= n * k // 2  # it is the whole weight, not a view of part
