@@ -16,7 +16,7 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.flo
 DTYPE_CHOICES = ("auto", *_DTYPES)
 KV_CACHE_DTYPES = ("auto", "int4", "int8", "float16", "fp16", "bfloat16", "bf16", "float32")
 KERNELS = ("auto", "torch", "cpu", "triton")
-W4A8_BACKENDS = ("auto", "torch-int8", "torch-int8-percall", "sim", "triton")
+W4A8_BACKENDS = ("auto", "packed", "torch-int8", "torch-int8-percall", "sim", "triton")
 QUANTIZATIONS = ("w8a8",)
 
 
@@ -77,9 +77,11 @@ class EngineConfig:
                                            "on CPU, fp16 on CUDA)", choices=DTYPE_CHOICES)
     device: str = opt("cpu", "cpu or cuda[:N]")
     w4a8_backend: str = opt(
-        "auto", "how QoQ W4A8 linears run: INT8 weights expanded at load (torch-int8, 1 B/weight), "
-                "expanded per call from packed codes (torch-int8-percall, 0.5 B/weight), the fp32 "
-                "simulation (sim), or the Triton GEMM (triton; auto picks it on CUDA)",
+        "auto", "how QoQ W4A8 linears run: 4-bit codes unpacked in registers by the C VNNI "
+                "kernel (packed, 0.5 B/weight; auto picks it on CPUs with AVX-512 VNNI), INT8 weights "
+                "expanded at load (torch-int8, 1 B/weight), expanded per call from packed codes "
+                "(torch-int8-percall), the fp32 simulation (sim), or the Triton GEMM (triton; auto "
+                "picks it on CUDA)",
         choices=W4A8_BACKENDS)
     kernels: str = opt(
         "auto", "auto: Triton kernels on CUDA; on CPU the C kernels (built on first use) where "

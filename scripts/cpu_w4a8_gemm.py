@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from qoqserve.bench.timing import best_of_rounds
 from qoqserve.kernels import qoq_ref
 from qoqserve.kernels.cpu import w4a8_gemm
-from qoqserve.layers.int8_gemm import PackedInt8Gemm
+from qoqserve.layers.quantization.int8_gemm import PackedInt8Gemm
 from qoqserve.model_loader import load_model_source
 
 BATCHES = (1, 8, 32, 64)
@@ -106,8 +106,8 @@ def built(make, tries: int = 3):
 def machine_limits() -> tuple[float, float]:
     """(read bandwidth in B/s, INT8 peak in OP/s), measured now."""
     big = torch.ones(128 * 1024 * 1024)  # 512 MB of fp32
-    bw = big.numel() * 4 / best_of_rounds(lambda: big.sum(), 5, warmup=2)
-    del big
+    bw = big.numel() * 4 / best_of_rounds(big.sum, 5, warmup=2)
+    big = None
     a = torch.randint(-127, 128, (2048, 4096), dtype=torch.int8)
     b = torch.randint(-127, 128, (4096, 4096), dtype=torch.int8)
     return bw, 2 * 2048 * 4096 * 4096 / best_of_rounds(lambda: torch._int_mm(a, b), 3, warmup=1)
@@ -147,8 +147,9 @@ def main():
                            "bytes": {"bf16": wb.numel() * 2, "int8": buffer_bytes(int8), "packed": nb, "kernel": nb}}
         layers.append(layer)
     params = arch.num_layers * sum(k * n for k, n in shapes.values())
-    print(f"# load (best of 3 per linear): repack to the packed layout {1e3 * t_repack:.0f} ms, INT8 expansion + VNNI repack "
-          f"{1e3 * t_expand:.0f} ms, for all {arch.num_layers * len(shapes)} linears ({params / 1e6:.1f}M weights)")
+    print(f"# load (best of 3 per linear): repack to the packed layout {1e3 * t_repack:.0f} ms, "
+          f"INT8 expansion + VNNI repack {1e3 * t_expand:.0f} ms, for all "
+          f"{arch.num_layers * len(shapes)} linears ({params / 1e6:.1f}M weights)")
     nbytes = {p: sum(lay["bytes"][p] for layer in layers for lay in layer.values()) for p in PATHS}
     print("# resident bytes per weight: " + ", ".join(f"{p} {nbytes[p] / params:.3f}" for p in nbytes))
     times = {m: step_times(layers, m, args.repeats) for m in BATCHES}
@@ -185,8 +186,9 @@ def main():
         m1 = verdict[1, "int8"][i] / verdict[1, "packed"][i]
         m32 = verdict[32, "int8"][i] / verdict[32, "packed"][i]
         ok = m1 >= 1.0 and m32 >= 1 / 1.1
-        print(f"# decision rule (issue 17), {what}: packed/int8 speed {m1:.2f}x at M=1 (needs >= 1), {m32:.2f}x "
-              f"at M=32 (needs >= {1 / 1.1:.2f}): packed kernel {'qualifies as the default' if ok else 'does NOT qualify'}")
+        verdict = "qualifies as the default" if ok else "does NOT qualify"
+        print(f"# decision rule (issue 17), {what}: packed/int8 speed {m1:.2f}x at M=1 (needs >= 1), "
+              f"{m32:.2f}x at M=32 (needs >= {1 / 1.1:.2f}): packed kernel {verdict}")
 
 
 if __name__ == "__main__":

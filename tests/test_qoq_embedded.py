@@ -29,7 +29,7 @@ def test_runtime_perplexity_equals_simulation(quantized, default_source):
     ids = default_source.tokenizer.encode(read_texts(LICENSE_TEXTS[1:]))[:1024]
     sim = perplexity(result.model.prompt_logprobs, ids, 512, 512)
     llm = LLM(path, dtype="float32", kv_cache_gb=0.05, quantized_prefill=True)
-    assert "w4a8-g64/torch-int8+vnni" in llm.engine.stats()["linear_paths"]  # the fused C kernel
+    assert "w4a8-g64/packed+vnni" in llm.engine.stats()["linear_paths"]  # the packed 4-bit C kernel
     runtime = perplexity(llm.engine.runner.prompt_logprobs, ids, 512, 512)
     assert abs(runtime.ppl / sim.ppl - 1) < 1e-3, (runtime.ppl, sim.ppl)
     fp = LLM(dtype="float32", kv_cache_gb=0.05)

@@ -8,7 +8,7 @@ import torch
 from qoqserve.kernels import qoq_ref
 from qoqserve.kernels.cpu import w4a8_gemm
 from qoqserve.kernels.cpu.w4a8_gemm import PackedW4A8Gemm
-from qoqserve.layers.int8_gemm import PackedInt8Gemm, int8_linear
+from qoqserve.layers.quantization.int8_gemm import PackedInt8Gemm, int8_linear
 
 GROUPS = (0, 32, 64, 128, 256)
 
@@ -48,7 +48,7 @@ def _check(m, n, k, group, dtype, seed=0):
     for with_bias in (False, True):
         b = c["bias"] if with_bias else None
         got = _packed(c, group, with_bias)(x)
-        ref = int8_linear(x, c["w8"], c["s1"], c["zref"], b, native=False)  # the torch reference
+        ref = int8_linear(x, c["w8"], c["s1"], c["zref"], b, cpu_ops=False)  # the torch reference
         assert got.dtype == dtype and got.shape == (m, n)
         assert torch.equal(got, ref), (m, n, k, group, dtype, with_bias)
         # and today's fused kernel on the INT8 expansion
@@ -108,7 +108,7 @@ def test_scalar_fallback_is_bit_identical(monkeypatch, group):
     assert not mod.simd
     for m in (1, 7, 33):
         x = _input(m, 576, torch.bfloat16, seed=m)
-        assert torch.equal(mod(x), int8_linear(x, c["w8"], c["s1"], c["zref"], c["bias"], native=False))
+        assert torch.equal(mod(x), int8_linear(x, c["w8"], c["s1"], c["zref"], c["bias"], cpu_ops=False))
 
 
 def test_isa_env_var_rejects_unknown_values(monkeypatch):
@@ -122,7 +122,7 @@ def test_leading_dims_are_kept():
     x = torch.randn(2, 3, 64)
     got = _packed(c, 32)(x)
     assert got.shape == (2, 3, 40)
-    assert torch.equal(got, int8_linear(x, c["w8"], c["s1"], None, c["bias"], native=False))
+    assert torch.equal(got, int8_linear(x, c["w8"], c["s1"], None, c["bias"], cpu_ops=False))
 
 
 def test_empty_batch_and_casts():

@@ -35,7 +35,8 @@ def runner(path, backend, **cache):
 
 
 def test_every_layer_int8_matches_simulation(ckpt):
-    sim, int8, percall = (runner(ckpt, b).model for b in ("sim", "torch-int8", "torch-int8-percall"))
+    sim, int8, percall, packed = (runner(ckpt, b).model for b in
+                                  ("sim", "torch-int8", "torch-int8-percall", "packed"))
     torch.manual_seed(0)
     linears = [(n, m) for n, m in sim.named_modules() if isinstance(m, Linear)]
     assert len(linears) == 8
@@ -47,10 +48,11 @@ def test_every_layer_int8_matches_simulation(ckpt):
         # INT32 accumulation vs fp32 sums of the same integers: equal up to fp32 rounding
         torch.testing.assert_close(got, ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-5)
         assert torch.equal(percall.get_submodule(name)(x), got)
+        assert torch.equal(packed.get_submodule(name)(x), got)  # 4-bit in registers, same integers
 
 
 def test_load_log_and_stats_report_paths_and_bytes(ckpt):
-    for backend, max_bytes in (("torch-int8-percall", 0.6), ("torch-int8", 1.1)):
+    for backend, max_bytes in (("packed", 0.56), ("torch-int8-percall", 0.6), ("torch-int8", 1.1)):
         r = runner(ckpt, backend)
         s = r.stats()
         params = sum(m.in_features * m.out_features for m in r.model.modules() if isinstance(m, Linear))

@@ -36,10 +36,19 @@ class MemoryPlan:
 def linear_bytes(n: int, k: int, weights: str, group_size: int, storage: str, elem: int) -> int:
     """Resident bytes of one [n, k] linear (bias excluded). storage: "packed4"
     (UINT4 codes: the GPU GEMM, the per-call expansion), "int8" (INT8 operand
-    for torch._int_mm) or "vnni" (the fused CPU kernel's padded INT8 layout,
-    with fp32 s1 and, per channel, fp32 z*s1; nothing else kept)."""
+    for torch._int_mm), "vnni" (the fused CPU kernel's padded INT8 layout,
+    with fp32 s1 and, per channel, fp32 z*s1; nothing else kept) or "w4vnni"
+    (the packed CPU W4A8 kernel: padded 4-bit codes, 1 byte per channel and
+    group, fp32 s1 and per channel z*s1)."""
     if weights == "fp":
         return n * k * elem
+    if storage == "w4vnni":
+        if weights != "qoq":
+            storage = "vnni"  # W8A8 keeps the fused INT8 layout
+        else:
+            np_ = -(-n // 16) * 16
+            codes = np_ * (-(-k // 8) * 8) // 2
+            return codes + (np_ * (k // group_size) if group_size else 0) + 4 * n * (1 if group_size else 2)
     if storage == "vnni":
         per_channel = weights == "qoq" and not group_size
         return -(-n // 16) * 16 * (-(-k // 4) * 4) + 4 * n * (2 if per_channel else 1)
@@ -56,6 +65,8 @@ def linear_storage(device: str) -> str:
     choice = kernel_choice(EngineConfig(device=device))
     if choice.w4a8 == "triton":
         return "packed4"  # the Triton GEMM reads packed codes
+    if choice.w4a8 == "packed":
+        return "w4vnni"  # QoQ only; W8A8 keeps the fused INT8 layout ("vnni") there
     return "vnni" if choice.fused_int8 else "int8"
 
 
@@ -70,7 +81,7 @@ def plan_memory(arch: ModelArchConfig, p: Precision, device: str, seq_len: int,
     lin = sum(linear_bytes(n, k, p.weights, group_size, storage, elem)
               for n, k in linear_shapes(arch).values())
     if arch.attention_bias:  # the fused kernel keeps its own fp32 copy instead
-        bias_elem = 4 if storage == "vnni" and p.weights != "fp" else elem
+        bias_elem = 4 if storage in ("vnni", "w4vnni") and p.weights != "fp" else elem
         lin += arch.num_layers * (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim * bias_elem
     embed = arch.vocab_size * arch.hidden_size * elem * (1 if arch.tie_word_embeddings else 2)
     norms = (2 * arch.num_layers + 1) * arch.hidden_size * elem

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from qoqserve.config import CacheConfig, EngineConfig, parse_dtype
+from qoqserve.kernels.cpu import w4a8_gemm
 from qoqserve.kernels.triton import interpreting, triton_available
 from qoqserve.layers.attention_backends import (
     AttentionBackend,
@@ -58,12 +59,19 @@ def resolve_kernels(config: EngineConfig) -> str:
     return kind
 
 
+def packed_w4a8_available() -> bool:
+    """The packed W4A8 kernel builds here and runs its VNNI path (its scalar
+    fallback is for checking, slower than the INT8-expanded kernel)."""
+    return w4a8_gemm.available() and w4a8_gemm.isa() == "avx512-vnni"
+
+
 def kernel_choice(config: EngineConfig) -> KernelChoice:
     kernels = resolve_kernels(config)
+    fused = kernels == "cpu" and config.device == "cpu" and fused_int8_available()
     w4a8 = config.w4a8_backend
     if w4a8 == "auto":
-        w4a8 = "triton" if kernels == "triton" else "torch-int8"
-    fused = kernels == "cpu" and config.device == "cpu" and fused_int8_available()
+        w4a8 = "triton" if kernels == "triton" else "packed" if fused and packed_w4a8_available() \
+            else "torch-int8"
     return KernelChoice(kernels=kernels, w4a8=w4a8, fused_int8=fused)
 
 

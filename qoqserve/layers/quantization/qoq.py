@@ -15,6 +15,7 @@ from qoqserve.layers.linear import LinearMethod
 from qoqserve.layers.quantization.base import KernelChoice, QuantizationConfig
 from qoqserve.layers.quantization.qoq_methods import (
     QoQInt8Method,
+    QoQPackedMethod,
     QoQPerCallMethod,
     QoQSimMethod,
     QoQTritonMethod,
@@ -24,7 +25,7 @@ FORMAT_NAME = "qoq-w4a8"
 FORMAT_VERSION = 2
 # version 2 added the optional per-layer key transform ("key_transform")
 READABLE_VERSIONS = (1, 2)
-_METHODS = {"torch-int8": QoQInt8Method, "torch-int8-percall": QoQPerCallMethod,
+_METHODS = {"packed": QoQPackedMethod, "torch-int8": QoQInt8Method, "torch-int8-percall": QoQPerCallMethod,
             "sim": QoQSimMethod, "triton": QoQTritonMethod}
 _KV_FORMATS = {4: "int4", 8: "int8", 16: None}
 

@@ -12,6 +12,9 @@ of executing it:
   else torch._int_mm runs it;
 * `QoQPerCallMethod`: the same GEMM, but only the packed codes stay resident
   (0.5 byte per weight) and each call expands them first;
+* `QoQPackedMethod`: the CPU default: the codes stay 4-bit (repacked once at
+  load for kernels/cpu/w4a8_gemm.c) and are unpacked and expanded in
+  registers inside the VNNI loop, quantize and epilogue in the same call;
 * `QoQTritonMethod`: the CUDA path. The packed codes stay resident and are
   expanded in registers inside the GEMM main loop; the input is quantized by
   a kernel fused with the RMSNorm or SiLU*mul that makes it.
@@ -24,6 +27,7 @@ import torch
 from torch import nn
 
 from qoqserve.kernels import qoq_ref
+from qoqserve.kernels.cpu.w4a8_gemm import PackedW4A8Gemm
 from qoqserve.layers.linear import Linear, LinearMethod
 from qoqserve.layers.quantization.int8_gemm import install_packed_gemm, int8_linear
 
@@ -151,6 +155,24 @@ class QoQPerCallMethod(QoQLinearMethod):
     def apply(self, layer: Linear, x) -> torch.Tensor:
         return int8_linear(x, int8_weight(layer, self.group_size), layer.s1, self._zeros(layer),
                            self._bias(layer), self.cpu_ops)
+
+
+class QoQPackedMethod(QoQLinearMethod):
+    backend = "packed"
+
+    def __init__(self, group_size: int, cpu_ops: bool = False, fused: bool = False):
+        super().__init__(group_size, cpu_ops)
+        self.name += "+vnni"
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        super().process_weights_after_loading(layer)
+        layer.packed_w4a8 = PackedW4A8Gemm(layer.qweight, layer.s1, layer.s2 if self.group_size else None,
+                                           layer.zeros, self._bias(layer), self.group_size)
+        for name in ("qweight", "s1", "s2", "zeros", "bias"):  # the kernel keeps its own copies
+            layer._parameters.pop(name, None)
+
+    def apply(self, layer: Linear, x) -> torch.Tensor:
+        return layer.packed_w4a8(x)
 
 
 class QoQTritonMethod(QoQLinearMethod):
