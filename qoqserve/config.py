@@ -62,7 +62,11 @@ class CacheConfig:
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = opt(64, "most sequences in one step")
-    max_num_batched_tokens: int = opt(4096, "most tokens in one step")
+    max_num_batched_tokens: int = opt(2048, "token budget of one step: decodes first, then "
+                                            "prompt chunks (a longer prompt is prefilled over "
+                                            "several steps)")
+    long_prefill_token_threshold: int | None = opt(None, "most tokens one prompt may take of a "
+                                                         "step's budget (default: all of it)")
     max_model_len: int | None = opt(None, "context window (default: the model's)")
     max_prompt_tokens: int | None = opt(None, "longest prompt accepted (default: the context "
                                               "window minus one)")

@@ -9,6 +9,12 @@ def seq(rid, tokens):
     return Sequence(rid, list(tokens), SamplingParams(temperature=0))
 
 
+def computed(bm, s):
+    """As after a step that computed all of s: its full blocks become hits."""
+    s.num_computed_tokens = len(s)
+    bm.on_tokens_computed(s)
+
+
 def test_allocate_and_free_all_pages():
     bm = BlockManager(num_blocks=10, block_size=4)
     a, b = seq("a", range(10)), seq("b", range(100, 105))
@@ -25,6 +31,7 @@ def test_prefix_hit_shares_pages_and_is_counted():
     bm = BlockManager(num_blocks=10, block_size=4)
     a = seq("a", range(9))           # blocks [0-3] [4-7] [8]
     bm.allocate(a)
+    computed(bm, a)
     b = seq("b", list(range(8)) + [50, 51])
     bm.allocate(b)
     assert b.num_cached_tokens == 8
@@ -42,6 +49,7 @@ def test_freed_pages_still_hit_until_reused():
     bm = BlockManager(num_blocks=4, block_size=4)
     a = seq("a", range(9))
     bm.allocate(a)
+    computed(bm, a)
     first = list(a.block_table)
     bm.deallocate(a)
     b = seq("b", range(9))
@@ -53,6 +61,7 @@ def test_last_token_is_never_served_from_cache():
     bm = BlockManager(num_blocks=10, block_size=4)
     a = seq("a", range(8))
     bm.allocate(a)
+    computed(bm, a)
     b = seq("b", range(8))
     bm.allocate(b)
     # the second block holds b's last token: it must be computed, so not shared
@@ -64,6 +73,7 @@ def test_hash_collision_is_not_a_hit(monkeypatch):
     monkeypatch.setattr(BlockManager, "chain_hash", staticmethod(lambda tokens, prev: 42))
     a = seq("a", range(9))
     bm.allocate(a)
+    computed(bm, a)
     b = seq("b", range(100, 109))
     bm.allocate(b)
     assert b.num_cached_tokens == 0
@@ -73,14 +83,22 @@ def test_decode_blocks_registered_for_reuse():
     bm = BlockManager(num_blocks=10, block_size=4)
     a = seq("a", range(3))
     bm.allocate(a)
+    a.num_computed_tokens = 3
     for t in (3, 4):               # tokens 3 and 4: block 0 fills with token 3
         a.append(t, None)
-        bm.on_token_computed(a)
         assert bm.can_append(a)
         bm.may_append(a)
+        a.num_computed_tokens += 1  # the step that runs token t
+        bm.on_tokens_computed(a)
     b = seq("b", [0, 1, 2, 3, 9])
     bm.allocate(b)
     assert b.num_cached_tokens == 4
+
+
+def step(sched, batch):
+    """What the engine does after a forward pass: every sampled sequence gets token 7."""
+    n = len(batch.sampled)
+    return sched.postprocess(batch, [7] * n, None, None)
 
 
 def test_scheduler_preempts_newest_and_recovers():
@@ -89,20 +107,48 @@ def test_scheduler_preempts_newest_and_recovers():
     a, b = seq("a", range(4)), seq("b", range(10, 14))
     sched.add(a)
     sched.add(b)
-    batch, prefill = sched.schedule()
-    assert prefill and batch == [a, b]
-    for s in (a, b):
-        s.append(7, None)
-    batch, prefill = sched.schedule()     # each needs a 2nd block: 4 used of 4
-    assert not prefill and batch == [a, b]
+    batch = sched.schedule()
+    assert not batch.decodes and batch.prefills == [(a, 4), (b, 4)]
+    step(sched, batch)
+    batch = sched.schedule()              # each needs a 2nd block: 4 used of 4
+    assert batch.decodes == [a, b] and not batch.prefills
     for _ in range(4):                    # fill the 2nd blocks, then a 3rd is needed
-        for s in batch:
-            s.append(7, None)
-        batch, prefill = sched.schedule()
-    assert batch == [a] and b.status == SequenceStatus.WAITING and sched.num_preemptions == 1
+        step(sched, batch)
+        batch = sched.schedule()
+    assert batch.decodes == [a] and b.status == SequenceStatus.WAITING and sched.num_preemptions == 1
     assert not b.block_table
+    step(sched, batch)
     sched.finish(a, "stop")
-    batch, prefill = sched.schedule()
-    assert prefill and batch == [b]
+    batch = sched.schedule()
+    # recomputed: prompt and its 5 tokens, less its first page (a prefix-cache hit)
+    assert b.num_cached_tokens == 4 and batch.prefills == [(b, len(b) - 4)]
     sched.finish(b, "stop")
     assert bm.num_free_blocks == 4
+
+
+def test_a_prompt_longer_than_the_budget_is_prefilled_in_chunks_beside_decodes():
+    bm = BlockManager(num_blocks=32, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=8), bm, max_model_len=64)
+    a = seq("a", range(3))
+    sched.add(a)
+    step(sched, sched.schedule())          # a: prefilled, first token sampled
+    b = seq("b", range(100, 120))          # 20 tokens, budget 8 per step
+    sched.add(b)
+    chunks = []
+    while b.num_output_tokens == 0:
+        batch = sched.schedule()
+        assert batch.decodes == [a] and batch.num_tokens <= 8  # decodes first, then the rest
+        chunks += [n for s, n in batch.prefills if s is b]
+        sampled = step(sched, batch)
+        assert (b in sampled) == (b.num_computed_tokens == 20)
+    assert chunks == [7, 7, 6] and b.num_computed_tokens == 20
+
+
+def test_long_prefill_threshold_caps_one_prompt_per_step():
+    bm = BlockManager(num_blocks=32, block_size=4)
+    cfg = SchedulerConfig(max_num_batched_tokens=16, long_prefill_token_threshold=5)
+    sched = Scheduler(cfg, bm, max_model_len=64)
+    a, b = seq("a", range(12)), seq("b", range(50, 62))
+    sched.add(a)
+    sched.add(b)
+    assert sched.schedule().prefills == [(a, 5), (b, 5)]

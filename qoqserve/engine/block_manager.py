@@ -2,9 +2,10 @@
 
 A full block is identified by hash(previous block's hash, its tokens), so a
 hit means the whole prefix up to and including that block matches. Hashes can
-collide, so a hit is only taken when the stored tokens are equal too. Freed
-blocks keep their contents and hash until they are handed out again, so a
-later request can still hit them.
+collide, so a hit is only taken when the stored tokens are equal too. A block
+is registered only once its K/V are computed (prompts are prefilled in
+chunks, over several steps). Freed blocks keep their contents and hash until
+they are handed out again, so a later request can still hit them.
 """
 from __future__ import annotations
 
@@ -100,10 +101,10 @@ class BlockManager:
             else:
                 missed = True
                 block = self._take_free()
-                if full:
-                    self._register(block, tokens, prev)
             prev = h
             seq.block_table.append(block.block_id)
+        seq.num_computed_tokens = seq.num_cached_tokens
+        seq.num_hashed_blocks = seq.num_cached_tokens // bs
         if self.enable_prefix_caching:
             self.prefix_queries += len(seq)
             self.prefix_hits += seq.num_cached_tokens
@@ -116,6 +117,7 @@ class BlockManager:
                 self.used_ids.discard(block_id)
                 self.free_ids.append(block_id)
         seq.block_table = []
+        seq.num_computed_tokens = seq.num_hashed_blocks = 0
 
     def can_append(self, seq: Sequence) -> bool:
         """Room for the slot of seq's newest token (appended, not yet computed)."""
@@ -127,15 +129,12 @@ class BlockManager:
         if len(seq) > len(seq.block_table) * bs:
             seq.block_table.append(self._take_free().block_id)
 
-    def on_token_computed(self, seq: Sequence) -> None:
-        """Register the block that the last computed token completed, for reuse."""
+    def on_tokens_computed(self, seq: Sequence) -> None:
+        """Register, for reuse, every full block whose tokens are all computed now."""
         bs = self.block_size
-        computed = len(seq) - 1  # the newest token has been sampled, not yet run
-        if computed % bs or not computed:
-            return
-        idx = computed // bs - 1
-        block = self.blocks[seq.block_table[idx]]
-        if block.hash is not None:
-            return
-        prev = self.blocks[seq.block_table[idx - 1]].hash if idx > 0 else None
-        self._register(block, tuple(seq.block_tokens(idx, bs)), prev)
+        for idx in range(seq.num_hashed_blocks, seq.num_computed_tokens // bs):
+            block = self.blocks[seq.block_table[idx]]
+            prev = self.blocks[seq.block_table[idx - 1]].hash if idx > 0 else None
+            if block.hash is None:
+                self._register(block, tuple(seq.block_tokens(idx, bs)), prev)
+            seq.num_hashed_blocks = idx + 1

@@ -76,17 +76,14 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        seqs, is_prefill = self.scheduler.schedule()
-        if not seqs:
+        batch = self.scheduler.schedule()
+        if not batch:
             return []
-        tokens, logprobs, top = self.runner.run(seqs, is_prefill)
-        if is_prefill:
-            self.num_prompt_tokens += sum(len(s) - s.num_cached_tokens for s in seqs)
-        self.num_generation_tokens += len(seqs)
+        tokens, logprobs, top = self.runner.run(batch)
+        self.num_prompt_tokens += sum(n for _, n in batch.prefills)
+        self.num_generation_tokens += len(tokens)
         outputs = []
-        for i, seq in enumerate(seqs):
-            self.scheduler.postprocess(seq, tokens[i], logprobs[i] if logprobs is not None else None,
-                                       top[i] if top is not None else None)
+        for i, seq in enumerate(self.scheduler.postprocess(batch, tokens, logprobs, top)):
             tracker = self.trackers[seq.request_id]
             reason = tracker.on_token(tokens[i])
             if reason is not None:

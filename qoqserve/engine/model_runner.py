@@ -7,6 +7,7 @@ import torch
 
 from qoqserve.config import CacheConfig, EngineConfig
 from qoqserve.engine.backends import select_backends
+from qoqserve.engine.scheduler import ScheduledBatch
 from qoqserve.engine.sequence import Sequence
 from qoqserve.layers.attention import AttentionMetadata
 from qoqserve.layers.kv_cache import KVCacheLayout
@@ -118,45 +119,50 @@ class ModelRunner:
         rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
         return torch.tensor(rows, dtype=torch.long, device=self.device)
 
-    def _prepare_prefill(self, seqs: list[Sequence]):
-        ids, positions, slots, starts, cached = [], [], [], [0], []
-        for seq in seqs:
-            start = seq.num_cached_tokens
-            ids.extend(seq.token_ids[start:])
-            positions.extend(range(start, len(seq)))
-            slots.extend(self._slot(seq, p) for p in range(start, len(seq)))
-            starts.append(len(ids))
+    def _prepare(self, batch: ScheduledBatch):
+        """Flattened inputs of a step: one token per decode, then each prefill chunk."""
+        ids, positions, slots = [], [], []
+        for seq in batch.decodes:
+            pos = len(seq) - 1
+            ids.append(seq.token_ids[pos])
+            positions.append(pos)
+            slots.append(self._slot(seq, pos))
+        starts, cached = [0], []
+        for seq, n in batch.prefills:
+            start = seq.num_computed_tokens
+            ids.extend(seq.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            slots.extend(self._slot(seq, p) for p in range(start, start + n))
+            starts.append(starts[-1] + n)
             cached.append(start)
+        seqs = batch.decodes + [s for s, _ in batch.prefills]
         meta = AttentionMetadata(
-            is_prefill=True, slot_mapping=self._tensor(slots),
-            block_tables=self._block_tables(seqs) if any(cached) else None,
-            context_lens=None, query_starts=starts, cached_lens=cached)
-        return self._tensor(ids), self._tensor(positions), meta
-
-    def _prepare_decode(self, seqs: list[Sequence]):
-        ids = [s.token_ids[-1] for s in seqs]
-        positions = [len(s) - 1 for s in seqs]
-        slots = [self._slot(s, len(s) - 1) for s in seqs]
-        meta = AttentionMetadata(
-            is_prefill=False, slot_mapping=self._tensor(slots),
-            block_tables=self._block_tables(seqs),
-            context_lens=self._tensor([len(s) for s in seqs]))
-        return self._tensor(ids), self._tensor(positions), meta
+            is_prefill=bool(batch.prefills), slot_mapping=self._tensor(slots),
+            block_tables=self._block_tables(seqs) if batch.decodes or any(cached) else None,
+            context_lens=self._tensor([len(s) for s in batch.decodes]) if batch.decodes else None,
+            query_starts=starts if batch.prefills else None,
+            cached_lens=cached if batch.prefills else None, num_decodes=len(batch.decodes))
+        # the rows whose logits are sampled: every decode, and the last token of
+        # each chunk that completes its sequence
+        d = len(batch.decodes)
+        rows = list(range(d)) + [d + starts[i + 1] - 1 for i, (seq, n) in enumerate(batch.prefills)
+                                 if seq.num_computed_tokens + n == len(seq)]
+        return self._tensor(ids), self._tensor(positions), meta, rows
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool):
-        """One forward step; returns the sampler's (tokens, logprobs, top_logprobs)."""
-        if is_prefill:
-            ids, positions, meta = self._prepare_prefill(seqs)
-        else:
-            ids, positions, meta = self._prepare_decode(seqs)
+    def run(self, batch: ScheduledBatch):
+        """One forward step; returns the sampler's (tokens, logprobs, top_logprobs)
+        for batch.sampled (nothing to sample when every chunk is partial)."""
+        ids, positions, meta, rows = self._prepare(batch)
         hidden = self.model(ids, positions, meta, self.kv_caches)
-        if is_prefill:
-            hidden = hidden[torch.tensor(meta.query_starts[1:], device=self.device) - 1]
-        return self.sampler(self.model.compute_logits(hidden), seqs)
+        if not rows:
+            return [], None, None
+        if len(rows) != hidden.shape[0]:
+            hidden = hidden[torch.tensor(rows, device=self.device)]
+        return self.sampler(self.model.compute_logits(hidden), batch.sampled)
 
     def release(self, request_id: str) -> None:
         """A request ended: drop its sampling state."""

@@ -81,6 +81,8 @@ class OutputTracker:
         self.released = limit
         new_tokens, self.pending = self.pending, []
         metrics = {"arrival_time": seq.arrival_time}
+        if seq.scheduled_time is not None:
+            metrics["scheduled_time"] = seq.scheduled_time
         if seq.first_token_time is not None:
             metrics["first_token_time"] = seq.first_token_time
         if finished:

@@ -1,25 +1,59 @@
-"""FCFS scheduler with a per-step token budget and recompute preemption.
+"""FCFS scheduler with a per-step token budget, chunked prefill and recompute
+preemption.
 
-Each step is either a prefill step (new prompts, whole) or a decode step (one
-token for every running sequence). When the page pool cannot give a running
-sequence its next slot, the most recently admitted sequence is preempted: its
-pages are freed and it goes back to the front of the queue, to be recomputed
-(largely from the prefix cache) when room returns.
+Each step spends a token budget (max_num_batched_tokens), as vLLM does by
+default: first one token for every running sequence that is decoding, then
+the rest on prompts, in chunks: running sequences whose prefill is not done
+continue, then waiting ones are admitted while pages and the budget last. A
+prompt longer than the budget is prefilled over several steps, and
+long_prefill_token_threshold caps what one prompt takes per step, so one huge
+prompt cannot stall everyone. Decodes and prefill chunks share a step (a
+mixed batch); a sequence samples only in the step that computes its last
+token.
+
+When the page pool cannot give a decoding sequence its next slot, the most
+recently admitted sequence is preempted: its pages are freed and it goes back
+to the front of the queue, to be recomputed (largely from the prefix cache)
+when room returns.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
+from dataclasses import dataclass, field
 
 from qoqserve.config import SchedulerConfig
 from qoqserve.engine.block_manager import BlockManager
 from qoqserve.engine.sequence import Sequence, SequenceStatus
 
 
+@dataclass
+class ScheduledBatch:
+    decodes: list[Sequence] = field(default_factory=list)
+    # (sequence, tokens to compute this step), in batch order after the decodes
+    prefills: list[tuple[Sequence, int]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.decodes or self.prefills)
+
+    @property
+    def sampled(self) -> list[Sequence]:
+        """The sequences that get a token this step: decodes, and prefills whose
+        chunk reaches their last token."""
+        return self.decodes + [s for s, n in self.prefills if s.num_computed_tokens + n == len(s)]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(n for _, n in self.prefills)
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int):
         self.max_num_seqs = config.max_num_seqs
-        # A prompt is prefilled in one piece, so the budget must admit the longest one.
-        self.max_num_batched_tokens = max(config.max_num_batched_tokens, max_model_len)
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be at least 1")
+        self.long_prefill_token_threshold = config.long_prefill_token_threshold or None
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
@@ -31,46 +65,71 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
-        scheduled: list[Sequence] = []
-        num_tokens = 0
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if num_tokens + len(seq) > self.max_num_batched_tokens and scheduled:
-                break
-            if not self.block_manager.can_allocate(seq):
-                break
-            self.block_manager.allocate(seq)
-            num_tokens += len(seq) - seq.num_cached_tokens
-            seq.status = SequenceStatus.RUNNING
-            self.waiting.popleft()
-            self.running.append(seq)
-            scheduled.append(seq)
-        if scheduled:
-            return scheduled, True
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        n = min(len(seq) - seq.num_computed_tokens, budget)
+        return min(n, self.long_prefill_token_threshold) if self.long_prefill_token_threshold else n
 
-        kept: deque[Sequence] = deque()
-        while self.running:
-            seq = self.running.popleft()
-            while not self.block_manager.can_append(seq):
-                if self.running:
-                    self._preempt(self.running.pop())
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+        # 1. one token for every decoding sequence, preempting the newest when full
+        queue, kept = self.running, deque()
+        self.running = kept
+        while queue:
+            seq = queue.popleft()
+            if seq.is_prefilling or budget == 0:
+                kept.append(seq)
+                continue
+            while not bm.can_append(seq):
+                if queue:
+                    self._preempt(queue.pop())
                 else:
                     self._preempt(seq)
                     break
             else:
-                self.block_manager.may_append(seq)
-                scheduled.append(seq)
+                bm.may_append(seq)
+                batch.decodes.append(seq)
                 kept.append(seq)
-        self.running = kept
-        return scheduled, False
+                budget -= 1
+        # 2. prompts already being prefilled go on
+        for seq in kept:
+            if seq.is_prefilling and budget > 0:
+                n = self._chunk(seq, budget)
+                batch.prefills.append((seq, n))
+                budget -= n
+        # 3. new prompts while pages and budget last (all their pages up front)
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+            seq = self.waiting[0]
+            if not bm.can_allocate(seq):
+                break
+            bm.allocate(seq)
+            seq.status = SequenceStatus.RUNNING
+            if seq.scheduled_time is None:
+                seq.scheduled_time = time.monotonic()
+            self.waiting.popleft()
+            self.running.append(seq)
+            n = self._chunk(seq, budget)
+            batch.prefills.append((seq, n))
+            budget -= n
+        return batch
 
-    def postprocess(self, seq: Sequence, token: int, logprob: float | None,
-                    top: list[tuple[int, float]] | None) -> None:
-        """A step produced seq's next token: record it, and let the block
-        manager register the page it may have completed in the prefix cache."""
-        seq.append(token, logprob, top)
-        self.block_manager.on_token_computed(seq)
+    def postprocess(self, batch: ScheduledBatch, tokens: list[int], logprobs: list[float] | None,
+                    top: list[list[tuple[int, float]]] | None) -> list[Sequence]:
+        """A step ran: advance what each sequence has computed, register the pages it
+        completed in the prefix cache, and record the tokens sampled (in the order of
+        batch.sampled, which is returned)."""
+        sampled = batch.sampled
+        for seq in batch.decodes:
+            seq.num_computed_tokens += 1
+        for seq, n in batch.prefills:
+            seq.num_computed_tokens += n
+        for i, seq in enumerate(sampled):
+            seq.append(tokens[i], logprobs[i] if logprobs is not None else None,
+                       top[i] if top is not None else None)
+        for seq in batch.decodes + [s for s, _ in batch.prefills]:
+            self.block_manager.on_tokens_computed(seq)
+        return sampled
 
     def _preempt(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING

@@ -23,11 +23,16 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0     # prefix tokens found in the page cache at allocation
+    # tokens whose K/V are in the pages (cached ones included); a prompt is
+    # prefilled in chunks until all but none are, then each step adds one
+    num_computed_tokens: int = 0
+    num_hashed_blocks: int = 0     # leading full blocks registered in the prefix cache
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    scheduled_time: float | None = None  # first admitted to a step (queue time ends)
     first_token_time: float | None = None
     last_token_time: float | None = None
     # token-count bookkeeping for presence/frequency penalties
@@ -47,6 +52,12 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        """Tokens beyond the newest one are still to be computed (a prompt, or a
+        preempted sequence being recomputed)."""
+        return self.num_computed_tokens < len(self.token_ids) - 1
 
     @property
     def is_finished(self) -> bool:

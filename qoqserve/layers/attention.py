@@ -24,9 +24,14 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor | None   # [T] flat slot of each new token; None = don't cache
     block_tables: torch.Tensor | None   # [B, max_blocks] (padded with 0)
     context_lens: torch.Tensor | None   # [B] tokens each sequence attends to (decode)
-    # prefill only (python lists: they drive a per-sequence loop)
+    # prefill only (python lists: they drive a per-sequence loop); offsets count
+    # from the first prefill token, after the decodes
     query_starts: list[int] | None = None    # cumulative query offsets, len B+1
     cached_lens: list[int] | None = None     # prefix tokens already in the pages
+    # a mixed step: the first num_decodes tokens are one decode each (rows
+    # [:num_decodes] of block_tables, context_lens), then the prefill chunks
+    # (block_tables rows after them)
+    num_decodes: int = 0
 
 
 class PagedAttention(nn.Module):
@@ -46,12 +51,17 @@ class PagedAttention(nn.Module):
         """q: [T, H, D]; k, v: [T, Hkv, D] (post-RoPE). Returns [T, H*D]."""
         if cache is not None and meta.slot_mapping is not None:
             self.backend.write(cache, k, v, meta.slot_mapping)
-        if meta.is_prefill:
-            if self.backend.quantized_prefill:
-                k, v = self.layout.fake_quant(k), self.layout.fake_quant(v)
-            out = self._prefill(q, k, v, meta, cache)
-        else:
+        if not meta.is_prefill:
             out = self._decode(q, meta, cache)
+            return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+        d = meta.num_decodes
+        qp, kp, vp = q[d:], k[d:], v[d:]
+        if self.backend.quantized_prefill:
+            kp, vp = self.layout.fake_quant(kp), self.layout.fake_quant(vp)
+        out = self._prefill(qp, kp, vp, meta, cache)
+        if d:
+            dec = self.backend.decode(q[:d], cache, meta.block_tables[:d], meta.context_lens, self.scale)
+            out = torch.cat([dec, out])
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
     def _prefill(self, q, k, v, meta, cache):
@@ -63,7 +73,8 @@ class PagedAttention(nn.Module):
             qi, ki, vi = q[s:e], k[s:e], v[s:e]
             if cached:
                 n_blocks = -(-cached // self.layout.block_size)
-                pk, pv = self.layout.read(cache, meta.block_tables[i:i + 1, :n_blocks], q.dtype)
+                row = meta.num_decodes + i
+                pk, pv = self.layout.read(cache, meta.block_tables[row:row + 1, :n_blocks], q.dtype)
                 ki = torch.cat([pk[0, :cached], ki])
                 vi = torch.cat([pv[0, :cached], vi])
             outs.append(self._sdpa(qi, ki, vi, cached))

@@ -43,12 +43,16 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hk, D], positions: [T]."""
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # In fp32, rounded once: torch's bf16 elementwise kernels round differently
+    # depending on the tensor's shape (a 1-token chunk differed from the same
+    # token in a longer one), which would make outputs depend on prefill chunking.
     half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    xf = x.float()
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)

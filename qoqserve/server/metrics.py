@@ -70,6 +70,13 @@ class ServerMetrics:
                               labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of end-to-end latency.",
                              labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds",
+                                    "Histogram of time spent in the waiting queue.",
+                                    labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.prefill_time = Histogram("vllm:request_prefill_time_seconds",
+                                      "Histogram of time from first scheduled to first token "
+                                      "(the prefill, in chunks).",
+                                      labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.success = Counter("vllm:request_success", "Count of finished requests.",
                                labels + ["finished_reason"], registry=self.registry)
 
@@ -80,6 +87,11 @@ class ServerMetrics:
                 continue
             m = out.metrics
             arrival, first, done = m.get("arrival_time"), m.get("first_token_time"), m.get("finished_time")
+            scheduled = m.get("scheduled_time")
+            if arrival is not None and scheduled is not None:
+                self.queue_time.labels(self.model_name).observe(scheduled - arrival)
+            if scheduled is not None and first is not None:
+                self.prefill_time.labels(self.model_name).observe(first - scheduled)
             if arrival is not None and first is not None:
                 self.ttft.labels(self.model_name).observe(first - arrival)
             if first is not None and done is not None and len(out.token_ids) > 1:
