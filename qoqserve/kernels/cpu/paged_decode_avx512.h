@@ -110,18 +110,15 @@ static inline __attribute__((always_inline)) void row_avx512(const uint8_t *r, c
     }
 }
 
-/* the scales (and KV4 zeros - 8) of a block's rows, one token per lane: one
- * gather of the fp16 pair that ends each row */
-static inline __attribute__((always_inline)) void block_meta(const uint8_t *row0, int64_t stride, __mmask16 valid,
-                                                              const int fmt, const int D, __m512 *scale,
+/* a block's scales (and KV4 zeros - 8), one token per lane, from the fp16
+ * pairs that end its rows, gathered lane by lane (a gather instruction, or
+ * scalar stores read back as a vector, stall far longer) */
+static inline __attribute__((always_inline)) void block_meta(__m512i pairs, const int fmt, __m512 *scale,
                                                               __m512 *zero) {
-    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                           _mm512_set1_epi32((int)stride));
-    const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, idx,
-                                                  row0 + (fmt == KV_INT4 ? D / 2 : D), 1);
-    *scale = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
+    *scale = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(pairs));
     if (fmt == KV_INT4)
-        *zero = _mm512_sub_ps(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16))), _mm512_set1_ps(8.f));
+        *zero = _mm512_sub_ps(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(pairs, 16))),
+                              _mm512_set1_ps(8.f));
 }
 
 /* 4 vectors -> per 128-bit lane: [sum of that lane of a, of b, of c, of d] */
@@ -138,12 +135,9 @@ static inline __attribute__((always_inline)) __m512 block_scores(const float *q,
         __m512 d[4];
         for (int i = 0; i < 4; i++) {
             const float *r = rows + (4 * k + i) * np;
-            __m512 s0 = _mm512_mul_ps(_mm512_load_ps(q), _mm512_load_ps(r)), s1 = _mm512_setzero_ps();
-            for (int c = 16; c < np; c += 32) {  /* two chains: half the FMA latency per row */
-                s1 = _mm512_fmadd_ps(_mm512_load_ps(q + c), _mm512_load_ps(r + c), s1);
-                if (c + 16 < np) s0 = _mm512_fmadd_ps(_mm512_load_ps(q + c + 16), _mm512_load_ps(r + c + 16), s0);
-            }
-            d[i] = _mm512_add_ps(s0, s1);
+            __m512 acc = _mm512_mul_ps(_mm512_load_ps(q), _mm512_load_ps(r));  /* one chain: 16 rows in flight */
+            for (int c = 16; c < np; c += 16) acc = _mm512_fmadd_ps(_mm512_load_ps(q + c), _mm512_load_ps(r + c), acc);
+            d[i] = acc;
         }
         quad[k] = lane_sums4(d[0], d[1], d[2], d[3]);
     }
@@ -221,9 +215,18 @@ static inline __attribute__((always_inline)) void chunk_impl(const job *j, int b
                     const int n = ntok - t0 < BLOCK ? ntok - t0 : BLOCK, off = (int)(p - p0) * bs + t0;
                     const __mmask16 valid = (__mmask16)((1u << n) - 1);
                     float *buf = pass ? vr : kr;
-                    for (int i = 0; i < n; i++) row_avx512(rows + (t0 + i) * ss, fmt, D, buf + i * np);
+                    __m512i pairs = _mm512_setzero_si512();
+                    for (int i = 0; i < n; i++) {
+                        const uint8_t *r = rows + (t0 + i) * ss;
+                        row_avx512(r, fmt, D, buf + i * np);
+                        if (quant) {
+                            int32_t pair;
+                            memcpy(&pair, r + (fmt == KV_INT4 ? D / 2 : D), 4);
+                            pairs = _mm512_mask_set1_epi32(pairs, (__mmask16)(1u << i), pair);
+                        }
+                    }
                     __m512 scale = _mm512_set1_ps(1.f), zero = _mm512_setzero_ps();
-                    if (quant) block_meta(rows + t0 * ss, ss, valid, fmt, D, &scale, &zero);
+                    if (quant) block_meta(pairs, fmt, &scale, &zero);
                     for (int g = 0; g < G; g++) {
                         const int hq = h * G + g;
                         if (!pass) {  /* score = scale * (q . (u - 8) - (zero - 8) * sum q) */
