@@ -114,3 +114,13 @@ def test_an_empty_context_gives_zeros_not_nan():
     _, c_layout, cache, tables, ctx, q = _case("int4", 4, 2, 64, 16, lens=[5, 9])
     out = c_layout.decode_attention(q, cache, tables, torch.tensor([0, 9]), 0.125)
     assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("bs", [8, 24])
+@pytest.mark.parametrize("fmt", ["int4", "int8", "bfloat16"])
+def test_block_sizes_that_are_not_multiples_of_16(fmt, bs, isa):
+    heads, hkv, d = 6, 2, 64
+    layout, c_layout, cache, tables, ctx, q = _case(fmt, heads, hkv, d, bs, lens=[1, 23, 70, 300])
+    got = c_layout.decode_attention(q, cache, tables, ctx, d ** -0.5)
+    ref = _reference(layout, heads, hkv, d, q, cache, tables, ctx)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)

@@ -220,8 +220,8 @@ static inline __attribute__((always_inline)) void chunk_impl(const job *j, int b
                         const uint8_t *r = rows + (t0 + i) * ss;
                         row_avx512(r, fmt, D, buf + i * np);
                         if (quant) {
-                            int32_t pair;
-                            memcpy(&pair, r + (fmt == KV_INT4 ? D / 2 : D), 4);
+                            int32_t pair = 0;  /* KV8 rows end with the scale alone: 2 bytes */
+                            memcpy(&pair, r + (fmt == KV_INT4 ? D / 2 : D), fmt == KV_INT4 ? 4 : 2);
                             pairs = _mm512_mask_set1_epi32(pairs, (__mmask16)(1u << i), pair);
                         }
                     }
