@@ -218,7 +218,8 @@ def test_w8a8_linear_runs_on_the_fused_kernel_and_matches_its_references():
 
 
 def test_the_package_ships_every_c_kernel_source():
-    """They are compiled on first use, so a wheel without them has no C path."""
+    """They are compiled on first use (with the headers they include), so a wheel
+    without them has no C path."""
     import fnmatch
     import pathlib
 
@@ -226,7 +227,8 @@ def test_the_package_ships_every_c_kernel_source():
 
     root = pathlib.Path(__file__).resolve().parents[1]
     patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["qoqserve"]
-    sources = [p.relative_to(root / "qoqserve").as_posix() for p in (root / "qoqserve").rglob("*.c")]
+    sources = [p.relative_to(root / "qoqserve").as_posix() for ext in ("*.c", "*.h")
+               for p in (root / "qoqserve").rglob(ext)]
     assert sources
     for src in sources:
         assert any(fnmatch.fnmatch(src, pat) for pat in patterns), src

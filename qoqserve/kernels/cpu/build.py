@@ -7,6 +7,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -21,10 +22,18 @@ _lock = threading.Lock()
 _libs: dict[str, ctypes.CDLL | None] = {}
 
 
+def _source_text(source: str) -> bytes:
+    """The file and the local headers it #includes: any edit gives a new tag."""
+    with open(source, "rb") as f:
+        text = f.read()
+    for name in re.findall(rb'#include "([^"]+)"', text):
+        text += _source_text(os.path.join(os.path.dirname(source), name.decode()))
+    return text
+
+
 def _build(source: str, flags: list[str]) -> str:
     all_flags = _BASE_FLAGS + flags
-    with open(source, "rb") as f:
-        tag = hashlib.sha256(f.read() + " ".join(all_flags).encode()).hexdigest()[:16]
+    tag = hashlib.sha256(_source_text(source) + " ".join(all_flags).encode()).hexdigest()[:16]
     out_dir = os.path.join(cache_dir(), "kernels")
     stem = os.path.splitext(os.path.basename(source))[0]
     path = os.path.join(out_dir, f"{stem}-{tag}.so")

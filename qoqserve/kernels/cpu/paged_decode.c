@@ -1,32 +1,71 @@
 /* Paged decode attention for CPUs: one query per sequence over its pages,
  * for every page format of qoqserve/layers/kv_cache.py: KV4 (UINT4 codes +
  * fp16 scale and zero per row), KV8 (INT8 codes + fp16 scale) and dense
- * fp16/bf16/fp32. Each row is converted once per token (shared by the G query
- * heads of its KV head) and never materialized beyond that; one kernel for all
- * formats, so precisions are compared on equal footing.
+ * fp16/bf16/fp32. One kernel for all formats, so precisions are compared on
+ * equal footing.
  *
- * Each (sequence, KV head) is computed on its own in a fixed order, so a
- * sequence's result does not depend on what else is in the batch.
+ * Two paths in one library, chosen at run time: AVX-512 (paged_decode_avx512.h,
+ * compiled for that target whatever the build flags) when the CPU has it, and
+ * the portable scalar loops below otherwise or when QOQSERVE_CPU_ISA=scalar.
  *
- * With vals_t the row's codes (or values: scale 1, zero 0) and e_t = exp(score_t - max):
- * score_t = scale_t * (q . vals_t - zero_t * sum(q)) * sm_scale   (= q . k_t * sm_scale)
- * out     = (sum_t e_t scale_t vals_t - sum_t e_t scale_t zero_t) / sum_t e_t   (= sum_t p_t v_t)
+ * Work split: a sequence is cut into chunks of whole pages (CHUNK_TOKENS, a
+ * constant: never derived from the batch or the thread count); one task is
+ * one (sequence, chunk), all its KV heads page by page (a KV4 row is 36 bytes,
+ * so the heads of one token share cache lines). Each query head keeps an
+ * online softmax (running max m, sum l, unnormalized acc) over blocks of
+ * BLOCK tokens; the chunks of a sequence are merged in chunk order at the
+ * end. Every sum runs in a fixed order, so a sequence's result does not
+ * depend on what else is in the batch nor on the thread count.
+ *
+ * Scores are kept in log2 units (q is scaled by sm_scale * log2 e once), so
+ * the softmax is exp2 of the score minus the max.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__F16C__)
-#include <immintrin.h>
-static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }  /* exact, one instruction */
-#else
-static inline float half_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    uint32_t exp = (h >> 10) & 0x1fu;
-    uint32_t man = h & 0x3ffu;
+enum { KV_INT4 = 0, KV_INT8 = 1, KV_F16 = 2, KV_BF16 = 3, KV_F32 = 4 };
+enum { BLOCK = 16 };          /* tokens scored at once: one AVX-512 vector of scores */
+enum { CHUNK_TOKENS = 256 };  /* enough chunks for 2+ threads at batch 1, few merges */
+
+typedef struct {
+    const float *q;
+    const uint8_t *k, *v;
+    int64_t slot_stride, head_stride;
+    const int64_t *tables, *lens;
+    int fmt, B, H, Hkv, G, D, bs, width, chunk_pages, max_chunks;
+    float qscale;  /* sm_scale * log2(e) */
+    float *part;   /* per (sequence, chunk, query head): m, l, acc[D] in channel order */
+} job;
+
+static inline float *partial(const job *j, int b, int c, int hq) {
+    return j->part + (((int64_t)b * j->max_chunks + c) * j->H + hq) * (j->D + 2);
+}
+
+static inline int chunks_of(const job *j, int b) {
+    const int64_t pages = (j->lens[b] + j->bs - 1) / j->bs;
+    return (int)((pages + j->chunk_pages - 1) / j->chunk_pages);
+}
+
+/* tokens of a full chunk, rounded up to whole blocks */
+static inline int chunk_tokens(const job *j) { return (j->chunk_pages * j->bs + BLOCK - 1) / BLOCK * BLOCK; }
+
+/* floats of per-thread scratch (either path); the vector path pads rows to 32 channels */
+static inline int64_t scratch_floats(const job *j) {
+    const int64_t np = (j->D + 31) / 32 * 32;
+    return 2 * (int64_t)j->H * np + 2 * BLOCK * np + BLOCK + (int64_t)j->H * (chunk_tokens(j) + BLOCK + 1) +
+           (int64_t)j->G * BLOCK + 2 * (int64_t)j->H + 32;
+}
+
+#include "paged_decode_avx512.h"  /* defines PD_AVX512 and chunk_avx512() where it can */
+
+/* ---- the portable path ------------------------------------------------------ */
+
+static float half_to_float(uint16_t h) {  /* no F16C assumed here */
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
     float f;
-    if (exp == 0) {                       /* zero or subnormal: man * 2^-24 */
+    if (exp == 0) {  /* zero or subnormal: man * 2^-24 */
         f = (float)man * 5.9604644775390625e-8f;
         return sign ? -f : f;
     }
@@ -34,114 +73,122 @@ static inline float half_to_float(uint16_t h) {
     memcpy(&f, &bits, 4);
     return f;
 }
-#endif
 
-static inline float meta(const uint8_t *p) { return half_to_float((uint16_t)(p[0] | (p[1] << 8))); }
+static float meta(const uint8_t *p) { return half_to_float((uint16_t)(p[0] | (p[1] << 8))); }
 
-typedef uint32_t __attribute__((may_alias)) u32_alias;
-
-enum { KV_INT4 = 0, KV_INT8 = 1, KV_F16 = 2, KV_BF16 = 3, KV_F32 = 4 };
-
-/* one row (a token's K or V of one head) -> vals[D], *scale, *zero */
-static inline void load_row(const uint8_t *r, int fmt, int D, float *vals, float *scale, float *zero) {
-    *scale = 1.f;
-    *zero = 0.f;
+/* one row (a token's K or V of one head) -> x[D], dequantized */
+static void row_scalar(const uint8_t *r, int fmt, int D, float *x) {
     switch (fmt) {
-    case KV_INT4:  /* planar: even channels, then odd ones (attend() permutes q to match) */
-        for (int j = 0; j < D / 2; j++) {
-            vals[j] = (float)(r[j] & 15);
-            vals[D / 2 + j] = (float)(r[j] >> 4);
+    case KV_INT4: {
+        const float s = meta(r + D / 2), z = meta(r + D / 2 + 2);
+        for (int i = 0; i < D / 2; i++) {
+            x[2 * i] = ((float)(r[i] & 15) - z) * s;
+            x[2 * i + 1] = ((float)(r[i] >> 4) - z) * s;
         }
-        *scale = meta(r + D / 2);
-        *zero = meta(r + D / 2 + 2);
-        break;
-    case KV_INT8:
-        for (int d = 0; d < D; d++) vals[d] = (float)(int8_t)r[d];
-        *scale = meta(r + D);
-        break;
-    case KV_F16: {
-        const uint16_t *h = (const uint16_t *)r;
-        for (int d = 0; d < D; d++) vals[d] = half_to_float(h[d]);
         break;
     }
-    case KV_BF16: {  /* bf16 is the top half of an fp32: shifts that vectorize */
-        const uint16_t *h = (const uint16_t *)r;
-        u32_alias *bits = (u32_alias *)vals;
-        for (int d = 0; d < D; d++) bits[d] = (uint32_t)h[d] << 16;
+    case KV_INT8: {
+        const float s = meta(r + D);
+        for (int d = 0; d < D; d++) x[d] = (float)(int8_t)r[d] * s;
         break;
     }
+    case KV_F16:
+        for (int d = 0; d < D; d++) x[d] = meta(r + 2 * d);
+        break;
+    case KV_BF16:  /* the top half of an fp32 */
+        for (int d = 0; d < D; d++) {
+            uint32_t bits = (uint32_t)(r[2 * d] | (r[2 * d + 1] << 8)) << 16;
+            memcpy(x + d, &bits, 4);
+        }
+        break;
     default:
-        memcpy(vals, r, sizeof(float) * (size_t)D);
+        memcpy(x, r, sizeof(float) * (size_t)D);
     }
 }
 
-/* one (sequence, KV head): its G query heads over its L tokens. fmt and D are
- * constants at each call site, so each gets its own unrolled, vectorized loops. */
-static inline __attribute__((always_inline)) void attend(
-    const float *qh, const uint8_t *k, const uint8_t *v, int64_t slot_stride, int64_t head_off,
-    const int fmt, const int64_t *table, int64_t L, int G, const int D, int bs, float sm_scale,
-    float *restrict scores, float *restrict acc, float *restrict codes, float *restrict outh) {
-    if (fmt == KV_INT4) {  /* q in the planar channel order of unpacked KV4 rows */
-        float *qp = acc;   /* acc is free until the V pass */
-        for (int g = 0; g < G; g++)
-            for (int j = 0; j < D / 2; j++) {
-                qp[g * D + j] = qh[g * D + 2 * j];
-                qp[g * D + D / 2 + j] = qh[g * D + 2 * j + 1];
+static void chunk_scalar(const job *j, int b, int c, float *s) {
+    const int D = j->D, G = j->G, H = j->H, bs = j->bs;
+    float *q = s, *acc = q + (int64_t)H * D, *kr = acc + (int64_t)H * D, *vr = kr + BLOCK * D;
+    float *m = vr + BLOCK * D, *l = m + H;
+    for (int hq = 0; hq < H; hq++) {
+        for (int d = 0; d < D; d++) q[hq * D + d] = j->q[((int64_t)b * H + hq) * D + d] * j->qscale;
+        m[hq] = -INFINITY;
+        l[hq] = 0.f;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)H * D);
+    const int64_t L = j->lens[b], *table = j->tables + (int64_t)b * j->width;
+    const int64_t p0 = (int64_t)c * j->chunk_pages, pages = (L + bs - 1) / bs;
+    const int64_t p1 = p0 + j->chunk_pages < pages ? p0 + j->chunk_pages : pages;
+    for (int64_t p = p0; p < p1; p++) {
+        const int64_t base = table[p] * bs * j->slot_stride;
+        const int ntok = (int)(L - p * bs < bs ? L - p * bs : bs);
+        for (int h = 0; h < j->Hkv; h++) {
+            const uint8_t *kh = j->k + base + h * j->head_stride, *vh = j->v + base + h * j->head_stride;
+            for (int t0 = 0; t0 < ntok; t0 += BLOCK) {
+                const int n = ntok - t0 < BLOCK ? ntok - t0 : BLOCK;
+                for (int i = 0; i < n; i++) {
+                    row_scalar(kh + (t0 + i) * j->slot_stride, j->fmt, D, kr + i * D);
+                    row_scalar(vh + (t0 + i) * j->slot_stride, j->fmt, D, vr + i * D);
+                }
+                for (int g = 0; g < G; g++) {
+                    const int hq = h * G + g;
+                    float *qg = q + hq * D, *ag = acc + hq * D, sc[BLOCK], mx = -INFINITY;
+                    for (int i = 0; i < n; i++) {
+                        float dot = 0.f;
+                        for (int d = 0; d < D; d++) dot += qg[d] * kr[i * D + d];
+                        sc[i] = dot;
+                        mx = dot > mx ? dot : mx;
+                    }
+                    if (mx > m[hq]) {  /* rescale what was summed under the old max */
+                        const float a = exp2f(m[hq] - mx);
+                        l[hq] *= a;
+                        for (int d = 0; d < D; d++) ag[d] *= a;
+                        m[hq] = mx;
+                    }
+                    for (int i = 0; i < n; i++) {
+                        const float e = exp2f(sc[i] - m[hq]);
+                        l[hq] += e;
+                        for (int d = 0; d < D; d++) ag[d] += e * vr[i * D + d];
+                    }
+                }
             }
-        memcpy(codes + D, qp, sizeof(float) * (size_t)D * G);
-        qh = codes + D;
-    }
-    float qsum[64];  /* G <= 64 */
-    for (int g = 0; g < G; g++) {
-        float s = 0.f;
-        for (int d = 0; d < D; d++) s += qh[g * D + d];
-        qsum[g] = s;
-    }
-    for (int64_t t0 = 0; t0 < L; t0 += bs) {  /* page by page: no division per token */
-        const uint8_t *page = k + table[t0 / bs] * bs * slot_stride + head_off;
-        for (int64_t t = t0; t < t0 + bs && t < L; t++) {
-        float scale, zero;
-        load_row(page + (t - t0) * slot_stride, fmt, D, codes, &scale, &zero);  /* once per token, for G heads */
-        for (int g = 0; g < G; g++) {
-            const float *qg = qh + g * D;
-            float dot = 0.f;
-            for (int d = 0; d < D; d++) dot += qg[d] * codes[d];
-            scores[g * L + t] = scale * (dot - zero * qsum[g]) * sm_scale;
         }
-    }}
-    /* unnormalized softmax; the V pass divides once at the end */
-    float sums[64], zsums[64];
-    for (int g = 0; g < G; g++) {
-        float *s = scores + g * L, m = -INFINITY, sum = 0.f;
-        for (int64_t t = 0; t < L; t++) m = s[t] > m ? s[t] : m;
-        for (int64_t t = 0; t < L; t++) { s[t] = expf(s[t] - m); sum += s[t]; }
-        sums[g] = sum;
-        zsums[g] = 0.f;
     }
-    memset(acc, 0, sizeof(float) * (size_t)D * G);
-    for (int64_t t0 = 0; t0 < L; t0 += bs) {  /* page by page: no division per token */
-        const uint8_t *page = v + table[t0 / bs] * bs * slot_stride + head_off;
-        for (int64_t t = t0; t < t0 + bs && t < L; t++) {
-        float scale, zero;
-        load_row(page + (t - t0) * slot_stride, fmt, D, codes, &scale, &zero);
-        for (int g = 0; g < G; g++) {  /* sum_t w_t (vals_t - z_t): the z part kept apart */
-            float w = scores[g * L + t] * scale, *a = acc + g * D;
-            zsums[g] += w * zero;
-            for (int d = 0; d < D; d++) a[d] += w * codes[d];
-        }
-    }}
-    for (int g = 0; g < G; g++)
-        for (int d = 0; d < D; d++) acc[g * D + d] = (acc[g * D + d] - zsums[g]) / sums[g];
-    if (fmt == KV_INT4) {  /* back to channel order */
-        for (int g = 0; g < G; g++)
-            for (int j = 0; j < D / 2; j++) {
-                outh[g * D + 2 * j] = acc[g * D + j];
-                outh[g * D + 2 * j + 1] = acc[g * D + D / 2 + j];
-            }
-    } else {
-        memcpy(outh, acc, sizeof(float) * (size_t)D * G);
+    for (int hq = 0; hq < H; hq++) {
+        float *pr = partial(j, b, c, hq);
+        pr[0] = m[hq];
+        pr[1] = l[hq];
+        memcpy(pr + 2, acc + hq * D, sizeof(float) * (size_t)D);
     }
 }
+
+/* the chunks of (sequence b, query head hq), in chunk order -> out[D] */
+static void merge(const job *j, int b, int hq, float *out) {
+    const int nc = chunks_of(j, b), D = j->D;
+    float mx = -INFINITY, den = 0.f;
+    for (int c = 0; c < nc; c++) mx = fmaxf(mx, partial(j, b, c, hq)[0]);
+    for (int c = 0; c < nc; c++) den += partial(j, b, c, hq)[1] * exp2f(partial(j, b, c, hq)[0] - mx);
+    memset(out, 0, sizeof(float) * (size_t)D);
+    if (!(den > 0.f)) return;  /* an empty context attends to nothing */
+    for (int c = 0; c < nc; c++) {
+        const float *pr = partial(j, b, c, hq), f = exp2f(pr[0] - mx);
+        for (int d = 0; d < D; d++) out[d] += pr[2 + d] * f;
+    }
+    for (int d = 0; d < D; d++) out[d] /= den;
+}
+
+static int use_vector_path(void) {
+    const char *isa = getenv("QOQSERVE_CPU_ISA");
+    if (isa && strcmp(isa, "scalar") == 0) return 0;
+#ifdef PD_AVX512
+    return avx512_supported();
+#else
+    return 0;
+#endif
+}
+
+/* Which path paged_decode_attention takes now: 512 (AVX-512) or 0 (scalar). */
+int paged_decode_isa(void) { return use_vector_path() ? 512 : 0; }
 
 /* q, out: float [B, H, D]. The row of (slot, head) for K starts at
  * k + slot * slot_stride + head * head_stride bytes, for V at v + the same;
@@ -151,46 +198,35 @@ int paged_decode_attention(const float *q, const uint8_t *k, const uint8_t *v, i
                            int64_t head_stride, int fmt, const int64_t *tables, const int64_t *lens,
                            float *out, int B, int H, int Hkv, int D, int bs, int width,
                            float sm_scale, int threads) {
-    const int G = H / Hkv;
-    int64_t max_len = 0;
-    for (int b = 0; b < B; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
+    job j = {q, k, v, slot_stride, head_stride, tables, lens, fmt, B, H, Hkv, H / Hkv, D, bs, width,
+             CHUNK_TOKENS / bs > 0 ? CHUNK_TOKENS / bs : 1, 1, sm_scale * 1.4426950408889634f, NULL};
+    for (int b = 0; b < B; b++) j.max_chunks = chunks_of(&j, b) > j.max_chunks ? chunks_of(&j, b) : j.max_chunks;
+    j.part = malloc(sizeof(float) * (size_t)B * j.max_chunks * H * (D + 2));
+    if (!j.part) return -1;
+    const int vec = use_vector_path();
     int failed = 0;
     #pragma omp parallel num_threads(threads)
     {
-    float *scores = malloc(sizeof(float) * (size_t)(max_len > 0 ? max_len : 1) * G);
-    float *acc = malloc(sizeof(float) * (size_t)D * G);
-    float *codes = malloc(sizeof(float) * (size_t)D * (G + 1));  /* a row, then permuted q */
-    if (!scores || !acc || !codes) {
+    float *scratch = calloc((size_t)scratch_floats(&j) + 16, sizeof(float));
+    float *s = scratch ? (float *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63) : NULL;  /* 64-byte rows */
+    if (!scratch) {
         #pragma omp atomic write
         failed = 1;
     }
-    /* each (sequence, KV head) is one task, computed whole by one thread */
     #pragma omp for schedule(dynamic, 1)
-    for (int task = 0; task < B * Hkv; task++) {
-        if (!scores || !acc || !codes) continue;
-        const int b = task / Hkv, h = task % Hkv;
-        const int64_t L = lens[b], *table = tables + (int64_t)b * width;
-        const float *qh = q + ((int64_t)b * H + (int64_t)h * G) * D;
-        float *outh = out + ((int64_t)b * H + (int64_t)h * G) * D;
-        const int64_t ho = h * head_stride;
-#define ATTEND(f, d) attend(qh, k, v, slot_stride, ho, f, table, L, G, d, bs, sm_scale, scores, acc, codes, outh)
-#define FORMATS(d)                                  \
-        switch (fmt) {                              \
-        case KV_INT4: ATTEND(KV_INT4, d); break;    \
-        case KV_INT8: ATTEND(KV_INT8, d); break;    \
-        case KV_F16: ATTEND(KV_F16, d); break;      \
-        case KV_BF16: ATTEND(KV_BF16, d); break;    \
-        default: ATTEND(KV_F32, d);                 \
-        }
-        if (D == 64) FORMATS(64)
-        else if (D == 128) FORMATS(128)
-        else FORMATS(D)
-#undef FORMATS
-#undef ATTEND
+    for (int task = 0; task < B * j.max_chunks; task++) {
+        const int b = task / j.max_chunks, c = task % j.max_chunks;
+        if (!s || c >= chunks_of(&j, b)) continue;
+#ifdef PD_AVX512
+        if (vec) { chunk_avx512(&j, b, c, s); continue; }
+#endif
+        chunk_scalar(&j, b, c, s);
     }
-    free(scores);
-    free(acc);
-    free(codes);
+    #pragma omp for schedule(static)
+    for (int task = 0; task < B * H; task++) merge(&j, task / H, task % H, out + (int64_t)task * D);
+    free(scratch);
     }
+    free(j.part);
+    (void)vec;
     return failed ? -1 : 0;
 }

@@ -1,20 +1,28 @@
 """Paged decode attention on CPU (paged_decode.c), via ctypes: one kernel for
-KV4, KV8 and dense fp16/bf16/fp32 pages."""
+KV4, KV8 and dense fp16/bf16/fp32 pages. Its AVX-512 path is chosen at run
+time; QOQSERVE_CPU_ISA=scalar forces the portable one."""
 from __future__ import annotations
 
 import ctypes
+import platform
 
 import torch
 
 from qoqserve.kernels.cpu.build import load_library
 from qoqserve.kernels.qoq_ref import kv_row_bytes
 
-# -fassociative-math lets the dot products vectorize; no finite-math flags,
-# the softmax starts from -inf
+# -fassociative-math lets the portable path's loops vectorize; no finite-math
+# flags, the softmax starts from -inf. On x86 the library is built for a
+# baseline CPU (a later -march overrides build.py's -march=native): the
+# AVX-512 code carries its own target and is only entered after a CPUID check,
+# so one build runs on any x86-64 machine.
 _FLAGS = ["-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+if platform.machine() in ("x86_64", "AMD64"):
+    _FLAGS.append("-march=x86-64-v2")
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _SIGNATURES = {"paged_decode_attention": (
-    _I, [_P, _P, _P, _L, _L, _I, _P, _P, _P] + [_I] * 6 + [ctypes.c_float, _I])}
+    _I, [_P, _P, _P, _L, _L, _I, _P, _P, _P] + [_I] * 6 + [ctypes.c_float, _I]),
+    "paged_decode_isa": (_I, [])}
 # page formats, as the C enum numbers them (row sizes: qoq_ref.kv_row_bytes)
 FORMATS = {"int4": 0, "int8": 1, "float16": 2, "bfloat16": 3, "float32": 4}
 
@@ -25,6 +33,11 @@ def load():
 
 def available() -> bool:
     return load() is not None
+
+
+def isa() -> str:
+    """The path the kernel takes now: "avx512" or "scalar" (reads QOQSERVE_CPU_ISA)."""
+    return "avx512" if load().paged_decode_isa() == 512 else "scalar"
 
 
 def supports_dtype(dtype: torch.dtype) -> bool:

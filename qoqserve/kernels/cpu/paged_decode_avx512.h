@@ -1,0 +1,302 @@
+/* The AVX-512 path of paged_decode.c (included once by it, after its job type).
+ * Compiled for AVX-512 F/BW/VL/DQ by target pragmas whatever -march says,
+ * and only called after a run-time CPU check.
+ *
+ * A row is converted once into fp32 (shared by the G query heads of its KV
+ * head), into a buffer of BLOCK rows in L1. KV4 and bf16 rows come out planar
+ * per 32 channels (16 even channels, then the 16 odd ones): that is what a
+ * nibble mask / a 16-bit shift yields without any shuffle, so q is permuted
+ * once per task instead. A KV4 code becomes code - 8 by one vpermps from a
+ * constant table (centred: less cancellation against the zero term); scales
+ * and zeros are applied to a block's 16 scores / weights at once.
+ */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define PD_AVX512 1
+#ifndef PD_PF
+#define PD_PF 2
+#endif
+#include <immintrin.h>
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")
+#endif
+
+static int avx512_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+
+static inline int planar(int fmt) { return fmt == KV_INT4 || fmt == KV_BF16; }
+static inline int padded(int fmt, int D) { return planar(fmt) ? (D + 31) / 32 * 32 : (D + 15) / 16 * 16; }
+/* the channel held by slot i of a dequantized row */
+static inline int channel_of(int fmt, int i) {
+    if (!planar(fmt)) return i;
+    const int r = i % 32;
+    return i - r + (r < 16 ? 2 * r : 2 * (r - 16) + 1);
+}
+
+static inline float half_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* 2^x, x <= 0: exact reduction x = n + r (|r| <= 1/2), degree-7 Taylor of
+ * e^(r ln 2) (truncation < 6e-9), scalef for 2^n (underflows to 0, no NaN) */
+static inline __m512 exp2_ps(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.525273380405984e-05f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.5403530393381608e-04f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3333558146428443e-03f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.618129107628477e-03f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.550410866482158e-02f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.402265069591007e-01f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.931471805599453e-01f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* one row -> dst[padded(fmt, D)] fp32 (masked loads: never past the row): KV4
+ * codes - 8 and KV8 codes as they are (their scale and zero are applied per
+ * block by block_meta), dense values as they are */
+static inline __attribute__((always_inline)) void row_avx512(const uint8_t *r, const int fmt, const int D,
+                                                              float *dst) {
+    if (fmt == KV_INT4) {
+        const int nb = D / 2;
+        const __m512 tbl = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+        for (int c = 0; 16 * c < nb; c++) {
+            const int n = nb - 16 * c;
+            const __m128i x = n >= 16 ? _mm_loadu_si128((const __m128i *)(r + 16 * c))
+                                      : _mm_maskz_loadu_epi8((__mmask16)((1u << n) - 1), r + 16 * c);
+            const __m512i w = _mm512_cvtepu8_epi32(x);  /* vpermps reads the low 4 bits only */
+            _mm512_store_ps(dst + 32 * c, _mm512_permutexvar_ps(w, tbl));
+            _mm512_store_ps(dst + 32 * c + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), tbl));
+        }
+    } else if (fmt == KV_BF16) {
+        for (int c = 0; 32 * c < D; c++) {
+            const int n = D - 32 * c;
+            const __m512i x = n >= 32 ? _mm512_loadu_si512(r + 64 * c)
+                                      : _mm512_maskz_loadu_epi16((__mmask32)((1ull << n) - 1), r + 64 * c);
+            _mm512_store_ps(dst + 32 * c, _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)));
+            _mm512_store_ps(dst + 32 * c + 16,
+                            _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u))));
+        }
+    } else if (fmt == KV_F16) {
+        for (int c = 0; 16 * c < D; c++) {
+            const int n = D - 16 * c;
+            const __m256i x = n >= 16 ? _mm256_loadu_si256((const __m256i *)(r + 32 * c))
+                                      : _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1), r + 32 * c);
+            _mm512_store_ps(dst + 16 * c, _mm512_cvtph_ps(x));
+        }
+    } else if (fmt == KV_INT8) {
+        for (int c = 0; 16 * c < D; c++) {
+            const int n = D - 16 * c;
+            const __m128i x = n >= 16 ? _mm_loadu_si128((const __m128i *)(r + 16 * c))
+                                      : _mm_maskz_loadu_epi8((__mmask16)((1u << n) - 1), r + 16 * c);
+            _mm512_store_ps(dst + 16 * c, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x)));
+        }
+    } else {
+        for (int c = 0; 16 * c < D; c++) {
+            const int n = D - 16 * c;
+            _mm512_store_ps(dst + 16 * c, n >= 16 ? _mm512_loadu_ps(r + 64 * c)
+                                                  : _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), r + 64 * c));
+        }
+    }
+}
+
+/* a block's scales (and KV4 zeros - 8), one token per lane, from the fp16
+ * pairs that end its rows, gathered lane by lane (a gather instruction, or
+ * scalar stores read back as a vector, stall far longer) */
+static inline __attribute__((always_inline)) void block_meta(__m512i pairs, const int fmt, __m512 *scale,
+                                                              __m512 *zero) {
+    *scale = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(pairs));
+    if (fmt == KV_INT4)
+        *zero = _mm512_sub_ps(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(pairs, 16))),
+                              _mm512_set1_ps(8.f));
+}
+
+/* 4 vectors -> per 128-bit lane: [sum of that lane of a, of b, of c, of d] */
+static inline __m512 lane_sums4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    const __m512 ab = _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xee));
+    const __m512 cd = _mm512_add_ps(_mm512_shuffle_ps(c, d, 0x44), _mm512_shuffle_ps(c, d, 0xee));
+    return _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x88), _mm512_shuffle_ps(ab, cd, 0xdd));
+}
+
+/* q . row_t for the BLOCK rows (stale rows past the block's end give junk lanes) */
+static inline __attribute__((always_inline)) __m512 block_scores(const float *q, const float *rows, const int np) {
+    __m512 quad[4];
+    for (int k = 0; k < 4; k++) {
+        __m512 d[4];
+        for (int i = 0; i < 4; i++) {
+            const float *r = rows + (4 * k + i) * np;
+            __m512 acc = _mm512_mul_ps(_mm512_load_ps(q), _mm512_load_ps(r));  /* one chain: 16 rows in flight */
+            for (int c = 16; c < np; c += 16) acc = _mm512_fmadd_ps(_mm512_load_ps(q + c), _mm512_load_ps(r + c), acc);
+            d[i] = acc;
+        }
+        quad[k] = lane_sums4(d[0], d[1], d[2], d[3]);
+    }
+    /* quad[k] lane L holds row 4k..4k+3 sums of 128-bit lane L: add the 4 lanes */
+    const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(quad[0], quad[1], 0x44),
+                                     _mm512_shuffle_f32x4(quad[0], quad[1], 0xee));
+    const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(quad[2], quad[3], 0x44),
+                                     _mm512_shuffle_f32x4(quad[2], quad[3], 0xee));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xdd));
+}
+
+/* acc[np] += sum_{i<n} w[i] * rows[i]: even and odd rows on separate
+ * accumulators (up to 16 registers in flight) */
+static inline __attribute__((always_inline)) void accumulate(float *acc, const float *w, const float *rows,
+                                                              int n, const int np) {
+    for (int c0 = 0; c0 < np; c0 += 128) {
+        const int nv = np - c0 >= 128 ? 8 : (np - c0) / 16;
+        __m512 x[8], y[8];
+        for (int u = 0; u < nv; u++) {
+            x[u] = _mm512_load_ps(acc + c0 + 16 * u);
+            y[u] = _mm512_setzero_ps();
+        }
+        int i = 0;
+        for (; i + 1 < n; i += 2) {
+            const __m512 w0 = _mm512_set1_ps(w[i]), w1 = _mm512_set1_ps(w[i + 1]);
+            const float *r0 = rows + i * np + c0, *r1 = r0 + np;
+            for (int u = 0; u < nv; u++) {
+                x[u] = _mm512_fmadd_ps(w0, _mm512_load_ps(r0 + 16 * u), x[u]);
+                y[u] = _mm512_fmadd_ps(w1, _mm512_load_ps(r1 + 16 * u), y[u]);
+            }
+        }
+        if (i < n) {
+            const __m512 w0 = _mm512_set1_ps(w[i]);
+            for (int u = 0; u < nv; u++) x[u] = _mm512_fmadd_ps(w0, _mm512_load_ps(rows + i * np + c0 + 16 * u), x[u]);
+        }
+        for (int u = 0; u < nv; u++) _mm512_store_ps(acc + c0 + 16 * u, _mm512_add_ps(x[u], y[u]));
+    }
+}
+
+/* One (sequence, chunk) in three passes: all scores (K), their softmax, then
+ * the weighted sum of V; the chunk's pages stay in L2 between the passes. */
+static inline __attribute__((always_inline)) void chunk_impl(const job *j, int b, int c, float *s,
+                                                              const int fmt, const int D) {
+    const int np = padded(fmt, D), G = j->G, H = j->H, bs = j->bs, ct = chunk_tokens(j);
+    const int quant = fmt == KV_INT4 || fmt == KV_INT8;
+    float *q = s, *acc = q + (int64_t)H * np, *kr = acc + (int64_t)H * np, *vr = kr + BLOCK * np;
+    float *w = vr + BLOCK * np, *sc = w + BLOCK, *zacc = sc + (int64_t)H * ct, *qsum = zacc + (int64_t)H * BLOCK;
+    for (int hq = 0; hq < H; hq++) {
+        const float *src = j->q + ((int64_t)b * H + hq) * D;
+        float sum = 0.f;
+        for (int i = 0; i < np; i++) {
+            const int ch = channel_of(fmt, i);
+            q[hq * np + i] = ch < D ? src[ch] * j->qscale : 0.f;  /* zero pads: junk row slots add 0 */
+            sum += q[hq * np + i];
+        }
+        qsum[hq] = sum;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)H * np);
+    memset(zacc, 0, sizeof(float) * (size_t)H * BLOCK);
+    const int64_t L = j->lens[b], *table = j->tables + (int64_t)b * j->width, ss = j->slot_stride;
+    const int64_t p0 = (int64_t)c * j->chunk_pages, pages = (L + bs - 1) / bs;
+    const int64_t p1 = p0 + j->chunk_pages < pages ? p0 + j->chunk_pages : pages;
+    const int T = (int)((p1 * bs < L ? p1 * bs : L) - p0 * bs);
+    for (int pass = 0; pass < 2; pass++) {
+        for (int64_t p = p0; p < p1; p++) {
+            const int64_t base = table[p] * bs * ss;
+            const int ntok = (int)(L - p * bs < bs ? L - p * bs : bs);
+            if (p + PD_PF < p1) {  /* pages are scattered: no hardware prefetcher guesses the next one */
+                const char *next = (const char *)(pass ? j->v : j->k) + table[p + PD_PF] * bs * ss;
+                for (int64_t o = 0; o < bs * ss; o += 64) _mm_prefetch(next + o, _MM_HINT_T1);
+            }
+            for (int h = 0; h < j->Hkv; h++) {
+                const uint8_t *rows = (pass ? j->v : j->k) + base + h * j->head_stride;
+                for (int t0 = 0; t0 < ntok; t0 += BLOCK) {
+                    const int n = ntok - t0 < BLOCK ? ntok - t0 : BLOCK, off = (int)(p - p0) * bs + t0;
+                    const __mmask16 valid = (__mmask16)((1u << n) - 1);
+                    float *buf = pass ? vr : kr;
+                    __m512i pairs = _mm512_setzero_si512();
+                    for (int i = 0; i < n; i++) {
+                        const uint8_t *r = rows + (t0 + i) * ss;
+                        row_avx512(r, fmt, D, buf + i * np);
+                        if (quant) {
+                            int32_t pair = 0;  /* KV8 rows end with the scale alone: 2 bytes */
+                            memcpy(&pair, r + (fmt == KV_INT4 ? D / 2 : D), fmt == KV_INT4 ? 4 : 2);
+                            pairs = _mm512_mask_set1_epi32(pairs, (__mmask16)(1u << i), pair);
+                        }
+                    }
+                    __m512 scale = _mm512_set1_ps(1.f), zero = _mm512_setzero_ps();
+                    if (quant) block_meta(pairs, fmt, &scale, &zero);
+                    for (int g = 0; g < G; g++) {
+                        const int hq = h * G + g;
+                        if (!pass) {  /* score = scale * (q . (u - 8) - (zero - 8) * sum q) */
+                            __m512 d = block_scores(q + hq * np, kr, np);
+                            if (quant) d = _mm512_mul_ps(scale, _mm512_fnmadd_ps(zero, _mm512_set1_ps(qsum[hq]), d));
+                            _mm512_mask_storeu_ps(sc + hq * ct + off, valid, d);
+                            continue;
+                        }
+                        __m512 e = _mm512_maskz_loadu_ps(valid, sc + hq * ct + off);
+                        if (quant) {  /* the zero part is summed apart and removed at the end */
+                            e = _mm512_mul_ps(e, scale);
+                            if (fmt == KV_INT4)
+                                _mm512_store_ps(zacc + hq * BLOCK, _mm512_fmadd_ps(e, zero, _mm512_load_ps(zacc + hq * BLOCK)));
+                        }
+                        _mm512_store_ps(w, e);
+                        accumulate(acc + hq * np, w, vr, n, np);
+                    }
+                }
+            }
+        }
+        if (pass) break;
+        for (int hq = 0; hq < H; hq++) {  /* softmax of the chunk, unnormalized */
+            float *sh = sc + hq * ct;
+            __m512 mv = _mm512_set1_ps(-INFINITY), lv = _mm512_setzero_ps();
+            for (int t = 0; t < T; t += BLOCK)
+                mv = _mm512_mask_max_ps(mv, (__mmask16)((1u << (T - t < BLOCK ? T - t : BLOCK)) - 1), mv,
+                                        _mm512_loadu_ps(sh + t));
+            const float mx = _mm512_reduce_max_ps(mv);
+            for (int t = 0; t < T; t += BLOCK) {
+                const __mmask16 k = (__mmask16)((1u << (T - t < BLOCK ? T - t : BLOCK)) - 1);
+                const __m512 e = _mm512_maskz_mov_ps(k, exp2_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sh + t),
+                                                                              _mm512_set1_ps(mx))));
+                _mm512_mask_storeu_ps(sh + t, k, e);
+                lv = _mm512_add_ps(lv, e);
+            }
+            float *pr = partial(j, b, c, hq);
+            pr[0] = mx;
+            pr[1] = _mm512_reduce_add_ps(lv);
+        }
+    }
+    for (int hq = 0; hq < H; hq++) {
+        float *pr = partial(j, b, c, hq);
+        const float z = fmt == KV_INT4 ? _mm512_reduce_add_ps(_mm512_load_ps(zacc + hq * BLOCK)) : 0.f;
+        for (int i = 0; i < np; i++) {
+            const int ch = channel_of(fmt, i);
+            if (ch < D) pr[2 + ch] = acc[hq * np + i] - z;
+        }
+    }
+}
+
+#define PD_FORMATS(d)                                          \
+    switch (j->fmt) {                                          \
+    case KV_INT4: chunk_impl(j, b, c, s, KV_INT4, d); break;   \
+    case KV_INT8: chunk_impl(j, b, c, s, KV_INT8, d); break;   \
+    case KV_F16: chunk_impl(j, b, c, s, KV_F16, d); break;     \
+    case KV_BF16: chunk_impl(j, b, c, s, KV_BF16, d); break;   \
+    default: chunk_impl(j, b, c, s, KV_F32, d);                \
+    }
+
+/* head_dim 64 and 128 get fully unrolled rows; any other D runs the same code with loops */
+static void chunk_avx512(const job *j, int b, int c, float *s) {
+    if (j->D == 64) PD_FORMATS(64)
+    else if (j->D == 128) PD_FORMATS(128)
+    else PD_FORMATS(j->D)
+}
+#undef PD_FORMATS
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#endif

@@ -1,0 +1,128 @@
+"""The C paged decode kernel (both of its paths) against the fp64 torch
+reference, over every page format, head_dim, GQA group and block size."""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_pages
+
+from qoqserve.kernels.cpu import paged_decode
+from qoqserve.layers import kv_cache as kc
+from qoqserve.layers.attention import AttentionMetadata, PagedAttention
+from qoqserve.layers.attention_backends import AttentionBackend, CpuAttention
+
+FORMATS = ["int4", "int8", "bfloat16", "float16", "float32"]
+# (query heads, KV heads, head_dim): groups 3/4/8/1; 64 and 128 are the unrolled
+# rows, 80 and 96 the generic path (not a multiple of 32: masked tails)
+SHAPES = [(9, 3, 64), (8, 2, 128), (8, 1, 80), (4, 4, 96)]
+# 1 token, page-size multiples and not, and one longer than a chunk (256
+# tokens) so that chunk partials are merged
+LENS = [1, 16, 50, 100, 301]
+
+
+def _layouts(fmt, hkv, d, bs):
+    """(the page layout, the C kernels over it)"""
+    if fmt == "int4":
+        layout = kc.Int4KVCacheLayout(hkv, d, bs)
+    elif fmt == "int8":
+        layout = kc.Int8KVCacheLayout(hkv, d, bs)
+    else:
+        layout = kc.DenseKVCacheLayout(hkv, d, bs, getattr(torch, fmt))
+    return layout, CpuAttention(layout)
+
+
+def _case(fmt, heads, hkv, d, bs, lens=LENS, seed=0):
+    layout, c_layout = _layouts(fmt, hkv, d, bs)
+    blocks = sum(-(-n // bs) for n in lens) + 3
+    _, cache, tables, ctx = make_pages(heads, hkv, d, lens, bs=bs, num_blocks=blocks, seed=seed, layout=layout)
+    q = torch.randn(len(lens), heads, d, generator=torch.Generator().manual_seed(seed + 1))
+    return layout, c_layout, cache, tables, ctx, q
+
+
+def _reference(layout, heads, hkv, d, q, cache, tables, ctx):
+    attn = PagedAttention(heads, hkv, d, AttentionBackend(layout))  # gather, dequantize, fp64 SDPA
+    return attn(q, None, None, AttentionMetadata(False, None, tables, ctx), cache).view(q.shape)
+
+
+@pytest.fixture(params=["avx512", "scalar"])
+def isa(request, monkeypatch):
+    if request.param == "scalar":
+        monkeypatch.setenv("QOQSERVE_CPU_ISA", "scalar")
+    else:
+        monkeypatch.delenv("QOQSERVE_CPU_ISA", raising=False)
+    if paged_decode.isa() != request.param:
+        pytest.fail(f"path {request.param} not taken (got {paged_decode.isa()})")
+    return request.param
+
+
+def _cpu_has_avx512() -> bool:
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq"))
+
+
+def test_the_vector_path_is_taken_where_the_cpu_has_it(monkeypatch):
+    monkeypatch.delenv("QOQSERVE_CPU_ISA", raising=False)
+    assert paged_decode.isa() == ("avx512" if _cpu_has_avx512() else "scalar")
+    monkeypatch.setenv("QOQSERVE_CPU_ISA", "scalar")
+    assert paged_decode.isa() == "scalar"
+
+
+@pytest.mark.parametrize("bs", [16, 64])
+@pytest.mark.parametrize("heads,hkv,d", SHAPES)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_decode_attention_matches_the_fp64_reference(fmt, heads, hkv, d, bs, isa):
+    if isa == "avx512" and not _cpu_has_avx512():
+        pytest.skip("no AVX-512 here")
+    layout, c_layout, cache, tables, ctx, q = _case(fmt, heads, hkv, d, bs)
+    got = c_layout.decode(q, cache, tables, ctx, d ** -0.5)
+    ref = _reference(layout, heads, hkv, d, q, cache, tables, ctx)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_two_paths_agree(fmt, monkeypatch):
+    if not _cpu_has_avx512():
+        pytest.skip("one path only on this CPU")
+    _, c_layout, cache, tables, ctx, q = _case(fmt, 12, 3, 64, 16, seed=3)
+    vec = c_layout.decode(q, cache, tables, ctx, 0.125)
+    monkeypatch.setenv("QOQSERVE_CPU_ISA", "scalar")
+    scalar = c_layout.decode(q, cache, tables, ctx, 0.125)
+    torch.testing.assert_close(vec, scalar, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(vec, scalar) or fmt == "float32"  # two real paths, not one twice
+
+
+@pytest.mark.parametrize("fmt", ["int4", "bfloat16", "int8"])
+def test_a_sequence_does_not_depend_on_its_batch_nor_the_thread_count(fmt, isa):
+    lens = [33, 7, 600, 64, 5, 290]
+    layout, c_layout, cache, tables, ctx, q = _case(fmt, 9, 3, 64, 16, lens=lens, seed=1)
+    batched = c_layout.decode(q, cache, tables, ctx, 0.125)
+    for i, n in enumerate(lens):
+        width = -(-n // 16)
+        alone = c_layout.decode(q[i:i + 1], cache, tables[i:i + 1, :width], ctx[i:i + 1], 0.125)
+        assert torch.equal(alone[0], batched[i]), i
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = c_layout.decode(q, cache, tables, ctx, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(single, batched)
+
+
+def test_an_empty_context_gives_zeros_not_nan():
+    _, c_layout, cache, tables, ctx, q = _case("int4", 4, 2, 64, 16, lens=[5, 9])
+    out = c_layout.decode(q, cache, tables, torch.tensor([0, 9]), 0.125)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("bs", [8, 24])
+@pytest.mark.parametrize("fmt", ["int4", "int8", "bfloat16"])
+def test_block_sizes_that_are_not_multiples_of_16(fmt, bs, isa):
+    heads, hkv, d = 6, 2, 64
+    layout, c_layout, cache, tables, ctx, q = _case(fmt, heads, hkv, d, bs, lens=[1, 23, 70, 300])
+    got = c_layout.decode(q, cache, tables, ctx, d ** -0.5)
+    ref = _reference(layout, heads, hkv, d, q, cache, tables, ctx)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
