@@ -9,6 +9,7 @@ from qoqserve.config import CacheConfig, EngineConfig
 from qoqserve.engine.backends import select_backends
 from qoqserve.engine.scheduler import ScheduledBatch
 from qoqserve.engine.sequence import Sequence
+from qoqserve.engine.staging import HostStaging
 from qoqserve.layers.attention import AttentionMetadata
 from qoqserve.layers.kv_cache import KVCacheLayout
 from qoqserve.layers.linear import Linear
@@ -86,6 +87,7 @@ class ModelRunner:
         self.kv_caches = [self.layout.allocate(self.num_blocks, self.device)
                           for _ in range(arch.num_layers)]
         self.sampler = Sampler(config.seed)
+        self.staging = HostStaging(self.device)
         self._log_load()
 
     def _log_load(self) -> None:
@@ -116,8 +118,8 @@ class ModelRunner:
 
     def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
         width = max(len(s.block_table) for s in seqs)
-        rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
-        return torch.tensor(rows, dtype=torch.long, device=self.device)
+        flat = [b for s in seqs for b in s.block_table + [0] * (width - len(s.block_table))]
+        return self.staging.put("block_tables", flat, (len(seqs), width))
 
     def _prepare(self, batch: ScheduledBatch):
         """Flattened inputs of a step: one token per decode, then each prefill chunk."""
@@ -137,9 +139,10 @@ class ModelRunner:
             cached.append(start)
         seqs = batch.decodes + [s for s, _ in batch.prefills]
         meta = AttentionMetadata(
-            is_prefill=bool(batch.prefills), slot_mapping=self._tensor(slots),
+            is_prefill=bool(batch.prefills), slot_mapping=self.staging.put("slots", slots),
             block_tables=self._block_tables(seqs) if batch.decodes or any(cached) else None,
-            context_lens=self._tensor([len(s) for s in batch.decodes]) if batch.decodes else None,
+            context_lens=(self.staging.put("context_lens", [len(s) for s in batch.decodes])
+                          if batch.decodes else None),
             query_starts=starts if batch.prefills else None,
             cached_lens=cached if batch.prefills else None, num_decodes=len(batch.decodes))
         # the rows whose logits are sampled: every decode, and the last token of
@@ -147,10 +150,7 @@ class ModelRunner:
         d = len(batch.decodes)
         rows = list(range(d)) + [d + starts[i + 1] - 1 for i, (seq, n) in enumerate(batch.prefills)
                                  if seq.num_computed_tokens + n == len(seq)]
-        return self._tensor(ids), self._tensor(positions), meta, rows
-
-    def _tensor(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+        return self.staging.put("ids", ids), self.staging.put("positions", positions), meta, rows
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch):
@@ -161,7 +161,7 @@ class ModelRunner:
         if not rows:
             return [], None, None
         if len(rows) != hidden.shape[0]:
-            hidden = hidden[torch.tensor(rows, device=self.device)]
+            hidden = hidden[self.staging.put("sample_rows", rows)]
         return self.sampler(self.model.compute_logits(hidden), batch.sampled)
 
     def release(self, request_id: str) -> None:

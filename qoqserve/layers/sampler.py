@@ -55,21 +55,38 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
 class Sampler:
     """Owns the sampling state: the engine-wide generator, and one generator
     per seeded request (made on its first token, kept across preemptions, and
-    dropped by release() when the request ends)."""
+    dropped by release() when the request ends).
+
+    Everything runs on the logits' device; only the chosen ids and the
+    requested logprobs come back to the host (a few bytes per row, not the
+    [B, vocab] logits), so a CUDA step does not copy its logits out."""
 
     def __init__(self, seed: int = 0):
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self._engine_generators: dict[torch.device, torch.Generator] = {}
         self._generators: dict[str, torch.Generator] = {}
+
+    @property
+    def generator(self) -> torch.Generator:
+        """The engine-wide generator of the CPU (unseeded requests sampled there)."""
+        return self._engine_generator(torch.device("cpu"))
+
+    def _engine_generator(self, device: torch.device) -> torch.Generator:
+        gen = self._engine_generators.get(device)
+        if gen is None:
+            gen = self._engine_generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return gen
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
-    def _generator(self, req: SamplingRequest) -> torch.Generator:
+    def _generator(self, req: SamplingRequest, device: torch.device) -> torch.Generator:
         if req.params.seed is None:
-            return self.generator
+            return self._engine_generator(device)
         gen = self._generators.get(req.request_id)
         if gen is None:
-            gen = self._generators[req.request_id] = torch.Generator().manual_seed(req.params.seed)
+            gen = torch.Generator(device=device).manual_seed(req.params.seed)
+            self._generators[req.request_id] = gen
         return gen
 
     def __call__(self, logits: torch.Tensor, requests: list[SamplingRequest]
@@ -78,32 +95,31 @@ class Sampler:
         logprob and each row's top_logprobs most likely (token, logprob) pairs.
         Logprobs are of the model's distribution, before penalties and temperature."""
         params = [r.params for r in requests]
-        logits = logits.float().cpu()
-        tokens: list[int] = []
+        logits = logits.float()
         want_logprobs = any(p.logprobs for p in params)
         logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        greedy_rows = {i for i, p in enumerate(params) if p.greedy and not p.has_penalties}
-        argmax = logits.argmax(dim=-1).tolist() if greedy_rows else None
+        # greedy rows without penalties: one argmax for the batch
+        tokens = logits.argmax(dim=-1)
         for i, p in enumerate(params):
-            if argmax is not None and i in greedy_rows:
-                tokens.append(argmax[i])
+            if p.greedy and not p.has_penalties:
                 continue
             row = logits[i]
             if p.has_penalties:
                 req = requests[i]
                 row = apply_penalties(row, p, req.token_ids[:req.num_prompt_tokens], req.output_counts)
             if p.greedy:
-                tokens.append(int(row.argmax()))
+                tokens[i] = row.argmax()
                 continue
             row = _filter_top_k_top_p(row / p.temperature, p.top_k, p.top_p)
-            probs = row.softmax(-1)
-            tokens.append(int(torch.multinomial(probs, 1, generator=self._generator(requests[i]))))
+            gen = self._generator(requests[i], logits.device)
+            tokens[i] = torch.multinomial(row.softmax(-1), 1, generator=gen)[0]
         chosen = top = None
         if logprobs is not None:
-            chosen = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+            chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
             k = max(p.top_logprobs for p in params)
             if k:
                 vals, ids = logprobs.topk(k, dim=-1)
-                top = [list(zip(ids[i, :p.top_logprobs].tolist(), vals[i, :p.top_logprobs].tolist()))
+                ids, vals = ids.tolist(), vals.tolist()
+                top = [list(zip(ids[i][:p.top_logprobs], vals[i][:p.top_logprobs]))
                        for i, p in enumerate(params)]
-        return tokens, chosen, top
+        return tokens.tolist(), chosen, top
