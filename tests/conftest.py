@@ -143,6 +143,19 @@ def reference_llm(default_gguf_path):
     return LLM(default_gguf_path, dtype="float32", kv_cache_gb=0.1, max_model_len=512)
 
 
+def page_layout(fmt: str, hkv: int, d: int, bs: int = 16):
+    """The page layout of a format ("int4", "int8" or a dense dtype name)."""
+    import torch
+
+    from qoqserve.layers import kv_cache as kc
+
+    if fmt == "int4":
+        return kc.Int4KVCacheLayout(hkv, d, bs)
+    if fmt == "int8":
+        return kc.Int8KVCacheLayout(hkv, d, bs)
+    return kc.DenseKVCacheLayout(hkv, d, bs, getattr(torch, fmt))
+
+
 def make_pages(heads: int, hkv: int, d: int, lens: list[int], bs: int = 16,
                    num_blocks: int = 64, seed: int = 0, layout=None):
     """KV4 pages (or those of `layout`) holding random K/V for sequences of the

@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_pages
+from conftest import make_pages, page_layout
 
 from qoqserve.kernels.cpu import paged_decode
-from qoqserve.layers import kv_cache as kc
 from qoqserve.layers.attention import AttentionMetadata, PagedAttention
 from qoqserve.layers.attention_backends import AttentionBackend, CpuAttention
 
@@ -17,12 +16,7 @@ def test_the_kernel_builds_here():
 
 def _pages(fmt, hkv, d, bs=16):
     """(the page layout, the C kernels over it) for a page format"""
-    if fmt == "int4":
-        layout = kc.Int4KVCacheLayout(hkv, d, bs)
-    elif fmt == "int8":
-        layout = kc.Int8KVCacheLayout(hkv, d, bs)
-    else:
-        layout = kc.DenseKVCacheLayout(hkv, d, bs, getattr(torch, fmt))
+    layout = page_layout(fmt, hkv, d, bs)
     return layout, CpuAttention(layout)
 
 

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_pages
+from conftest import make_pages, page_layout
 
 from qoqserve.kernels.cpu import paged_decode
-from qoqserve.layers import kv_cache as kc
 from qoqserve.layers.attention import AttentionMetadata, PagedAttention
 from qoqserve.layers.attention_backends import AttentionBackend, CpuAttention
 
@@ -22,12 +21,7 @@ LENS = [1, 16, 50, 100, 301]
 
 def _layouts(fmt, hkv, d, bs):
     """(the page layout, the C kernels over it)"""
-    if fmt == "int4":
-        layout = kc.Int4KVCacheLayout(hkv, d, bs)
-    elif fmt == "int8":
-        layout = kc.Int8KVCacheLayout(hkv, d, bs)
-    else:
-        layout = kc.DenseKVCacheLayout(hkv, d, bs, getattr(torch, fmt))
+    layout = page_layout(fmt, hkv, d, bs)
     return layout, CpuAttention(layout)
 
 
