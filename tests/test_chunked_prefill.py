@@ -1,6 +1,7 @@
 """Chunked prefill: a prompt's greedy output does not depend on how it was cut
-into chunks nor on what shared its steps (decodes, other chunks), for fp32,
-bf16 and W4A8KV4, with prefix-cache hits and across preemption."""
+into chunks (fp32, bf16, W4A8KV4) nor on what shared its steps (decodes, other
+chunks: fp32 and W4A8KV4; bf16 CPU kernels are not batch-invariant), with
+prefix-cache hits and across preemption."""
 import gc
 
 import pytest
@@ -56,13 +57,16 @@ def test_chunk_sizes_alone_and_in_a_batch_give_the_whole_prompt_output(case, qoq
     model, kw = CASES[case]
     model = qoq_tiny if model == "qoq" else model
     prompts = PROMPTS if model is None else [[5 + i * 7 + j for j in range(20 + 9 * i)] for i in range(4)]
-    tol = 6e-2 if case == "bf16" else 1e-4  # bf16: a few ulps of the logits
+    tol = 1e-4
     llm = LLM(model, kv_cache_gb=0.05, enable_prefix_caching=False, **kw)
     whole = [_generate(llm, [p], 4096) for p in prompts]
     ref_tokens, ref_lps = [w[0][0] for w in whole], [w[1][0] for w in whole]
     for chunk in (1, 7, 64):
         alone = [_generate(llm, [p], chunk)[0][0] for p in prompts[:2]]
         assert alone == ref_tokens[:2], f"chunk {chunk} alone"
+        if case == "bf16":
+            # bf16 is not batch-invariant on CPU (docs/runtime.md): only the chunking is checked
+            continue
         # all four at once: decodes of the finished prompts share steps with the chunks of the others
         tokens, lps = _generate(llm, prompts, max(chunk, 7), threshold=chunk)
         assert tokens == ref_tokens, f"chunk {chunk} in a batch"
@@ -76,11 +80,12 @@ def test_prefix_hits_and_preemption_with_chunks_keep_outputs():
     prompts = [shared + f"Question {i}: tell me about {t}." for i, t in
                enumerate(["the sea", "bees", "trains", "paper", "the moon", "bread"])]
     ref_llm = LLM(None, dtype="float32", kv_cache_gb=0.05, enable_prefix_caching=False)
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     alone = [_generate(ref_llm, [p], 4096, params=params)[0][0] for p in prompts]
     del ref_llm
-    # a pool of 24 pages of 16 tokens cannot hold six ~80-token sequences: preemption
-    llm = LLM(None, dtype="float32", num_blocks=24, max_num_batched_tokens=32, enable_prefix_caching=True)
+    # 12 pages of 16 tokens: the shared prefix (4 pages) plus ~3 own pages each for six
+    # sequences do not fit: preemption
+    llm = LLM(None, dtype="float32", num_blocks=12, max_num_batched_tokens=32, enable_prefix_caching=True)
     outs = llm.generate(prompts, params)
     stats = llm.engine.stats()
     assert [o.token_ids for o in outs] == alone
