@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from qoqserve.kernels import qoq_ref
+from qoqserve.kernels.cpu import w4a8_gemm
 from qoqserve.kernels.cpu.w4a8_gemm import PackedW4A8Gemm
 from qoqserve.layers.linear import Linear, LinearMethod
 from qoqserve.layers.quantization.int8_gemm import install_packed_gemm, int8_linear
@@ -162,7 +163,8 @@ class QoQPackedMethod(QoQLinearMethod):
 
     def __init__(self, group_size: int, cpu_ops: bool = False, fused: bool = False):
         super().__init__(group_size, cpu_ops)
-        self.name += "+vnni"
+        # the path its calls take (forced to scalar by QOQSERVE_CPU_ISA, or on CPUs without VNNI)
+        self.name += "+vnni" if w4a8_gemm.isa() == "avx512-vnni" else "+scalar"
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         super().process_weights_after_loading(layer)
