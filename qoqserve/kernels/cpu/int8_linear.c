@@ -32,51 +32,7 @@
 
 int int8_linear_available(void) { return 1; }
 
-static inline __mmask16 tail_mask(int64_t left) {
-    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
-}
-
-static inline __m512 load_f32(const void *x, int bf16, int64_t i, __mmask16 k) {
-    if (bf16) {
-        __m256i h = _mm256_maskz_loadu_epi16(k, (const uint16_t *)x + i);
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
-    return _mm512_maskz_loadu_ps(k, (const float *)x + i);
-}
-
-/* round to nearest even, NaN kept NaN: the scalar float_to_bf16 of w4a8_ops.c
- * (vcvtneps2bf16 would flush denormals) */
-static inline __m256i to_bf16(__m512 v) {
-    __m512i b = _mm512_castps_si512(v), hi = _mm512_srli_epi32(b, 16);
-    __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
-    return _mm512_cvtepi32_epi16(r);
-}
-
-/* one row: int8 codes (zero-padded to Kp), scale amax/127, sum of the codes */
-static void quantize_row(const void *x, int bf16, int64_t K, int64_t Kp, int8_t *q, float *scale,
-                         int32_t *qsum) {
-    __m512 amax = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16)  /* NaN inputs are skipped, as in the scalar max */
-        amax = _mm512_max_ps(_mm512_abs_ps(load_f32(x, bf16, k, tail_mask(K - k))), amax);
-    float a = _mm512_reduce_max_ps(amax);
-    float s = a > 0.f ? a / 127.f : 1.f;
-    __m512 vs = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
-    __m512i sum = _mm512_setzero_si512();
-    for (int64_t k = 0; k < K; k += 16) {
-        __mmask16 m = tail_mask(K - k);
-        __m512 r = _mm512_roundscale_ps(_mm512_div_ps(load_f32(x, bf16, k, m), vs),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        __m512i c = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi));
-        sum = _mm512_add_epi32(sum, c);
-        _mm_mask_storeu_epi8(q + k, m, _mm512_cvtsepi32_epi8(c));
-    }
-    memset(q + K, 0, (size_t)(Kp - K));
-    *scale = s;
-    *qsum = _mm512_reduce_add_epi32(sum);
-}
+#include "int8_act_avx512.h"
 
 typedef struct {
     const int8_t *xq; const float *sa; const int32_t *qsum; int64_t M, Kp, N;
@@ -158,7 +114,7 @@ int int8_linear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *
     #pragma omp parallel num_threads(threads) if (M * N * K > (1 << 18))
     {
         #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) quantize_row((const char *)x + m * K * (x_bf16 ? 2 : 4), x_bf16,
+        for (int64_t m = 0; m < M; m++) quantize_row_avx512((const char *)x + m * K * (x_bf16 ? 2 : 4), x_bf16,
                                                      K, Kp, xq + m * Kp, sa + m, qsum + m);
         #pragma omp for schedule(static)
         for (int64_t c = 0; c < chunks; c++) {

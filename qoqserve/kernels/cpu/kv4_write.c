@@ -13,16 +13,7 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline float load(const void *x, int bf16, int64_t i) {
-    return bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
-}
+#include "bf16.h"
 
 /* one head of one token: D values -> D/2 code bytes + fp16 scale + fp16 zero */
 static void quantize_row(const void *x, int bf16, int64_t base, int D, uint8_t *row) {

@@ -54,20 +54,7 @@ typedef struct {
 
 /* ------------------------------------------------------------- scalar */
 
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) {  /* round to nearest even; NaN kept NaN */
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
+#include "bf16.h"
 
 /* the max/min below pick their second operand on NaN, as vmaxps/vminps do */
 static void quantize_row_scalar(const void *x, int bf16, int64_t K, int64_t Kp, int8_t *q,
@@ -135,49 +122,8 @@ static void blocks_scalar(const Job *j, int64_t nb_lo, int64_t nb_hi, int8_t *ro
 
 #define SIMD __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
-SIMD static inline __mmask16 tail_mask(int64_t left) {
-    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
-}
-
-SIMD static inline __m512 load_f32(const void *x, int bf16, int64_t i, __mmask16 k) {
-    if (bf16) {
-        __m256i h = _mm256_maskz_loadu_epi16(k, (const uint16_t *)x + i);
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
-    return _mm512_maskz_loadu_ps(k, (const float *)x + i);
-}
-
-/* float_to_bf16 on 16 lanes (vcvtneps2bf16 would flush denormals) */
-SIMD static inline __m256i to_bf16(__m512 v) {
-    __m512i b = _mm512_castps_si512(v), hi = _mm512_srli_epi32(b, 16);
-    __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
-    return _mm512_cvtepi32_epi16(r);
-}
-
-SIMD static void quantize_row_simd(const void *x, int bf16, int64_t K, int64_t Kp, int8_t *q,
-                                   float *scale, int32_t *qsum) {
-    __m512 amax = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16)  /* NaN lanes keep amax (second operand) */
-        amax = _mm512_max_ps(_mm512_abs_ps(load_f32(x, bf16, k, tail_mask(K - k))), amax);
-    float a = _mm512_reduce_max_ps(amax);
-    float s = a > 0.f ? a / 127.f : 1.f;
-    __m512 vs = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
-    __m512i sum = _mm512_setzero_si512();
-    for (int64_t k = 0; k < K; k += 16) {
-        __mmask16 m = tail_mask(K - k);
-        __m512 r = _mm512_roundscale_ps(_mm512_div_ps(load_f32(x, bf16, k, m), vs),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        __m512i c = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi));
-        sum = _mm512_add_epi32(sum, c);
-        _mm_mask_storeu_epi8(q + k, m, _mm512_cvtsepi32_epi8(c));
-    }
-    memset(q + K, 0, (size_t)(Kp - K));
-    *scale = s;
-    *qsum = _mm512_reduce_add_epi32(sum);
-}
+#define AVX512_FN SIMD
+#include "int8_act_avx512.h"
 
 /* epilogue of one row of one weight block, from its INT32 accumulator */
 SIMD static inline void store(const Job *j, int64_t m, int64_t nb, __m512i acc) {
@@ -364,7 +310,7 @@ int w4a8_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w,
         for (int64_t m = 0; m < M; m++) {
             const void *xm = (const char *)x + m * K * (x_bf16 ? 2 : 4);
 #if HAVE_SIMD
-            if (simd) { quantize_row_simd(xm, x_bf16, K, Kp, xq + m * Kp, sa + m, qsum + m); continue; }
+            if (simd) { quantize_row_avx512(xm, x_bf16, K, Kp, xq + m * Kp, sa + m, qsum + m); continue; }
 #endif
             quantize_row_scalar(xm, x_bf16, K, Kp, xq + m * Kp, sa + m, qsum + m);
         }

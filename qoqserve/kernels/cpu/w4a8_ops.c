@@ -9,24 +9,7 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) {  /* round to nearest even; NaN kept NaN */
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
-static inline float load(const void *x, int bf16, int64_t i) {
-    return bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
-}
+#include "bf16.h"
 
 /* x [M, K] (fp32 or bf16) -> q int8 [M, K], scale fp32 [M], rowsum fp32 [M] */
 void quantize_rows_int8(const void *x, int bf16, int64_t M, int64_t K, int8_t *q, float *scale,
