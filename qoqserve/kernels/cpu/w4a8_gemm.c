@@ -130,13 +130,9 @@ SIMD static inline void store(const Job *j, int64_t m, int64_t nb, __m512i acc) 
     const int64_t n0 = nb * NB;
     const __mmask16 k = tail_mask(j->N - n0);
     if (j->gp) acc = _mm512_sub_epi32(acc, _mm512_set1_epi32(128 * j->qsum[m]));
-    __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(j->sa[m])),
-                             _mm512_maskz_loadu_ps(k, j->s1 + n0));
-    if (j->zs1)
-        v = _mm512_sub_ps(v, _mm512_mul_ps(_mm512_set1_ps(j->rowsum[m]), _mm512_maskz_loadu_ps(k, j->zs1 + n0)));
-    if (j->bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, j->bias + n0));
-    if (j->out_bf16) _mm256_mask_storeu_epi16((uint16_t *)j->y + m * j->N + n0, k, to_bf16(v));
-    else _mm512_mask_storeu_ps((float *)j->y + m * j->N + n0, k, v);
+    char *y = (char *)j->y + (m * j->N + n0) * (j->out_bf16 ? 2 : 4);
+    store_epilogue(acc, j->sa[m], j->s1 + n0, j->zs1 ? j->zs1 + n0 : NULL, j->rowsum ? j->rowsum[m] : 0.f,
+                   j->bias ? j->bias + n0 : NULL, y, j->out_bf16, k);
 }
 
 SIMD static inline __m512i bcast4(const int8_t *p) {
