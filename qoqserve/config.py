@@ -96,9 +96,28 @@ class EngineConfig:
                                    choices=QUANTIZATIONS)
     # the first step pays the compile (~30 s on 2 cores, cached on disk afterwards)
     compile: bool = opt(False, "torch.compile the decode attention of the torch path")
+    enforce_eager: bool = opt(False, "run every step op by op: no captured decode steps (CPU; "
+                                     "docs/runtime.md)")
+    capture_sizes: str | list[int] | None = opt(
+        None, "decode batch sizes to capture, comma-separated (default: 1-8, then every 8 up to "
+              "--max-num-seqs); a batch runs in the next larger captured size")
     seed: int = opt(0, "seed of the sampler for requests without their own")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def capture_size_list(self) -> list[int] | None:
+        """The decode batch sizes to capture (None: the default set)."""
+        sizes = self.capture_sizes
+        if sizes is None:
+            return None
+        if isinstance(sizes, str):
+            try:
+                sizes = [int(x) for x in sizes.split(",") if x.strip()]
+            except ValueError:
+                raise ValueError(f"capture_sizes {self.capture_sizes!r}: comma-separated integers") from None
+        if not sizes or min(sizes) < 1:
+            raise ValueError(f"capture_sizes {self.capture_sizes!r}: positive batch sizes")
+        return sorted(set(sizes))
 
     @property
     def torch_dtype(self) -> torch.dtype:

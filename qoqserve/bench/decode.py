@@ -29,11 +29,14 @@ class DecodeResult:
     max_batch_in_budget: int
 
 
-def run_batch(llm, batch: int, input_len: int, output_len: int) -> tuple[float, float, int]:
-
+def run_batch(llm, batch: int, input_len: int, output_len: int, seed: int | None = None
+              ) -> tuple[float, float, int]:
+    """seed: of the prompts (default: the batch size); the warm-up uses others,
+    or the timed prefill would be a prefix-cache hit."""
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    for i, p in enumerate(make_prompts(batch, input_len, engine.arch.vocab_size, seed=batch)):
+    prompts = make_prompts(batch, input_len, engine.arch.vocab_size, seed=batch if seed is None else seed)
+    for i, p in enumerate(prompts):
         engine.add_request(f"bench-{batch}-{i}", p, params)
     prefill = decode = 0.0
     decoded = 0
@@ -50,12 +53,14 @@ def run_batch(llm, batch: int, input_len: int, output_len: int) -> tuple[float, 
 
 
 def bench_decode(precisions: list[str], batches: list[int], input_len: int, output_len: int,
-                 kv_budget_gb: float, compile: bool, threads_note: str = "") -> list[DecodeResult]:
+                 kv_budget_gb: float, compile: bool, threads_note: str = "",
+                 enforce_eager: bool = False) -> list[DecodeResult]:
 
     results = []
     for name in precisions:
         p = get_precision(name)
         llm = LLM(model_for(p, None), kv_cache_gb=kv_budget_gb, max_num_seqs=max(batches), compile=compile,
+                  enforce_eager=enforce_eager,
                   max_num_batched_tokens=max(batches) * input_len, **engine_kwargs(p, "cpu"))
         stats = llm.engine.stats()
         per_seq_blocks = -(-(input_len + output_len) // stats["block_size"])
@@ -63,7 +68,7 @@ def bench_decode(precisions: list[str], batches: list[int], input_len: int, outp
         # warm-up; with --compile, batch 1 and batch >1 are separate graphs (dynamo
         # specializes size 1), so both are compiled before anything is timed
         for b in sorted({1, 2}):
-            run_batch(llm, b, input_len, 4)
+            run_batch(llm, b, input_len, 4, seed=10_000 + b)
         for b in batches:
             prefill, decode, decoded = run_batch(llm, b, input_len, output_len)
             r = DecodeResult(name, b, prefill, decode, decoded / decode, stats["weight_bytes"] / 2**20,

@@ -31,6 +31,7 @@ def register(sub) -> None:
     dec.add_argument("--kv-budget-gb", type=float, default=0.25,
                      help="KV page pool per engine; also the budget of the max-batch column")
     dec.add_argument("--compile", action="store_true", help="torch.compile the decode attention")
+    dec.add_argument("--enforce-eager", action="store_true", help="no captured decode steps (op by op)")
     dec.add_argument("--json-out", default=None)
     dec.set_defaults(func=run_decode_cmd)
 
@@ -211,14 +212,16 @@ def run_decode_cmd(args) -> int:
     from qoqserve.bench.decode import as_dicts, bench_decode
 
     print(f"# {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
-          f"input {args.input_len}, output {args.output_len}, compile={args.compile}")
+          f"input {args.input_len}, output {args.output_len}, compile={args.compile}, "
+          f"enforce_eager={args.enforce_eager}")
     results = bench_decode(args.precisions, args.batch_sizes, args.input_len, args.output_len,
-                           args.kv_budget_gb, args.compile)
+                           args.kv_budget_gb, args.compile, enforce_eager=args.enforce_eager)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"threads": torch.get_num_threads(), "torch": torch.__version__,
                        "input_len": args.input_len, "output_len": args.output_len,
-                       "compile": args.compile, "results": as_dicts(results)}, f, indent=2)
+                       "compile": args.compile, "enforce_eager": args.enforce_eager,
+                       "results": as_dicts(results)}, f, indent=2)
     return 0
 
 

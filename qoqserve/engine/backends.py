@@ -24,12 +24,14 @@ from qoqserve.layers.kv_cache import (
     KVCacheLayout,
 )
 from qoqserve.layers.linear import LinearMethod
+from qoqserve.layers.logits import CpuLogitsHead, LogitsHead
 from qoqserve.layers.quantization import (
     KernelChoice,
     QuantizationConfig,
     resolve_quantization,
 )
 from qoqserve.layers.quantization.int8_gemm import fused_int8_available
+from qoqserve.layers.token_ops import CpuTokenOps, TorchTokenOps
 from qoqserve.models.arch import ModelArchConfig
 
 
@@ -39,6 +41,8 @@ class Backends:
     choice: KernelChoice
     linear_method: LinearMethod
     attention: AttentionBackend    # page format (attention.layout) + kernels
+    logits_head: LogitsHead
+    token_ops: TorchTokenOps
 
 
 def resolve_kernels(config: EngineConfig) -> str:
@@ -109,4 +113,8 @@ def select_backends(config: EngineConfig, arch: ModelArchConfig,
     layout = kv_layout(arch, config.cache, config.torch_dtype, config.device, quant.get_kv_format())
     attention = attention_backend(layout, choice, config.cache, config.torch_dtype, config.device,
                                   config.compile)
-    return Backends(quant, choice, quant.get_linear_method(choice), attention)
+    on_cpu = choice.kernels == "cpu" and config.device == "cpu"
+    dtype = config.torch_dtype
+    return Backends(quant, choice, quant.get_linear_method(choice), attention,
+                    CpuLogitsHead() if on_cpu and CpuLogitsHead.supports(dtype) else LogitsHead(),
+                    CpuTokenOps() if on_cpu and CpuTokenOps.supports(dtype) else TorchTokenOps())

@@ -7,6 +7,7 @@ import torch
 
 from qoqserve.config import CacheConfig, EngineConfig
 from qoqserve.engine.backends import select_backends
+from qoqserve.engine.captured_step import CapturedDecode, default_capture_sizes
 from qoqserve.engine.scheduler import ScheduledBatch
 from qoqserve.engine.sequence import Sequence
 from qoqserve.engine.staging import HostStaging
@@ -80,15 +81,28 @@ class ModelRunner:
             self.model = LlamaForCausalLM(arch, self.attention, self.dtype,
                                           linear_method=self.backends.linear_method,
                                           max_positions=max_positions,
-                                          key_transform=self.backends.quant.key_transform)
+                                          key_transform=self.backends.quant.key_transform,
+                                          logits_head=self.backends.logits_head,
+                                          token_ops=self.backends.token_ops)
         self.model.load_weights(tensors)
         self.model.eval()
         self.num_blocks = num_blocks_for_budget(config.cache, self.layout, arch.num_layers, self.device)
-        self.kv_caches = [self.layout.allocate(self.num_blocks, self.device)
+        # one page more than the block manager hands out: padding rows of a
+        # captured step write their K/V there
+        self.kv_caches = [self.layout.allocate(self.num_blocks + 1, self.device)
                           for _ in range(arch.num_layers)]
         self.sampler = Sampler(config.seed)
         self.staging = HostStaging(self.device)
         self._log_load()
+        self.captured: CapturedDecode | None = None
+        if self.device.type == "cpu" and not config.enforce_eager:
+            sizes = config.capture_size_list() or default_capture_sizes(config.scheduler.max_num_seqs)
+            width = -(-max_positions // self.block_size)
+            self.captured = CapturedDecode(self.model, self.kv_caches, sizes, width, self.block_size,
+                                           pad_slot=self.num_blocks * self.block_size)
+            self.captured.capture_all()
+            if self.captured.disabled:
+                self.captured = None
 
     def _log_load(self) -> None:
         paths: dict[str, int] = {}
@@ -109,9 +123,12 @@ class ModelRunner:
                 "linear_weight_bytes": sum(resident_bytes(m) for m in self.model.modules()
                                            if isinstance(m, Linear)),
                 "kv_layout": self.layout.name, "kv_kernel": self.attention.name,
+                "lm_head_kernel": self.backends.logits_head.name,
+                "token_ops": self.backends.token_ops.name,
                 "kv_bytes_per_token": self.layout.bytes_per_token() * len(self.kv_caches),
                 "num_kv_blocks": self.num_blocks, "block_size": self.block_size,
-                "linear_paths": paths, "dtype": str(self.dtype).replace("torch.", "")}
+                "linear_paths": paths, "dtype": str(self.dtype).replace("torch.", ""),
+                "captured_decode_sizes": self.captured.sizes if self.captured else []}
 
     def _slot(self, seq: Sequence, pos: int) -> int:
         return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
@@ -156,6 +173,10 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch):
         """One forward step; returns the sampler's (tokens, logprobs, top_logprobs)
         for batch.sampled (nothing to sample when every chunk is partial)."""
+        if not batch.prefills and self.captured is not None:
+            hidden = self.captured.run(batch.decodes)
+            if hidden is not None:
+                return self.sampler(self.model.compute_logits(hidden), batch.sampled)
         ids, positions, meta, rows = self._prepare(batch)
         hidden = self.model(ids, positions, meta, self.kv_caches)
         if not rows:

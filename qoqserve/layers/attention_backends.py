@@ -83,8 +83,13 @@ class CpuAttention(AttentionBackend):
             return False
         return not isinstance(layout, DenseKVCacheLayout) or paged_decode.supports_dtype(layout.dtype)
 
+    def __init__(self, layout: KVCacheLayout, quantized_prefill: bool | None = None):
+        super().__init__(layout, quantized_prefill)
+        # decided once: a captured step must not probe the library per call
+        self._c_write = isinstance(layout, Int4KVCacheLayout) and kv4_write.available()
+
     def write(self, cache, k, v, slot_mapping) -> None:
-        if isinstance(self.layout, Int4KVCacheLayout) and kv4_write.available():
+        if self._c_write:
             kv4_write.kv4_write(cache, k, v, slot_mapping)
         else:
             self.layout.write(cache, k, v, slot_mapping)

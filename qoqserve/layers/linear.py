@@ -42,14 +42,17 @@ class LinearMethod(ABC):
         """Kernel path used by this layer, for the load-time log and stats."""
         return self.name
 
-    def input_from_norm(self, norm: nn.Module, h: torch.Tensor):
-        """This layer's input when it is norm(h)."""
-        return norm(h)
+    def input_from_norm(self, norm: nn.Module, h: torch.Tensor, delta: torch.Tensor | None = None):
+        """(this layer's input when it is norm(h + delta), h + delta): the
+        residual stream after the add (h itself when delta is None)."""
+        if delta is None:
+            return norm(h), h
+        return norm(h, delta)
 
-    def input_from_silu_mul(self, gate_up: torch.Tensor):
-        """This layer's input when it is silu(gate) * up of a fused gate_up output."""
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+    def input_from_silu_mul(self, gate_up: torch.Tensor, silu_mul):
+        """This layer's input when it is silu(gate) * up of a fused gate_up
+        output; silu_mul: the model's own op for it."""
+        return silu_mul(gate_up)
 
 
 def _shard_loader(param: torch.Tensor, loaded: torch.Tensor, shard: int | None,
@@ -126,11 +129,11 @@ class Linear(nn.Module):
     def forward(self, x) -> torch.Tensor:
         return self.method.apply(self, x)
 
-    def input_from_norm(self, norm: nn.Module, h: torch.Tensor):
-        return self.method.input_from_norm(norm, h)
+    def input_from_norm(self, norm: nn.Module, h: torch.Tensor, delta: torch.Tensor | None = None):
+        return self.method.input_from_norm(norm, h, delta)
 
-    def input_from_silu_mul(self, gate_up: torch.Tensor):
-        return self.method.input_from_silu_mul(gate_up)
+    def input_from_silu_mul(self, gate_up: torch.Tensor, silu_mul):
+        return self.method.input_from_silu_mul(gate_up, silu_mul)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.output_sizes}, bias={self.has_bias}, "

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Iterable, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from qoqserve.layers.attention import AttentionMetadata, PagedAttention
@@ -19,62 +18,62 @@ from qoqserve.layers.linear import (
     Linear,
     LinearMethod,
     UnquantizedLinearMethod,
-    batch_invariant_linear,
 )
+from qoqserve.layers.logits import LogitsHead
 from qoqserve.layers.norm import RMSNorm
 from qoqserve.layers.rotary import RotaryEmbedding
+from qoqserve.layers.token_ops import TorchTokenOps
 from qoqserve.models.arch import ModelArchConfig
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelArchConfig, method: LinearMethod, attention: AttentionBackend | None,
-                 rope: RotaryEmbedding, dtype: torch.dtype, key_transform: bool = False):
+                 rope: RotaryEmbedding, dtype: torch.dtype, key_transform: bool, ops: TorchTokenOps):
         super().__init__()
+        self.ops = ops
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, [q_size, kv_size, kv_size], cfg.attention_bias, method, dtype)
         self.o_proj = Linear(q_size, cfg.hidden_size, False, method, dtype)
         self.rope = rope
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, attention)
-        self.sizes = [q_size, kv_size, kv_size]
         self.key_transform = (KeyTransform(self.num_kv_heads, self.head_dim, dtype)
                               if key_transform else None)
 
     def forward(self, positions, x, meta: AttentionMetadata, cache):
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        t = positions.shape[0]
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rope(positions, q, k)
-        if self.key_transform is not None:
-            q, k = self.key_transform(q, k)
+        q, k, v = self.ops.qkv_rope(self.qkv_proj(x), positions, self.rope, self.key_transform,
+                                    self.num_heads, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v, meta, cache))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, method: LinearMethod, dtype: torch.dtype):
+    def __init__(self, cfg: ModelArchConfig, method: LinearMethod, dtype: torch.dtype, ops: TorchTokenOps):
         super().__init__()
+        self.ops = ops
         self.gate_up_proj = Linear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, method, dtype)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, method, dtype)
 
     def forward(self, x):
-        return self.down_proj(self.down_proj.input_from_silu_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.down_proj.input_from_silu_mul(self.gate_up_proj(x), self.ops.silu_mul))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, method, attention, rope, dtype, key_transform: bool = False):
+    def __init__(self, cfg, method, attention, rope, dtype, key_transform: bool, ops: TorchTokenOps):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, method, attention, rope, dtype, key_transform)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, method, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
+        self.self_attn = Attention(cfg, method, attention, rope, dtype, key_transform, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
+        self.mlp = MLP(cfg, method, dtype, ops)
 
-    def forward(self, positions, h, meta, cache):
+    def forward(self, positions, h, meta, cache, delta=None):
+        """The residual stream h and the previous layer's output delta (not yet
+        added: the add is fused into this layer's first norm) -> the new
+        residual stream and this layer's MLP output."""
         # the consuming linear may fuse the norm with quantizing its input
-        x = self.self_attn.qkv_proj.input_from_norm(self.input_layernorm, h)
-        h = h + self.self_attn(positions, x, meta, cache)
-        return h + self.mlp(self.mlp.gate_up_proj.input_from_norm(self.post_attention_layernorm, h))
+        x, h = self.self_attn.qkv_proj.input_from_norm(self.input_layernorm, h, delta)
+        a = self.self_attn(positions, x, meta, cache)
+        x, h = self.mlp.gate_up_proj.input_from_norm(self.post_attention_layernorm, h, a)
+        return h, self.mlp(x)
 
 
 class TensorSpec(NamedTuple):
@@ -89,18 +88,22 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, cfg: ModelArchConfig, attention: AttentionBackend | None, dtype: torch.dtype,
                  linear_method: LinearMethod | None = None, max_positions: int | None = None,
-                 key_transform: bool = False):
-        """key_transform: attention has a KeyTransform (QoQ checkpoints for KV4 carry one)."""
+                 key_transform: bool = False, logits_head: LogitsHead | None = None,
+                 token_ops: TorchTokenOps | None = None):
+        """key_transform: attention has a KeyTransform (QoQ checkpoints for KV4 carry one).
+        logits_head, token_ops: the LM head's kernel and the per-token ops (default: torch)."""
         super().__init__()
         self.cfg = cfg
+        self.logits_head = logits_head or LogitsHead()
+        self.token_ops = ops = token_ops or TorchTokenOps()
         method = linear_method or UnquantizedLinearMethod()
         self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype),
                                          requires_grad=False)
         rope = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
                                cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, method, attention, rope, dtype, key_transform)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, method, attention, rope, dtype, key_transform, ops)
                                     for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         # lm_head and embeddings stay high precision (QoQ keeps them unquantized)
         self.lm_head = (self.embed_tokens if cfg.tie_word_embeddings else
                         nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype),
@@ -109,13 +112,13 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 caches: list[torch.Tensor] | None) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm."""
-        h = F.embedding(input_ids, self.embed_tokens)
+        h, delta = self.token_ops.embed(input_ids, self.embed_tokens), None
         for i, layer in enumerate(self.layers):
-            h = layer(positions, h, meta, caches[i] if caches is not None else None)
-        return self.norm(h)
+            h, delta = layer(positions, h, meta, caches[i] if caches is not None else None, delta)
+        return self.norm(h, delta)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return batch_invariant_linear(hidden, self.lm_head).float()
+        return self.logits_head(hidden, self.lm_head)
 
     @torch.inference_mode()
     def prompt_logprobs(self, token_ids: list[int]) -> torch.Tensor:
@@ -159,6 +162,7 @@ class LlamaForCausalLM(nn.Module):
                     module.method.process_weights_after_loading(module)
                 except ValueError as e:
                     raise ValueError(f"{name}: {e}") from None
+        self.logits_head.prepare(self.lm_head)
 
     def map_checkpoint_name(self, name: str) -> tuple[str | None, int | None]:
         if "rotary_emb" in name:

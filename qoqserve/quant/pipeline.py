@@ -82,7 +82,8 @@ def _run_layer(layer, hidden: torch.Tensor, seq_len: int, chunk: int = 8) -> tor
     for s in range(0, n, chunk):
         c = min(chunk, n - s)
         rows = slice(s * seq_len, (s + c) * seq_len)
-        out[rows] = layer(positions.repeat(c), hidden[rows], _meta(c, seq_len), None)
+        h, delta = layer(positions.repeat(c), hidden[rows], _meta(c, seq_len), None)
+        out[rows] = h + delta
     return out
 
 

@@ -6,6 +6,7 @@ import ctypes
 
 import torch
 
+from qoqserve.kernels.cpu import graph
 from qoqserve.kernels.cpu.build import load_library
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
@@ -21,14 +22,32 @@ def available() -> bool:
     return load() is not None
 
 
+@torch.library.custom_op("qoqserve::kv4_write", mutates_args=("cache",))
+def kv4_write_op(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """kv4_write as one opaque op of a captured graph (writes `cache` in place)."""
+    _kv4_write(cache, k, v, slot_mapping)
+
+
+@kv4_write_op.register_fake
+def _(cache, k, v, slot_mapping):
+    return None
+
+
 def kv4_write(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """k, v [T, Hkv, D] -> their rows of the KV4 page pool `cache` (uint8
     [blocks, block_size, 2, Hkv, D/2 + 4]) at flat slots `slot_mapping`."""
+    if torch.compiler.is_compiling():
+        kv4_write_op(cache, k, v, slot_mapping)
+    else:
+        _kv4_write(cache, k, v, slot_mapping)
+
+
+def _kv4_write(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     t, hkv, d = k.shape
     if cache.shape[-2:] != (hkv, d // 2 + 4) or d % 2 or not cache.is_contiguous():
         raise ValueError(f"unsupported shapes: k {tuple(k.shape)}, pages {tuple(cache.shape)}")
     work = k.dtype if k.dtype in (torch.float32, torch.bfloat16) else torch.float32  # fp16: exact in fp32
     kc, vc = k.to(work).contiguous(), v.to(work).contiguous()
     slots = slot_mapping.to(torch.int64).contiguous()
-    load().kv4_write(kc.data_ptr(), vc.data_ptr(), int(work == torch.bfloat16), slots.data_ptr(), t, hkv,
+    graph.launch(load().kv4_write, kc.data_ptr(), vc.data_ptr(), int(work == torch.bfloat16), slots.data_ptr(), t, hkv,
                      d, cache.data_ptr(), torch.get_num_threads())

@@ -8,6 +8,7 @@ import platform
 
 import torch
 
+from qoqserve.kernels.cpu import graph
 from qoqserve.kernels.cpu.build import load_library
 from qoqserve.kernels.qoq_ref import kv_row_bytes
 
@@ -45,6 +46,19 @@ def supports_dtype(dtype: torch.dtype) -> bool:
     return str(dtype).replace("torch.", "") in FORMATS
 
 
+@torch.library.custom_op("qoqserve::paged_decode", mutates_args=())
+def paged_decode_op(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, fmt: str,
+                    block_size: int, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                    sm_scale: float) -> torch.Tensor:
+    """paged_decode_attention as one opaque op of a captured graph."""
+    return _paged_decode(q, k_rows, v_rows, fmt, block_size, block_tables, context_lens, sm_scale)
+
+
+@paged_decode_op.register_fake
+def _(q, k_rows, v_rows, fmt, block_size, block_tables, context_lens, sm_scale):
+    return torch.empty_like(q)
+
+
 def paged_decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, fmt: str,
                            block_size: int, block_tables: torch.Tensor, context_lens: torch.Tensor,
                            sm_scale: float) -> torch.Tensor:
@@ -52,7 +66,16 @@ def paged_decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.
 
     k_rows, v_rows: views [num_slots, Hkv, row] of one layer's page pool (one
     row = one token's K or V of one head, in format `fmt`), with equal strides.
+    A sequence with context length 0 (a padding row) gets zeros.
     """
+    if torch.compiler.is_compiling():
+        return paged_decode_op(q, k_rows, v_rows, fmt, block_size, block_tables, context_lens, sm_scale)
+    return _paged_decode(q, k_rows, v_rows, fmt, block_size, block_tables, context_lens, sm_scale)
+
+
+def _paged_decode(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, fmt: str,
+                  block_size: int, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                  sm_scale: float) -> torch.Tensor:
     b, h, d = q.shape
     _, hkv, row = k_rows.shape
     if fmt not in FORMATS or k_rows.stride() != v_rows.stride() or k_rows.stride(2) != 1:
@@ -63,9 +86,9 @@ def paged_decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.
     qf = q.float().contiguous()
     tables = block_tables.to(torch.int64).contiguous()
     lens = context_lens.to(torch.int64).contiguous()
-    out = torch.empty_like(qf)
-    rc = load().paged_decode_attention(
-        qf.data_ptr(), k_rows.data_ptr(), v_rows.data_ptr(), k_rows.stride(0) * size,
+    out = graph.empty(*qf.shape, dtype=qf.dtype)
+    rc = graph.launch(
+        load().paged_decode_attention, qf.data_ptr(), k_rows.data_ptr(), v_rows.data_ptr(), k_rows.stride(0) * size,
         k_rows.stride(1) * size, FORMATS[fmt], tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
         b, h, hkv, d, block_size, tables.shape[1], float(sm_scale), torch.get_num_threads())
     if rc != 0:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from qoqserve.kernels import qoq_ref
+from qoqserve.kernels.cpu import graph
 from qoqserve.kernels.cpu.build import load_library
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
@@ -104,9 +105,9 @@ def w4a8_linear(x2: torch.Tensor, codes: torch.Tensor, gparams: torch.Tensor | N
         raise ValueError(f"packed codes {tuple(codes.shape)} do not cover [{n}, {k}]")
     if simd is None:
         simd = isa() != "scalar"
-    y = torch.empty(m, n, dtype=x2.dtype)
+    y = graph.empty(m, n, dtype=x2.dtype)
     bf16 = int(x2.dtype == torch.bfloat16)
-    rc = load().w4a8_gemm(x2.data_ptr(), bf16, m, k, codes.data_ptr(),
+    rc = graph.launch(load().w4a8_gemm, x2.data_ptr(), bf16, m, k, codes.data_ptr(),
                           None if gparams is None else gparams.data_ptr(), group_size, n, s1.data_ptr(),
                           None if rowsum is None else rowsum.data_ptr(),
                           None if zs1 is None else zs1.data_ptr(),
@@ -115,6 +116,20 @@ def w4a8_linear(x2: torch.Tensor, codes: torch.Tensor, gparams: torch.Tensor | N
     if rc != 0:
         raise RuntimeError(f"packed W4A8 kernel {_ERRORS.get(rc, f'failed ({rc})')}")
     return y
+
+
+@torch.library.custom_op("qoqserve::w4a8_gemm", mutates_args=())
+def w4a8_gemm_op(x2: torch.Tensor, codes: torch.Tensor, gparams: torch.Tensor | None, group_size: int,
+                 n: int, s1: torch.Tensor, zs1: torch.Tensor | None, bias: torch.Tensor | None,
+                 simd: bool) -> torch.Tensor:
+    """w4a8_linear as one opaque op of a captured graph (torch.compile)."""
+    rowsum = qoq_ref.act_row_sum(x2) if zs1 is not None else None
+    return w4a8_linear(x2, codes, gparams, group_size, n, s1, rowsum, zs1, bias, simd)
+
+
+@w4a8_gemm_op.register_fake
+def _(x2, codes, gparams, group_size, n, s1, zs1, bias, simd):
+    return x2.new_empty(x2.shape[0], n)
 
 
 class PackedW4A8Gemm(nn.Module):
@@ -168,14 +183,18 @@ class PackedW4A8Gemm(nn.Module):
         if x.dtype not in DTYPES:  # fp16: exact in fp32, and the reference rounds at the end
             return self(x.float()).to(x.dtype)
         x2 = (x if x.dim() == 2 else x.reshape(-1, x.shape[-1])).contiguous()
+        if torch.compiler.is_compiling():  # the graph holds the op, not the ctypes call
+            y = w4a8_gemm_op(x2, self.codes, self.gparams, self.group_size, self.out_features,
+                             self.s1, self.zs1, self.bias, self.simd)
+            return y if x.dim() == 2 else y.reshape(*x.shape[:-1], -1)
         m, k = x2.shape
         if k != self.in_features or x2.device.type != "cpu":
             raise ValueError(f"expected a CPU input [..., {self.in_features}], got {tuple(x.shape)} on {x.device}")
         # the per-channel epilogue needs torch's own row sum to match the reference bit for bit
         rowsum = qoq_ref.act_row_sum(x2) if self._per_channel else None
-        y = torch.empty(m, self.out_features, dtype=x2.dtype)
+        y = graph.empty(m, self.out_features, dtype=x2.dtype)
         bf16 = int(x2.dtype == torch.bfloat16)
-        rc = load().w4a8_gemm(x2.data_ptr(), bf16, m, k, *self._args,
+        rc = graph.launch(load().w4a8_gemm, x2.data_ptr(), bf16, m, k, *self._args,
                               None if rowsum is None else rowsum.data_ptr(), *self._tail, y.data_ptr(),
                               bf16, int(self.simd), torch.get_num_threads())
         if rc != 0:

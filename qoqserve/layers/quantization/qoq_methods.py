@@ -180,12 +180,14 @@ class QoQPackedMethod(QoQLinearMethod):
 class QoQTritonMethod(QoQLinearMethod):
     backend = "triton"
 
-    def input_from_norm(self, norm, h):
+    def input_from_norm(self, norm, h, delta=None):
         # lazy: Triton (imports triton, present only with it)
         from qoqserve.kernels.triton.act_quant import rmsnorm_quant
-        return QuantizedActivation(*rmsnorm_quant(h, norm.weight, norm.eps), h.dtype)
+        if delta is not None:
+            h = h + delta
+        return QuantizedActivation(*rmsnorm_quant(h, norm.weight, norm.eps), h.dtype), h
 
-    def input_from_silu_mul(self, gate_up):
+    def input_from_silu_mul(self, gate_up, silu_mul):
         # lazy: Triton (imports triton, present only with it)
         from qoqserve.kernels.triton.act_quant import silu_mul_quant
         return QuantizedActivation(*silu_mul_quant(gate_up), gate_up.dtype)

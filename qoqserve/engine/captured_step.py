@@ -1,0 +1,149 @@
+"""Decode steps replayed from captured graphs (CPU), the CPU counterpart of
+the CUDA graphs GPU engines replay.
+
+A decode step of B sequences always makes the same kernel calls; what
+changes are the inputs (token ids, positions, slots, context lengths, block
+tables). So for each batch size in `capture_sizes` the model's forward is
+run once while kernels/cpu/graph.py records every C call, with its inputs
+in persistent buffers owned here; later steps of that size write their
+inputs into those buffers and replay the calls from a list, with no module,
+dispatcher or allocator work in between. A batch between two sizes runs in
+the next larger graph: its padding rows read token 0 at position 0, write
+their K/V into a scratch page no sequence owns and attend to nothing, and
+every kernel computes each row on its own, so the real rows' results are
+unchanged (tests check it).
+
+Anything the forward runs that is not a replayable C kernel makes the
+capture fail (graph.CaptureError); the engine then runs op by op and says
+so once. `enforce_eager` never captures.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from qoqserve.engine.sequence import Sequence
+from qoqserve.kernels.cpu import graph
+from qoqserve.layers.attention import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+
+def default_capture_sizes(max_num_seqs: int) -> list[int]:
+    """Every size up to 8, then steps of 8: capturing is one recorded step
+    each and every graph shares the largest one's buffers, so the sizes can
+    be dense and padding stays under 8 rows."""
+    sizes = list(range(1, min(8, max_num_seqs) + 1)) + list(range(16, max_num_seqs + 1, 8))
+    if sizes[-1] != max_num_seqs:
+        sizes.append(max_num_seqs)
+    return sizes
+
+
+class CapturedDecode:
+    def __init__(self, model, kv_caches: list[torch.Tensor], capture_sizes: list[int],
+                 max_blocks_per_seq: int, block_size: int, pad_slot: int):
+        """pad_slot: a KV slot outside every page the block manager hands out."""
+        self.model, self.kv_caches = model, kv_caches
+        self.sizes = sorted(set(capture_sizes))
+        self.block_size, self.pad_slot = block_size, pad_slot
+        n = self.sizes[-1]
+        self.ids = torch.zeros(n, dtype=torch.long)
+        self.positions = torch.zeros(n, dtype=torch.long)
+        self.slots = torch.full((n,), pad_slot, dtype=torch.long)
+        self.context_lens = torch.zeros(n, dtype=torch.long)
+        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.long)
+        # numpy views: writing a few ints into them costs far less than a torch op
+        self._np = {k: getattr(self, k).numpy() for k in
+                    ("ids", "positions", "slots", "context_lens", "block_tables")}
+        self._rows: list[tuple | None] = [None] * n  # (request, preemptions, blocks written) per row
+        self.graphs: dict[int, graph.StepGraph] = {}
+        self.disabled: str | None = None
+        self.capture_seconds = 0.0
+
+    @property
+    def max_size(self) -> int:
+        return self.sizes[-1]
+
+    def capture_all(self) -> None:
+        """Capture every size now (largest first: the others share its buffers)."""
+        start = time.perf_counter()
+        for size in reversed(self.sizes):
+            if self._graph(size) is None:
+                break
+        self.capture_seconds = time.perf_counter() - start
+        if self.disabled is None:
+            log.info("captured decode graphs for batch sizes %s in %.2f s", self.sizes, self.capture_seconds)
+
+    def _meta(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(is_prefill=False, slot_mapping=self.slots[:size],
+                                 block_tables=self.block_tables[:size], context_lens=self.context_lens[:size],
+                                 num_decodes=size)
+
+    @torch.inference_mode()
+    def _graph(self, size: int) -> graph.StepGraph | None:
+        g = self.graphs.get(size)
+        if g is not None or self.disabled:
+            return g
+        arena = self.graphs.get(self.max_size)
+        g = graph.StepGraph(arena)
+        # the recording run computes too: make every row a padding row
+        self._reset_rows(0, self.max_size)
+        try:
+            g.capture(self.model, self.ids[:size], self.positions[:size], self._meta(size), self.kv_caches)
+        except graph.CaptureError as e:
+            self.disabled = str(e)
+            log.warning("decode steps run op by op (not captured): %s", e)
+            return None
+        self.graphs[size] = g
+        return g
+
+    def _reset_rows(self, lo: int, hi: int) -> None:
+        np = self._np
+        np["ids"][lo:hi] = 0
+        np["positions"][lo:hi] = 0
+        np["slots"][lo:hi] = self.pad_slot
+        np["context_lens"][lo:hi] = 0
+        for i in range(lo, hi):
+            self._rows[i] = None
+
+    def bucket(self, batch_size: int) -> int | None:
+        """The captured size a decode batch runs in, or None (op by op)."""
+        if self.disabled or batch_size > self.max_size:
+            return None
+        for s in self.sizes:
+            if s >= batch_size:
+                return s
+        return None
+
+    def run(self, decodes: list[Sequence]) -> torch.Tensor | None:
+        """Final hidden states [len(decodes), hidden] of one decode step, or None
+        when this batch cannot run captured."""
+        b = len(decodes)
+        size = self.bucket(b)
+        g = self._graph(size) if size is not None else None
+        if g is None:
+            return None
+        self._write_inputs(decodes)
+        if size > b:
+            self._reset_rows(b, size)
+        return g.replay()[:b]
+
+    def _write_inputs(self, decodes: list[Sequence]) -> None:
+        np, bs = self._np, self.block_size
+        tables = np["block_tables"]
+        for i, seq in enumerate(decodes):
+            pos = len(seq) - 1
+            table = seq.block_table
+            np["ids"][i] = seq.token_ids[pos]
+            np["positions"][i] = pos
+            np["slots"][i] = table[pos // bs] * bs + pos % bs
+            np["context_lens"][i] = pos + 1
+            # block tables only grow while a sequence runs (a preemption gives it a
+            # new one): write what this row does not hold yet
+            row = self._rows[i]
+            done = row[2] if row is not None and row[:2] == (seq.request_id, seq.num_preemptions) else 0
+            if done < len(table):
+                tables[i, done:len(table)] = table[done:]
+                self._rows[i] = (seq.request_id, seq.num_preemptions, len(table))

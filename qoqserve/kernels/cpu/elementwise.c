@@ -1,0 +1,198 @@
+/* The per-token ops between the GEMMs and attention on CPU: embedding rows,
+ * RMSNorm (alone or fused with the residual add before it), q/k/v split with
+ * RoPE and the QoQ key transform, SiLU * mul. One call per op and layer,
+ * where torch needs 3-12 small ops each, and plain C calls that a captured
+ * step (graph.py) can replay.
+ *
+ * Each output row depends only on its own input row, computed in one fixed
+ * order: results do not depend on the batch, how a prompt is chunked or the
+ * thread count. Activations are fp32 or bf16 (bf16 = 1), math in fp32, bf16
+ * rounding where torch's bf16 ops round (after the normalization, after the
+ * weight multiply, ...), so the torch path and this one agree to rounding.
+ * Built with -ffp-contract=off: products and sums round one at a time, as
+ * torch's elementwise ops do.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#include "bf16.h"
+
+enum { LANES = 16, MAX_ROW = 16384 };
+
+/* a row to fp32 / from fp32 (bf16: rounded to nearest even) */
+static void load_row(const void *x, int bf16, int64_t i, int64_t n, float *out) {
+    if (!bf16) { memcpy(out, (const float *)x + i, sizeof(float) * (size_t)n); return; }
+    const uint16_t *h = (const uint16_t *)x + i;
+    for (int64_t k = 0; k < n; k++) {
+        uint32_t bits = (uint32_t)h[k] << 16;
+        memcpy(out + k, &bits, 4);
+    }
+}
+
+static void store_row(const float *v, int64_t n, void *y, int bf16, int64_t i) {
+    if (!bf16) { memcpy((float *)y + i, v, sizeof(float) * (size_t)n); return; }
+    for (int64_t k = 0; k < n; k++) ((uint16_t *)y)[i + k] = float_to_bf16(v[k]);
+}
+
+/* the values a bf16 tensor would hold (no-op for fp32) */
+static void round_row(float *v, int64_t n, int bf16) {
+    if (!bf16) return;
+    for (int64_t k = 0; k < n; k++) v[k] = bf16_to_float(float_to_bf16(v[k]));
+}
+
+/* sum of squares in a fixed order: 16 lanes (lane l: k = l mod 16), then
+ * pairwise l + 8, + 4, + 2, + 1; written so the lanes vectorize */
+static float sum_squares(const float *v, int64_t n) {
+    float s[LANES] = {0};
+    int64_t k = 0;
+    for (; k + LANES <= n; k += LANES)
+        for (int l = 0; l < LANES; l++) s[l] += v[k + l] * v[k + l];
+    for (int l = 0; k + l < n; l++) s[l] += v[k + l] * v[k + l];
+    for (int h = LANES / 2; h >= 1; h /= 2)
+        for (int l = 0; l < h; l++) s[l] = s[l] + s[l + h];
+    return s[0];
+}
+
+/* e^x in fp32 to ~1 ulp without libm, branch-free so loops over it
+ * vectorize: x = n ln2 + r, |r| <= ln2/2, e^r by its degree-6 Taylor polynomial */
+static inline float exp_f32(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* round to nearest */
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t e = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &e, 4);
+    return p * scale;
+}
+
+/* rows are tiny; threads only pay off for prompt-sized batches */
+#define PAR_ROWS(T) if ((T) >= 64)
+
+void embed_rows(const int64_t *ids, const void *table, void *h, int64_t T, int64_t row_bytes) {
+    for (int64_t t = 0; t < T; t++)
+        memcpy((char *)h + t * row_bytes, (const char *)table + ids[t] * row_bytes, (size_t)row_bytes);
+}
+
+/* xv (fp32, the row as stored) -> y row yi: w * round(x / rms(x)) */
+static void norm_row(float *xv, const float *wv, void *y, int64_t yi, int64_t K, float eps, int bf16) {
+    const float r = 1.0f / sqrtf(sum_squares(xv, K) / (float)K + eps);
+    for (int64_t k = 0; k < K; k++) xv[k] = xv[k] * r;
+    round_row(xv, K, bf16);
+    for (int64_t k = 0; k < K; k++) xv[k] = wv[k] * xv[k];
+    store_row(xv, K, y, bf16, yi);
+}
+
+/* y = w * x / rms(x); x rows `x_stride` elements apart, y contiguous [T, K] */
+void rms_norm(const void *x, int64_t x_stride, const void *w, void *y, int64_t T, int64_t K, float eps,
+              int bf16, int threads) {
+    #pragma omp parallel for num_threads(threads) PAR_ROWS(T)
+    for (int64_t t = 0; t < T; t++) {
+        float xv[MAX_ROW], wv[MAX_ROW];
+        load_row(w, bf16, 0, K, wv);
+        load_row(x, bf16, t * x_stride, K, xv);
+        norm_row(xv, wv, y, t * K, K, eps, bf16);
+    }
+}
+
+/* h += d (in place, the residual stream), then y = rms_norm(h) */
+void add_rms_norm(void *h, const void *d, const void *w, void *y, int64_t T, int64_t K, float eps,
+                  int bf16, int threads) {
+    #pragma omp parallel for num_threads(threads) PAR_ROWS(T)
+    for (int64_t t = 0; t < T; t++) {
+        float xv[MAX_ROW], dv[MAX_ROW], wv[MAX_ROW];
+        load_row(h, bf16, t * K, K, xv);
+        load_row(d, bf16, t * K, K, dv);
+        for (int64_t k = 0; k < K; k++) xv[k] = xv[k] + dv[k];
+        round_row(xv, K, bf16);
+        store_row(xv, K, h, bf16, t * K);
+        load_row(w, bf16, 0, K, wv);
+        norm_row(xv, wv, y, t * K, K, eps, bf16);
+    }
+}
+
+/* gu [T, 2I] (gate | up) -> y [T, I] = silu(gate) * up, silu(g) = g / (1 + e^-g) */
+void silu_mul(const void *gu, void *y, int64_t T, int64_t I, int bf16, int threads) {
+    #pragma omp parallel for num_threads(threads) PAR_ROWS(T)
+    for (int64_t t = 0; t < T; t++) {
+        float g[MAX_ROW], u[MAX_ROW];
+        for (int64_t i0 = 0; i0 < I; i0 += MAX_ROW) {
+            const int64_t n = I - i0 < MAX_ROW ? I - i0 : MAX_ROW;
+            load_row(gu, bf16, t * 2 * I + i0, n, g);
+            load_row(gu, bf16, t * 2 * I + I + i0, n, u);
+            for (int64_t i = 0; i < n; i++) g[i] = g[i] / (1.0f + exp_f32(-g[i]));
+            round_row(g, n, bf16);
+            for (int64_t i = 0; i < n; i++) g[i] = g[i] * u[i];
+            store_row(g, n, y, bf16, t * I + i0);
+        }
+    }
+}
+
+/* x[0:D] = y[0:D] @ R, each output summed over e in order; inlined with a
+ * constant D for the common head sizes, so x stays in registers */
+static inline __attribute__((always_inline)) void vec_mat(const float *y, const float *R, float *x, int D) {
+    for (int d = 0; d < D; d++) x[d] = 0.f;
+    for (int e = 0; e < D; e++)
+        for (int d = 0; d < D; d++) x[d] += y[e] * R[e * D + d];
+}
+
+/* qkv [T, row] (row >= (H + 2 Hkv) D elements: q | k | v) -> q [T, H, D],
+ * k, v [T, Hkv, D] contiguous; RoPE (half-split) on q and k at positions
+ * pos[t] from the fp32 tables cos/sin [max_pos, D], rounded once; with
+ * rot != NULL then q R and (k - shift) R (shift [Hkv, D], R [D, D] row-major:
+ * layers/key_transform.py), each output summed over e in order. */
+void qkv_rope(const void *qkv, int64_t row, int64_t T, int H, int Hkv, int D, const int64_t *pos,
+              const float *cos, const float *sin, const void *shift, const void *rot, void *q,
+              void *k, void *v, int bf16, int threads) {
+    #pragma omp parallel for num_threads(threads) PAR_ROWS(T)
+    for (int64_t t = 0; t < T; t++) {
+        /* head_dim <= 512; a bf16 R is widened once per token when it fits
+         * the scratch (head_dim <= 128), else row by row */
+        float x[512], y[512], rmat[128 * 128], sh[512];
+        const float *R = NULL;
+        if (rot && !bf16) R = (const float *)rot;
+        else if (rot && D <= 128) { load_row(rot, bf16, 0, (int64_t)D * D, rmat); R = rmat; }
+        const float *c = cos + pos[t] * D, *s = sin + pos[t] * D;
+        const int half = D / 2;
+        for (int h = 0; h < H + Hkv; h++) {
+            const int is_k = h >= H;
+            load_row(qkv, bf16, t * row + (int64_t)h * D, D, x);
+            for (int d = 0; d < half; d++) y[d] = x[d] * c[d] + -x[d + half] * s[d];
+            for (int d = half; d < D; d++) y[d] = x[d] * c[d] + x[d - half] * s[d];
+            round_row(y, D, bf16);
+            void *dst = is_k ? k : q;
+            const int64_t oi = (t * (is_k ? Hkv : H) + (is_k ? h - H : h)) * D;
+            if (!rot) { store_row(y, D, dst, bf16, oi); continue; }
+            if (is_k) {
+                load_row(shift, bf16, (int64_t)(h - H) * D, D, sh);
+                for (int e = 0; e < D; e++) y[e] = y[e] - sh[e];
+                round_row(y, D, bf16);
+            }
+            if (R && D == 64) vec_mat(y, R, x, 64);
+            else if (R && D == 128) vec_mat(y, R, x, 128);
+            else if (R) vec_mat(y, R, x, D);
+            else {
+                for (int d = 0; d < D; d++) x[d] = 0.f;
+                for (int e = 0; e < D; e++) {
+                    float rr[512];
+                    load_row(rot, bf16, (int64_t)e * D, D, rr);
+                    for (int d = 0; d < D; d++) x[d] += y[e] * rr[d];
+                }
+            }
+            store_row(x, D, dst, bf16, oi);
+        }
+        const size_t es = bf16 ? 2 : 4;
+        memcpy((char *)v + (size_t)(t * Hkv * D) * es, (const char *)qkv + (size_t)(t * row + (H + Hkv) * D) * es,
+               (size_t)(Hkv * D) * es);
+    }
+}

@@ -1,0 +1,111 @@
+"""The per-token ops of a decoder layer on CPU (elementwise.c), via ctypes:
+embedding rows, RMSNorm (alone, or fused with the residual add), q/k/v split
+with RoPE and the key transform, SiLU * mul. fp32 or bf16 activations."""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from qoqserve.kernels.cpu import graph
+from qoqserve.kernels.cpu.build import load_library
+
+_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "embed_rows": (None, [_P, _P, _P, _L, _L]),
+    "rms_norm": (None, [_P, _L, _P, _P, _L, _L, _F, _I, _I]),
+    "add_rms_norm": (None, [_P, _P, _P, _P, _L, _L, _F, _I, _I]),
+    "silu_mul": (None, [_P, _P, _L, _L, _I, _I]),
+    "qkv_rope": (None, [_P, _L, _L, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I]),
+}
+DTYPES = (torch.float32, torch.bfloat16)
+MAX_HEAD_DIM = 512
+MAX_ROW = 16384  # the C scratch rows: hidden size, intermediate size per chunk
+
+
+def load():
+    return load_library("elementwise", ["-ffp-contract=off"], _SIGNATURES)
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def _check(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t.dtype not in DTYPES or t.device.type != "cpu":
+            raise ValueError(f"CPU elementwise kernels take fp32/bf16 CPU tensors, got {t.dtype} on {t.device}")
+
+
+def embed(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """table[ids] (ids int64 [T], table [V, K] contiguous)."""
+    t, k = ids.shape[0], table.shape[1]
+    out = graph.empty(t, k, dtype=table.dtype)
+    graph.launch(load().embed_rows, ids.data_ptr(), table.data_ptr(), out.data_ptr(), t,
+                 k * table.element_size())
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    _check(x, weight)
+    t, k = x.shape
+    if x.stride(1) != 1 or weight.dtype != x.dtype or k > MAX_ROW:
+        raise ValueError(f"rms_norm: rows must be contiguous, at most {MAX_ROW} wide, and the "
+                         "weight in the activations' dtype")
+    y = graph.empty(t, k, dtype=x.dtype)
+    graph.launch(load().rms_norm, x.data_ptr(), x.stride(0), weight.data_ptr(), y.data_ptr(), t, k, eps,
+                 int(x.dtype == torch.bfloat16), torch.get_num_threads())
+    return y
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """h += delta in place (h: the residual stream, contiguous); returns
+    (rms_norm(h), h)."""
+    _check(h, delta, weight)
+    if (not (h.is_contiguous() and delta.is_contiguous()) or delta.dtype != h.dtype
+            or weight.dtype != h.dtype or h.shape[1] > MAX_ROW):
+        raise ValueError(f"add_rms_norm: contiguous h and delta of one dtype, at most {MAX_ROW} wide")
+    t, k = h.shape
+    y = graph.empty(t, k, dtype=h.dtype)
+    graph.launch(load().add_rms_norm, h.data_ptr(), delta.data_ptr(), weight.data_ptr(), y.data_ptr(), t, k,
+                 eps, int(h.dtype == torch.bfloat16), torch.get_num_threads())
+    return y, h
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    _check(gate_up)
+    gate_up = gate_up if gate_up.is_contiguous() else gate_up.contiguous()
+    t, two_i = gate_up.shape
+    y = graph.empty(t, two_i // 2, dtype=gate_up.dtype)
+    graph.launch(load().silu_mul, gate_up.data_ptr(), y.data_ptr(), t, two_i // 2,
+                 int(gate_up.dtype == torch.bfloat16), torch.get_num_threads())
+    return y
+
+
+def qkv_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             num_heads: int, num_kv_heads: int, head_dim: int, shift: torch.Tensor | None = None,
+             rotation: torch.Tensor | None = None):
+    """qkv [T, (H + 2 Hkv) D] -> q [T, H, D], k, v [T, Hkv, D] (contiguous) with
+    RoPE on q, k (cos/sin: fp32 [max_pos, D]) and, given rotation, the key
+    transform q R, (k - shift) R."""
+    _check(qkv)
+    t = qkv.shape[0]
+    if qkv.stride(1) != 1 or head_dim > MAX_HEAD_DIM or head_dim % 2:
+        raise ValueError(f"qkv_rope: rows must be contiguous, head_dim even and <= {MAX_HEAD_DIM}")
+    if cos.dtype != torch.float32 or positions.dtype != torch.int64:
+        raise ValueError("qkv_rope: fp32 cos/sin tables and int64 positions")
+    if rotation is not None and (rotation.dtype != qkv.dtype or shift.dtype != qkv.dtype
+                                 or not (rotation.is_contiguous() and shift.is_contiguous())):
+        raise ValueError("qkv_rope: the key transform must be contiguous, in the activations' dtype")
+    if not (cos.is_contiguous() and sin.is_contiguous() and positions.is_contiguous()):
+        raise ValueError("qkv_rope: contiguous cos/sin tables and positions")
+    q = graph.empty(t, num_heads, head_dim, dtype=qkv.dtype)
+    k = graph.empty(t, num_kv_heads, head_dim, dtype=qkv.dtype)
+    v = graph.empty(t, num_kv_heads, head_dim, dtype=qkv.dtype)
+    graph.launch(load().qkv_rope, qkv.data_ptr(), qkv.stride(0), t, num_heads, num_kv_heads, head_dim,
+                 positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                 None if shift is None else shift.data_ptr(), None if rotation is None else rotation.data_ptr(),
+                 q.data_ptr(), k.data_ptr(), v.data_ptr(), int(qkv.dtype == torch.bfloat16),
+                 torch.get_num_threads())
+    return q, k, v

@@ -1,0 +1,75 @@
+"""The batch-invariant dense linear (float_linear.c), via ctypes: fp32 inputs
+times bf16 or fp32 weights, fp32 out, each output summed in one fixed order
+whatever the batch. The AVX-512 path is chosen at run time;
+QOQSERVE_CPU_ISA=scalar forces the portable one (same bits)."""
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+
+import torch
+
+from qoqserve.kernels.cpu import graph
+from qoqserve.kernels.cpu.build import load_library
+
+_P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+_SIGNATURES = {"float_linear_simd": (_I, []),
+               "float_linear": (_I, [_P, _L, _L, _P, _I, _L, _P, _I, _I])}
+WEIGHT_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def load():
+    # no FMA contraction beyond the explicit fmaf/fmadd: the scalar path must
+    # round exactly as the vector one
+    flags = ["-ffp-contract=off"]
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        flags += ["-march=x86-64", "-mtune=native"]
+    return load_library("float_linear", flags, _SIGNATURES)
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def simd() -> bool:
+    """Whether calls take the AVX-512 path (QOQSERVE_CPU_ISA=scalar: never)."""
+    if os.environ.get("QOQSERVE_CPU_ISA", "").strip().lower() == "scalar":
+        return False
+    return bool(load().float_linear_simd())
+
+
+@torch.library.custom_op("qoqserve::float_linear", mutates_args=())
+def float_linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """float_linear as one opaque op of a captured graph."""
+    return _float_linear(x, weight, None)
+
+
+@float_linear_op.register_fake
+def _(x, weight):
+    return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+
+
+def float_linear(x: torch.Tensor, weight: torch.Tensor, use_simd: bool | None = None) -> torch.Tensor:
+    """x [M, K] (any float dtype, computed in fp32) @ weight[N, K].T -> fp32 [M, N]."""
+    if torch.compiler.is_compiling():
+        return float_linear_op(x, weight)
+    return _float_linear(x, weight, use_simd)
+
+
+def _float_linear(x: torch.Tensor, weight: torch.Tensor, use_simd: bool | None) -> torch.Tensor:
+    if weight.dtype not in WEIGHT_DTYPES or not weight.is_contiguous() or weight.device.type != "cpu":
+        raise ValueError(f"float_linear: weight must be a contiguous CPU bf16/fp32 tensor, "
+                         f"got {weight.dtype} on {weight.device}")
+    x = x.float().contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"float_linear: x [{m}, {k}] does not match weight {tuple(weight.shape)}")
+    y = graph.empty(m, n, dtype=torch.float32)
+    rc = graph.launch(load().float_linear, x.data_ptr(), m, k, weight.data_ptr(), int(weight.dtype == torch.bfloat16),
+                             n, y.data_ptr(), int(simd() if use_simd is None else use_simd),
+                             torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError("float_linear: AVX-512 is not available on this CPU")
+    return y

@@ -1,0 +1,117 @@
+"""A captured CPU step: every C kernel call of one forward, recorded once and
+replayed with the same arguments, as a CUDA graph replays kernel launches.
+
+Every ctypes call of the CPU kernels goes through `launch`, every buffer
+they write is made by `empty`. While a `StepGraph` records, `launch` also
+appends the call (function and converted arguments: raw pointers, sizes) and
+`empty` keeps the buffer alive, so replaying writes the same memory the
+recorded run wrote. Inputs are static buffers the caller fills before each
+replay. A recording is only valid if *nothing else* computed data: a torch op
+run once at capture would be frozen into the graph, so `StepGraph.capture`
+rejects any aten op that is not a view or an allocation (CaptureError), and
+the caller falls back to running op by op.
+
+A graph for a smaller batch can share the buffers of a larger one (`arena`):
+a decode step makes the same calls in the same order at every batch size, so
+allocation i of the small graph fits in allocation i of the large one.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_recording: "StepGraph | None" = None
+
+# aten ops that only make views or fresh buffers: safe inside a capture
+_ALLOWED = {"view", "_unsafe_view", "reshape", "slice", "select", "split", "split_with_sizes",
+            "unsqueeze", "squeeze", "as_strided", "t", "transpose", "permute", "expand", "alias",
+            "detach", "empty", "empty_like", "empty_strided", "narrow", "chunk", "unbind",
+            "lift_fresh", "resolve_conj", "resolve_neg", "_reshape_alias"}
+
+
+class CaptureError(RuntimeError):
+    """The forward ran something a replay would not repeat."""
+
+
+def launch(fn, *args):
+    """Call a ctypes kernel (recorded when a capture is on); returns its result."""
+    rc = fn(*args)
+    if _recording is not None:
+        _recording.ops.append((fn, args))
+    return rc
+
+
+def empty(*shape, dtype: torch.dtype) -> torch.Tensor:
+    """A kernel's output buffer (kept by the graph while capturing)."""
+    if _recording is not None:
+        return _recording.alloc(shape, dtype)
+    return torch.empty(*shape, dtype=dtype)
+
+
+def recording() -> bool:
+    return _recording is not None
+
+
+def _storages(tree) -> set[int]:
+    out = set()
+    for t in tree if isinstance(tree, (list, tuple)) else [tree]:
+        if isinstance(t, torch.Tensor):
+            out.add(t.untyped_storage().data_ptr())
+        elif isinstance(t, (list, tuple)):
+            out |= _storages(t)
+    return out
+
+
+class _OnlyViews(TorchDispatchMode):
+    """Lets through views, allocations and no-ops (an op whose outputs alias
+    its inputs, e.g. .to() of a tensor already of that dtype); any op that
+    computes raises CaptureError."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
+        out = func(*args, **(kwargs or {}))
+        if name in _ALLOWED:
+            return out
+        if not name.endswith("_") and _storages(out) <= _storages(list(args) + list((kwargs or {}).values())):
+            return out
+        raise CaptureError(f"aten::{name} ran in the step: a replay would not repeat it")
+
+
+class StepGraph:
+    def __init__(self, arena: "StepGraph | None" = None):
+        self.ops: list[tuple] = []
+        self.buffers: list[torch.Tensor] = []
+        self._arena = arena.buffers if arena is not None else []
+        self.output = None
+
+    def alloc(self, shape, dtype) -> torch.Tensor:
+        i = len(self.buffers)
+        numel = 1
+        for s in shape:
+            numel *= s
+        if i < len(self._arena) and self._arena[i].dtype == dtype and self._arena[i].numel() >= numel:
+            t = self._arena[i].view(-1)[:numel].view(*shape)
+        else:
+            t = torch.empty(*shape, dtype=dtype)
+        self.buffers.append(t)
+        return t
+
+    def capture(self, fn, *args):
+        """Run fn(*args) once, recording its kernel calls; returns its output,
+        which each replay rewrites in place."""
+        global _recording
+        if _recording is not None:
+            raise CaptureError("captures do not nest")
+        _recording = self
+        try:
+            with _OnlyViews():
+                self.output = fn(*args)
+        finally:
+            _recording = None
+        return self.output
+
+    def replay(self):
+        for fn, args in self.ops:
+            if fn(*args):  # every kernel returns 0 (or nothing) on success
+                raise RuntimeError(f"CPU kernel {fn.__name__} failed during a replayed step")
+        return self.output

@@ -1,0 +1,83 @@
+"""The per-token ops between a decoder layer's GEMMs and attention, as one
+swappable object (like the attention and linear backends): embedding lookup,
+RMSNorm (optionally fused with the residual add before it), q/k/v split with
+RoPE and the key transform, SiLU * mul.
+
+* `TorchTokenOps`: torch ops (any device and dtype);
+* `CpuTokenOps`: one C call per op (kernels/cpu/elementwise.c) where torch
+  runs 3-12 small ops, and a call a captured CPU step can replay
+  (kernels/cpu/graph.py). fp32/bf16 activations.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from qoqserve.kernels.cpu import elementwise
+
+
+class TorchTokenOps:
+    name = "torch"
+
+    def embed(self, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, table)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        # statistics in fp32 whatever the activation dtype, as in HF Llama
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * xf.to(dtype)
+
+    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(h + delta), h + delta); delta None: nothing to add."""
+        if delta is not None:
+            h = h + delta
+        return self.rms_norm(h, weight, eps), h
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def qkv_rope(self, qkv: torch.Tensor, positions: torch.Tensor, rope, key_transform,
+                 num_heads: int, num_kv_heads: int, head_dim: int):
+        """qkv [T, (H + 2 Hkv) D] -> q [T, H, D], k, v [T, Hkv, D] after RoPE
+        (and the key transform when there is one)."""
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        t = positions.shape[0]
+        q = q.reshape(t, num_heads, head_dim)
+        k = k.reshape(t, num_kv_heads, head_dim)
+        v = v.reshape(t, num_kv_heads, head_dim)
+        q, k = rope(positions, q, k)
+        if key_transform is not None:
+            q, k = key_transform(q, k)
+        return q, k, v
+
+
+class CpuTokenOps(TorchTokenOps):
+    name = "c"
+
+    @staticmethod
+    def supports(dtype: torch.dtype) -> bool:
+        return elementwise.available() and dtype in elementwise.DTYPES
+
+    def embed(self, ids, table):
+        return elementwise.embed(ids, table)
+
+    def rms_norm(self, x, weight, eps):
+        return elementwise.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, h, delta, weight, eps):
+        if delta is None:
+            return elementwise.rms_norm(h, weight, eps), h
+        return elementwise.add_rms_norm(h, delta, weight, eps)
+
+    def silu_mul(self, gate_up):
+        return elementwise.silu_mul(gate_up)
+
+    def qkv_rope(self, qkv, positions, rope, key_transform, num_heads, num_kv_heads, head_dim):
+        kt = key_transform
+        return elementwise.qkv_rope(qkv, positions, rope.cos, rope.sin, num_heads, num_kv_heads, head_dim,
+                                    None if kt is None else kt.shift, None if kt is None else kt.rotation)

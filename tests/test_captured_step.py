@@ -1,0 +1,148 @@
+"""The captured CPU decode step (engine/captured_step.py, kernels/cpu/graph.py)
+and the C kernels it replays: replay equals op-by-op execution bit for bit,
+padding rows change nothing, anything a replay would not repeat refuses to
+be captured, and the per-token C ops and the LM head agree with torch."""
+import gc
+
+import pytest
+import torch
+from test_quant_pipeline import calib, tiny_source
+
+from qoqserve.engine.captured_step import default_capture_sizes
+from qoqserve.kernels.cpu import elementwise, float_linear, graph
+from qoqserve.layers.key_transform import KeyTransform
+from qoqserve.layers.rotary import RotaryEmbedding
+from qoqserve.layers.token_ops import CpuTokenOps, TorchTokenOps
+from qoqserve.llm import LLM
+from qoqserve.quant.checkpoint import save_checkpoint
+from qoqserve.quant.config import get_preset
+from qoqserve.quant.pipeline import quantize_model
+from qoqserve.sampling_params import SamplingParams
+
+needs_c = pytest.mark.skipif(not (elementwise.available() and float_linear.available()),
+                             reason="no C compiler")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=True)
+
+
+@pytest.fixture(scope="module")
+def qoq_tiny(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("captured")
+    source = tiny_source("llama", tmp)
+    result = quantize_model(source, get_preset("g64", calib_samples=4, calib_seq_len=64), calib(4),
+                            progress=False)
+    save_checkpoint(result, source, calib(4), str(tmp / "ckpt"))
+    return str(tmp / "ckpt")
+
+
+@needs_c
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
+def test_float_linear_is_batch_invariant_and_isa_independent(wdtype):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 77, generator=g).to(wdtype)  # N, K not multiples of the tiles or lanes
+    x = torch.randn(37, 77, generator=g)
+    y = float_linear.float_linear(x, w)
+    assert torch.equal(y, float_linear.float_linear(x, w, use_simd=False))  # same bits, any ISA
+    for rows in (slice(0, 1), slice(3, 5), slice(10, 33)):
+        assert torch.equal(float_linear.float_linear(x[rows], w), y[rows])  # nothing depends on M
+    ref = x.double() @ w.double().T
+    assert (y.double() - ref).abs().max() < 1e-5 * ref.abs().max()
+
+
+@needs_c
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_token_ops_match_torch_and_are_row_invariant(dtype):
+    g = torch.Generator().manual_seed(1)
+    ref, c = TorchTokenOps(), CpuTokenOps()
+    t = 9
+    x, d = (torch.randn(t, 96, generator=g).to(dtype) for _ in range(2))
+    w = torch.randn(96, generator=g).to(dtype)
+    # fp32: a different summation order in the norm; bf16: the same values after rounding
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+
+    def close(a, b):
+        assert (a.float() - b.float()).abs().max() <= tol * max(1.0, b.float().abs().max().item())
+
+    close(c.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5))
+    (yc, hc), (yr, hr) = c.add_rms_norm(x.clone(), d, w, 1e-5), ref.add_rms_norm(x.clone(), d, w, 1e-5)
+    close(yc, yr)
+    assert torch.equal(hc, hr)
+    gu = torch.randn(t, 2 * 40, generator=g).to(dtype) * 4
+    close(c.silu_mul(gu), ref.silu_mul(gu))
+    rope = RotaryEmbedding(16, 512, 1e4)
+    kt = KeyTransform(2, 16, dtype)
+    kt.shift.data = torch.randn(2, 16, generator=g).to(dtype)
+    kt.rotation.data = torch.linalg.qr(torch.randn(16, 16, generator=g))[0].to(dtype).contiguous()
+    qkv = torch.randn(t, (4 + 2 * 2) * 16, generator=g).to(dtype)
+    pos = torch.randint(0, 500, (t,), generator=g)
+    for transform in (None, kt):
+        for a, b in zip(c.qkv_rope(qkv, pos, rope, transform, 4, 2, 16),
+                        ref.qkv_rope(qkv, pos, rope, transform, 4, 2, 16)):
+            close(a, b)
+    # each row alone gives the bits it gets in the batch
+    assert torch.equal(c.rms_norm(x[4:5], w, 1e-5), c.rms_norm(x, w, 1e-5)[4:5])
+    assert torch.equal(c.silu_mul(gu[2:3]), c.silu_mul(gu)[2:3])
+    assert all(torch.equal(a, b[3:4]) for a, b in zip(c.qkv_rope(qkv[3:4], pos[3:4], rope, kt, 4, 2, 16),
+                                                       c.qkv_rope(qkv, pos, rope, kt, 4, 2, 16)))
+
+
+@needs_c
+def test_step_graph_replays_on_new_inputs_and_rejects_torch_compute():
+    w = torch.randn(64)
+    buf = torch.randn(3, 64)
+
+    def step(x):
+        return elementwise.silu_mul(torch.cat([elementwise.rms_norm(x, w, 1e-6)] * 2, 1)
+                                    if not graph.recording() else elementwise.rms_norm(x, w, 1e-6))
+
+    g = graph.StepGraph()
+    out = g.capture(lambda x: elementwise.rms_norm(x, w, 1e-6), buf)
+    buf.copy_(torch.randn(3, 64))  # new inputs in the same buffer
+    assert g.replay() is out
+    assert torch.equal(out, elementwise.rms_norm(buf, w, 1e-6))
+    with pytest.raises(graph.CaptureError, match="aten::"):
+        graph.StepGraph().capture(lambda x: elementwise.rms_norm(x * 2, w, 1e-6), buf)
+    assert not graph.recording()  # a failed capture leaves nothing on
+
+
+def test_default_capture_sizes():
+    assert default_capture_sizes(64) == [1, 2, 3, 4, 5, 6, 7, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert default_capture_sizes(3) == [1, 2, 3]
+    assert default_capture_sizes(20)[-1] == 20
+
+
+def _outputs(model, prompts, **kw):
+    llm = LLM(model, kv_cache_gb=0.05, **kw)
+    outs = llm.generate(prompts, GREEDY)
+    stats = llm.engine.stats()
+    assert stats["num_free_blocks"] == stats["num_kv_blocks"] and not llm.engine.has_unfinished()
+    del llm
+    gc.collect()
+    return [(o.token_ids, o.logprobs) for o in outs], stats
+
+
+@needs_c
+def test_captured_decode_equals_eager_bit_for_bit(qoq_tiny):
+    # five prompts of different lengths finish together: decode batches of 5
+    # run padded in the size-8 graph, then alone in size 1
+    prompts = [[5 + i * 7 + j for j in range(9 + 11 * i)] for i in range(5)]
+    eager, s_eager = _outputs(qoq_tiny, prompts, dtype="float32", enforce_eager=True)
+    captured, s_cap = _outputs(qoq_tiny, prompts, dtype="float32", capture_sizes="1,8")
+    assert s_eager["captured_decode_sizes"] == [] and s_cap["captured_decode_sizes"] == [1, 8]
+    assert captured == eager  # tokens and logprobs, exactly
+    alone = [_outputs(qoq_tiny, [p], dtype="float32", capture_sizes="1,8")[0][0] for p in prompts[:2]]
+    assert alone == captured[:2]  # a request alone (size 1) = padded among others (size 8)
+
+
+@needs_c
+def test_a_model_that_cannot_be_captured_runs_op_by_op(qoq_tiny):
+    # the sim method computes with torch ops: capture refuses, steps still run
+    outs, stats = _outputs(qoq_tiny, [[5, 6, 7, 8]], dtype="float32", w4a8_backend="sim")
+    assert stats["captured_decode_sizes"] == [] and len(outs[0][0]) == GREEDY.max_tokens
+
+
+def test_capture_sizes_are_validated():
+    from qoqserve.config import EngineConfig
+    assert EngineConfig(capture_sizes="8, 1,4").capture_size_list() == [1, 4, 8]
+    for bad in ("0,2", "a", ""):
+        with pytest.raises(ValueError, match="capture_sizes"):
+            EngineConfig(capture_sizes=bad).capture_size_list()
