@@ -28,11 +28,11 @@ import httpx
 from qoqserve.bench.plots import plot_latency_vs_load
 from qoqserve.bench.serve import LoadConfig, format_summary, run_load
 
+# plain `serve` (the embedded model as QoQ W4A8KV4, every default) and the
+# full-precision model in bf16
 OURS = {
-    "qoqserve W4A8KV4": "{py} -m qoqserve.cli.main serve qoq --dtype bfloat16 --compile --port {port} "
-                        "--max-num-seqs 64",
-    "qoqserve BF16": "{py} -m qoqserve.cli.main serve default --dtype bfloat16 --compile --port {port} "
-                     "--max-num-seqs 64",
+    "qoqserve W4A8KV4 (plain serve)": "{py} -m qoqserve.cli.main serve --port {port}",
+    "qoqserve BF16": "{py} -m qoqserve.cli.main serve default --dtype bfloat16 --port {port}",
 }
 
 

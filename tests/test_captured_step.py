@@ -35,7 +35,7 @@ def qoq_tiny(tmp_path_factory):
 
 
 @needs_c
-@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_float_linear_is_batch_invariant_and_isa_independent(wdtype):
     g = torch.Generator().manual_seed(0)
     w = torch.randn(300, 77, generator=g).to(wdtype)  # N, K not multiples of the tiles or lanes
@@ -146,3 +146,25 @@ def test_capture_sizes_are_validated():
     for bad in ("0,2", "a", ""):
         with pytest.raises(ValueError, match="capture_sizes"):
             EngineConfig(capture_sizes=bad).capture_size_list()
+
+
+@needs_c
+def test_c_kernels_are_torch_custom_ops_with_fake_implementations():
+    from qoqserve.kernels.cpu import kv4_write, paged_decode, w4a8_gemm
+    from qoqserve.kernels.qoq_ref import pack_uint4
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(3, 64, generator=g), torch.randn(40, 64, generator=g).to(torch.bfloat16)
+    torch.library.opcheck(float_linear.float_linear_op, (x, w))
+    n, k, gs = 32, 64, 32
+    codes = w4a8_gemm.repack_codes(pack_uint4(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)))
+    gp = w4a8_gemm.pack_group_params(torch.ones(n, k // gs, dtype=torch.uint8),
+                                     torch.full((n, k // gs), 8, dtype=torch.uint8))
+    torch.library.opcheck(w4a8_gemm.w4a8_gemm_op, (x, codes, gp, gs, n, torch.rand(n, generator=g),
+                                                   None, None, w4a8_gemm.isa() != "scalar"))
+    cache = torch.zeros(2, 16, 2, 2, 16 // 2 + 4, dtype=torch.uint8)
+    kk, vv = torch.randn(3, 2, 16, generator=g), torch.randn(3, 2, 16, generator=g)
+    torch.library.opcheck(kv4_write.kv4_write_op, (cache, kk, vv, torch.tensor([0, 1, 17])))
+    rows = cache.view(-1, 2, 2, 12)
+    torch.library.opcheck(paged_decode.paged_decode_op,
+                          (torch.randn(2, 4, 16, generator=g), rows[:, 0], rows[:, 1], "int4", 16,
+                           torch.tensor([[0, 1], [1, 0]]), torch.tensor([3, 18]), 0.25))

@@ -6,9 +6,10 @@ the others (engine/backends.py):
 
 * `LogitsHead`: torch's F.linear (batch-invariant padding on CPU);
 * `CpuLogitsHead`: kernels/cpu/float_linear.c, a GEMV/GEMM summed in one
-  fixed order per logit whatever the batch. It reads bf16 weights when the
-  weights are exactly bf16 values (checkpoints stored in bf16 are, even when
-  the model runs in fp32), so half the bytes for the same numbers.
+  fixed order per logit whatever the batch. It reads bf16 or fp16 weights
+  when the weights are exactly such values (checkpoints stored in bf16/fp16
+  are, even when the model runs in fp32), so half the bytes for the same
+  numbers.
 """
 from __future__ import annotations
 
@@ -42,9 +43,11 @@ class CpuLogitsHead(LogitsHead):
     def prepare(self, weight: torch.Tensor) -> None:
         w = weight.detach().contiguous()
         if w.dtype == torch.float32:
-            as_bf16 = w.to(torch.bfloat16)
-            if torch.equal(as_bf16.float(), w):  # lossless: the same logits from half the bytes
-                w = as_bf16
+            for half in (torch.bfloat16, torch.float16):  # lossless: the same logits from half the bytes
+                as_half = w.to(half)
+                if torch.equal(as_half.float(), w):
+                    w = as_half
+                    break
         self._weight = w
         self._source_ptr = weight.data_ptr()
 

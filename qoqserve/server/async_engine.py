@@ -36,7 +36,11 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None):
+    def __init__(self, engine: LLMEngine, on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None,
+                 own_thread: bool = True):
+        """own_thread False: the caller runs run_loop() on a thread of its own
+        choosing (`serve` uses the main thread: OpenMP kernels called from any
+        other thread pay a slow team start per parallel region, ~60 us here)."""
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
@@ -46,12 +50,15 @@ class AsyncEngine:
         self._stopping = False
         self._drain_deadline: float | None = None
         self.stats: dict = engine.stats()  # snapshot, refreshed by the engine thread
-        self._thread = threading.Thread(target=self._loop, name="qoqserve-engine", daemon=True)
-        self._thread.start()
+        self._done = threading.Event()
+        self._loop_started = False
+        self._thread = threading.Thread(target=self.run_loop, name="qoqserve-engine", daemon=True)
+        if own_thread:
+            self._thread.start()
 
     @property
     def is_alive(self) -> bool:
-        return self._thread.is_alive() and not self._stopping
+        return not self._done.is_set() and not self._stopping
 
     def prepare_request(self, prompt: str | list[int], params: SamplingParams,
                         max_tokens_must_fit: bool = False) -> PreparedRequest:
@@ -92,16 +99,27 @@ class AsyncEngine:
         """Abort whatever is still in flight and stop the engine thread."""
         self._stopping = True  # generate() refuses new work from now on
         self._inbox.put(("stop",))
-        self._thread.join(timeout)
+        if self._thread.is_alive() or self._loop_started:
+            self._done.wait(timeout)
 
     # ---- engine thread ------------------------------------------------------
 
+    def run_loop(self) -> None:
+        """The engine loop, until shutdown(); on the engine thread, or on the
+        caller's when constructed with own_thread=False."""
+        self._loop_started = True
+        try:
+            self._loop()
+        finally:
+            self._done.set()
+
     def _loop(self) -> None:
         while True:
-            # block only when there is nothing to compute
+            # block only when there is nothing to compute (with a timeout, so a
+            # loop on the main thread still runs signal handlers)
             block = not self.engine.has_unfinished()
             try:
-                msg = self._inbox.get(block=block)
+                msg = self._inbox.get(block=block, timeout=0.5 if block else None)
             except queue.Empty:
                 msg = None
             while msg is not None:

@@ -1,5 +1,5 @@
 """The batch-invariant dense linear (float_linear.c), via ctypes: fp32 inputs
-times bf16 or fp32 weights, fp32 out, each output summed in one fixed order
+times fp32, bf16 or fp16 weights, fp32 out, each output summed in one fixed order
 whatever the batch. The AVX-512 path is chosen at run time;
 QOQSERVE_CPU_ISA=scalar forces the portable one (same bits)."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ from qoqserve.kernels.cpu.build import load_library
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _SIGNATURES = {"float_linear_simd": (_I, []),
                "float_linear": (_I, [_P, _L, _L, _P, _I, _L, _P, _I, _I])}
-WEIGHT_DTYPES = (torch.bfloat16, torch.float32)
+WEIGHT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C kind codes
 
 
 def load():
@@ -59,7 +59,7 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor, use_simd: bool | None = 
 
 def _float_linear(x: torch.Tensor, weight: torch.Tensor, use_simd: bool | None) -> torch.Tensor:
     if weight.dtype not in WEIGHT_DTYPES or not weight.is_contiguous() or weight.device.type != "cpu":
-        raise ValueError(f"float_linear: weight must be a contiguous CPU bf16/fp32 tensor, "
+        raise ValueError(f"float_linear: weight must be a contiguous CPU fp32/bf16/fp16 tensor, "
                          f"got {weight.dtype} on {weight.device}")
     x = x.float().contiguous()
     m, k = x.shape
@@ -67,7 +67,7 @@ def _float_linear(x: torch.Tensor, weight: torch.Tensor, use_simd: bool | None) 
     if weight.shape[1] != k:
         raise ValueError(f"float_linear: x [{m}, {k}] does not match weight {tuple(weight.shape)}")
     y = graph.empty(m, n, dtype=torch.float32)
-    rc = graph.launch(load().float_linear, x.data_ptr(), m, k, weight.data_ptr(), int(weight.dtype == torch.bfloat16),
+    rc = graph.launch(load().float_linear, x.data_ptr(), m, k, weight.data_ptr(), WEIGHT_DTYPES[weight.dtype],
                              n, y.data_ptr(), int(simd() if use_simd is None else use_simd),
                              torch.get_num_threads())
     if rc != 0:

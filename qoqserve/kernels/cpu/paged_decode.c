@@ -24,6 +24,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "bf16.h"
 
 enum { KV_INT4 = 0, KV_INT8 = 1, KV_F16 = 2, KV_BF16 = 3, KV_F32 = 4 };
 enum { BLOCK = 16 };          /* tokens scored at once: one AVX-512 vector of scores */
@@ -61,18 +62,6 @@ static inline int64_t scratch_floats(const job *j) {
 #include "paged_decode_avx512.h"  /* defines PD_AVX512 and chunk_avx512() where it can */
 
 /* ---- the portable path ------------------------------------------------------ */
-
-static float half_to_float(uint16_t h) {  /* no F16C assumed here */
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-    float f;
-    if (exp == 0) {  /* zero or subnormal: man * 2^-24 */
-        f = (float)man * 5.9604644775390625e-8f;
-        return sign ? -f : f;
-    }
-    uint32_t bits = sign | ((exp + 112u) << 23) | (man << 13);  /* inf/nan never stored */
-    memcpy(&f, &bits, 4);
-    return f;
-}
 
 static float meta(const uint8_t *p) { return half_to_float((uint16_t)(p[0] | (p[1] << 8))); }
 
