@@ -181,3 +181,20 @@ def make_pages(heads: int, hkv: int, d: int, lens: list[int], bs: int = 16,
         slots = tables[i, pos // bs] * bs + pos % bs
         layout.write(cache, torch.randn(n, hkv, d) * 2, torch.randn(n, hkv, d), slots)
     return layout, cache, tables, torch.tensor(lens)
+
+
+@pytest.fixture(scope="session")
+def qoq_tiny(tmp_path_factory):
+    """A QoQ W4A8KV4 g64 checkpoint of a tiny random Llama (quick config)."""
+    # lazy: test helpers live in a test module
+    from test_quant_pipeline import calib, tiny_source
+
+    from qoqserve.quant.checkpoint import save_checkpoint
+    from qoqserve.quant.config import get_preset
+    from qoqserve.quant.pipeline import quantize_model
+    tmp = tmp_path_factory.mktemp("qoq_tiny")
+    source = tiny_source("llama", tmp)
+    result = quantize_model(source, get_preset("g64", calib_samples=4, calib_seq_len=64), calib(4),
+                            progress=False)
+    save_checkpoint(result, source, calib(4), str(tmp / "ckpt"))
+    return str(tmp / "ckpt")

@@ -6,7 +6,6 @@ import gc
 
 import pytest
 import torch
-from test_quant_pipeline import calib, tiny_source
 
 from qoqserve.engine.captured_step import default_capture_sizes
 from qoqserve.kernels.cpu import elementwise, float_linear, graph
@@ -14,9 +13,6 @@ from qoqserve.layers.key_transform import KeyTransform
 from qoqserve.layers.rotary import RotaryEmbedding
 from qoqserve.layers.token_ops import CpuTokenOps, TorchTokenOps
 from qoqserve.llm import LLM
-from qoqserve.quant.checkpoint import save_checkpoint
-from qoqserve.quant.config import get_preset
-from qoqserve.quant.pipeline import quantize_model
 from qoqserve.sampling_params import SamplingParams
 
 needs_c = pytest.mark.skipif(not (elementwise.available() and float_linear.available()),
@@ -24,14 +20,6 @@ needs_c = pytest.mark.skipif(not (elementwise.available() and float_linear.avail
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=True)
 
 
-@pytest.fixture(scope="module")
-def qoq_tiny(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("captured")
-    source = tiny_source("llama", tmp)
-    result = quantize_model(source, get_preset("g64", calib_samples=4, calib_seq_len=64), calib(4),
-                            progress=False)
-    save_checkpoint(result, source, calib(4), str(tmp / "ckpt"))
-    return str(tmp / "ckpt")
 
 
 @needs_c

@@ -6,12 +6,8 @@ import gc
 
 import pytest
 import torch
-from test_quant_pipeline import calib, tiny_source
 
 from qoqserve.llm import LLM
-from qoqserve.quant.checkpoint import save_checkpoint
-from qoqserve.quant.config import get_preset
-from qoqserve.quant.pipeline import quantize_model
 from qoqserve.sampling_params import SamplingParams
 
 PROMPTS = ["The three primary colors are", "Write a short poem about the sea and the wind.",
@@ -19,14 +15,6 @@ PROMPTS = ["The three primary colors are", "Write a short poem about the sea and
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=True)
 
 
-@pytest.fixture(scope="module")
-def qoq_tiny(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("chunk")
-    source = tiny_source("llama", tmp)
-    result = quantize_model(source, get_preset("g64", calib_samples=4, calib_seq_len=64), calib(4),
-                            progress=False)
-    save_checkpoint(result, source, calib(4), str(tmp / "ckpt"))
-    return str(tmp / "ckpt")
 
 
 def _generate(llm, prompts, budget, threshold=None, params=GREEDY):

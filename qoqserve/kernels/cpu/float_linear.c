@@ -89,6 +89,11 @@ SIMD static inline __attribute__((always_inline)) void tile(const float *x, int6
     for (int64_t k = 0; k < K; k += LANES) {
         const __mmask16 mask = K - k >= LANES ? (__mmask16)0xffff : (__mmask16)((1u << (K - k)) - 1);
         __m512 wv[NR_WIDE], xv[MR];
+        if (mr <= 2) {  /* a GEMV streams the weights: fetch two tiles ahead */
+            const int es = w_kind == W_FP32 ? 4 : 2;
+            for (int j = 0; j < nr; j++)
+                _mm_prefetch((const char *)w + ((n0 + 2 * nr + j) * K + k) * es, _MM_HINT_T0);
+        }
         for (int j = 0; j < nr; j++) wv[j] = load_w(w, w_kind, (n0 + j) * K + k, mask);
         for (int i = 0; i < mr; i++) xv[i] = _mm512_maskz_loadu_ps(mask, x + (m0 + i) * K + k);
         for (int i = 0; i < mr; i++)
