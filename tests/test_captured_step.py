@@ -122,6 +122,19 @@ def test_captured_decode_equals_eager_bit_for_bit(qoq_tiny):
 
 
 @needs_c
+def test_captured_full_precision_fp32_equals_eager(tmp_path):
+    # fp32 linears run the C dense kernel and dense pages the C row copy: captured too
+    from test_quant_pipeline import tiny_source
+    tiny_source("llama", tmp_path)  # saved as an HF dir
+    path = str(tmp_path / "llama")
+    prompts = [[5 + i * 3 + j for j in range(7 + 5 * i)] for i in range(3)]
+    eager, _ = _outputs(path, prompts, dtype="float32", enforce_eager=True)
+    captured, stats = _outputs(path, prompts, dtype="float32", capture_sizes="1,2,4")
+    assert stats["captured_decode_sizes"] == [1, 2, 4] and "c-dense" in stats["linear_paths"]
+    assert captured == eager
+
+
+@needs_c
 def test_a_model_that_cannot_be_captured_runs_op_by_op(qoq_tiny):
     # the sim method computes with torch ops: capture refuses, steps still run
     outs, stats = _outputs(qoq_tiny, [[5, 6, 7, 8]], dtype="float32", w4a8_backend="sim")

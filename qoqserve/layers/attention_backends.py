@@ -87,10 +87,13 @@ class CpuAttention(AttentionBackend):
         super().__init__(layout, quantized_prefill)
         # decided once: a captured step must not probe the library per call
         self._c_write = isinstance(layout, Int4KVCacheLayout) and kv4_write.available()
+        self._c_copy = isinstance(layout, DenseKVCacheLayout) and kv4_write.available()
 
     def write(self, cache, k, v, slot_mapping) -> None:
         if self._c_write:
             kv4_write.kv4_write(cache, k, v, slot_mapping)
+        elif self._c_copy and k.dtype == self.layout.dtype and k.is_contiguous() and v.is_contiguous():
+            kv4_write.dense_write(*self.layout.page_rows(cache), k, v, slot_mapping)
         else:
             self.layout.write(cache, k, v, slot_mapping)
 

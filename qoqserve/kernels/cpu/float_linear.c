@@ -140,9 +140,10 @@ static void rows_simd(const float *x, int64_t M, int64_t K, const void *w, int w
 /* 1 when this CPU runs the AVX-512 path */
 int float_linear_simd(void) { return simd_supported(); }
 
-/* Returns 0, or -2 when simd is asked for on a CPU without AVX-512. */
+/* y = x W^T (+ bias, fp32 [N] or NULL). Returns 0, or -2 when simd is asked
+ * for on a CPU without AVX-512. */
 int float_linear(const float *x, int64_t M, int64_t K, const void *w, int w_kind, int64_t N,
-                 float *y, int simd, int threads) {
+                 const float *bias, float *y, int simd, int threads) {
     if (simd && !simd_supported()) return -2;
     if (M <= 0 || N <= 0) return 0;
     /* output columns in chunks of 64 (a multiple of NR): the chunking never
@@ -153,6 +154,9 @@ int float_linear(const float *x, int64_t M, int64_t K, const void *w, int w_kind
         const int64_t lo = c * chunk, hi = lo + chunk < N ? lo + chunk : N;
         if (simd) rows_simd(x, M, K, w, w_kind, lo, hi, N, y);
         else rows_scalar(x, M, K, w, w_kind, lo, hi, N, y);
+        if (bias)
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t n = lo; n < hi; n++) y[m * N + n] += bias[n];
     }
     return 0;
 }

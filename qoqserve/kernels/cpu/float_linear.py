@@ -15,7 +15,7 @@ from qoqserve.kernels.cpu.build import load_library
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _SIGNATURES = {"float_linear_simd": (_I, []),
-               "float_linear": (_I, [_P, _L, _L, _P, _I, _L, _P, _I, _I])}
+               "float_linear": (_I, [_P, _L, _L, _P, _I, _L, _P, _P, _I, _I])}
 WEIGHT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C kind codes
 
 
@@ -40,24 +40,27 @@ def simd() -> bool:
 
 
 @torch.library.custom_op("qoqserve::float_linear", mutates_args=())
-def float_linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def float_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """float_linear as one opaque op of a captured graph."""
-    return _float_linear(x, weight, None)
+    return _float_linear(x, weight, bias, None)
 
 
 @float_linear_op.register_fake
-def _(x, weight):
+def _(x, weight, bias=None):
     return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
 
 
-def float_linear(x: torch.Tensor, weight: torch.Tensor, use_simd: bool | None = None) -> torch.Tensor:
-    """x [M, K] (any float dtype, computed in fp32) @ weight[N, K].T -> fp32 [M, N]."""
+def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 use_simd: bool | None = None) -> torch.Tensor:
+    """x [M, K] (any float dtype, computed in fp32) @ weight[N, K].T (+ bias,
+    fp32) -> fp32 [M, N]."""
     if torch.compiler.is_compiling():
-        return float_linear_op(x, weight)
-    return _float_linear(x, weight, use_simd)
+        return float_linear_op(x, weight, bias)
+    return _float_linear(x, weight, bias, use_simd)
 
 
-def _float_linear(x: torch.Tensor, weight: torch.Tensor, use_simd: bool | None) -> torch.Tensor:
+def _float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  use_simd: bool | None) -> torch.Tensor:
     if weight.dtype not in WEIGHT_DTYPES or not weight.is_contiguous() or weight.device.type != "cpu":
         raise ValueError(f"float_linear: weight must be a contiguous CPU fp32/bf16/fp16 tensor, "
                          f"got {weight.dtype} on {weight.device}")
@@ -66,9 +69,11 @@ def _float_linear(x: torch.Tensor, weight: torch.Tensor, use_simd: bool | None) 
     n = weight.shape[0]
     if weight.shape[1] != k:
         raise ValueError(f"float_linear: x [{m}, {k}] does not match weight {tuple(weight.shape)}")
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()):
+        raise ValueError("float_linear: bias must be a contiguous fp32 [N] tensor")
     y = graph.empty(m, n, dtype=torch.float32)
     rc = graph.launch(load().float_linear, x.data_ptr(), m, k, weight.data_ptr(), WEIGHT_DTYPES[weight.dtype],
-                             n, y.data_ptr(), int(simd() if use_simd is None else use_simd),
+                             n, None if bias is None else bias.data_ptr(), y.data_ptr(), int(simd() if use_simd is None else use_simd),
                              torch.get_num_threads())
     if rc != 0:
         raise RuntimeError("float_linear: AVX-512 is not available on this CPU")

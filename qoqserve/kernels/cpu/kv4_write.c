@@ -54,3 +54,14 @@ void kv4_write(const void *k, const void *v, int bf16, const int64_t *slots, int
         quantize_row(v, bf16, i * D, D, dst + Hkv * row);
     }
 }
+
+/* Dense pages: copy each token's K and V rows ([Hkv * D] elements of
+ * `row_bytes` bytes) to their slot in the K and V row views (slot i at byte
+ * offset i * slot_bytes of k_rows / v_rows). */
+void kv_copy_rows(const uint8_t *k, const uint8_t *v, int64_t row_bytes, const int64_t *slots, int64_t T,
+                  uint8_t *k_rows, uint8_t *v_rows, int64_t slot_bytes) {
+    for (int64_t t = 0; t < T; t++) {
+        memcpy(k_rows + slots[t] * slot_bytes, k + t * row_bytes, (size_t)row_bytes);
+        memcpy(v_rows + slots[t] * slot_bytes, v + t * row_bytes, (size_t)row_bytes);
+    }
+}

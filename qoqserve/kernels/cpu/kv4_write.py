@@ -1,5 +1,6 @@
-"""KV4 page write on CPU (kv4_write.c), via ctypes: quantize and store one
-step's K and V in one call, byte-identical to the torch layout's write."""
+"""KV page writes on CPU (kv4_write.c), via ctypes: KV4 (quantize and store
+one step's K and V in one call, byte-identical to the torch layout's write)
+and dense pages (copy the rows to their slots)."""
 from __future__ import annotations
 
 import ctypes
@@ -10,7 +11,8 @@ from qoqserve.kernels.cpu import graph
 from qoqserve.kernels.cpu.build import load_library
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-_SIGNATURES = {"kv4_write": (None, [_P, _P, _I, _P, _L, _I, _I, _P, _I])}
+_SIGNATURES = {"kv4_write": (None, [_P, _P, _I, _P, _L, _I, _I, _P, _I]),
+               "kv_copy_rows": (None, [_P, _P, _L, _P, _L, _P, _P, _L])}
 
 
 def load():
@@ -51,3 +53,17 @@ def _kv4_write(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mappi
     slots = slot_mapping.to(torch.int64).contiguous()
     graph.launch(load().kv4_write, kc.data_ptr(), vc.data_ptr(), int(work == torch.bfloat16), slots.data_ptr(), t, hkv,
                      d, cache.data_ptr(), torch.get_num_threads())
+
+
+def dense_write(k_rows: torch.Tensor, v_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                slot_mapping: torch.Tensor) -> None:
+    """k, v [T, Hkv, D] (contiguous, the pages' dtype) -> rows `slot_mapping` of
+    the page views k_rows, v_rows [num_slots, Hkv, D] (equal strides)."""
+    if (k.dtype != k_rows.dtype or not (k.is_contiguous() and v.is_contiguous())
+            or k_rows.stride() != v_rows.stride() or k_rows[0].numel() != k[0].numel()
+            or not k_rows[0].is_contiguous() or slot_mapping.dtype != torch.int64):
+        raise ValueError("dense_write: contiguous K/V rows in the pages' dtype, int64 slots")
+    size = k.element_size()
+    graph.launch(load().kv_copy_rows, k.data_ptr(), v.data_ptr(), k[0].numel() * size,
+                 slot_mapping.data_ptr(), k.shape[0], k_rows.data_ptr(), v_rows.data_ptr(),
+                 k_rows.stride(0) * size)
