@@ -73,8 +73,8 @@ def _float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise ValueError("float_linear: bias must be a contiguous fp32 [N] tensor")
     y = graph.empty(m, n, dtype=torch.float32)
     rc = graph.launch(load().float_linear, x.data_ptr(), m, k, weight.data_ptr(), WEIGHT_DTYPES[weight.dtype],
-                             n, None if bias is None else bias.data_ptr(), y.data_ptr(), int(simd() if use_simd is None else use_simd),
-                             torch.get_num_threads())
+                      n, None if bias is None else bias.data_ptr(), y.data_ptr(),
+                      int(simd() if use_simd is None else use_simd), torch.get_num_threads())
     if rc != 0:
         raise RuntimeError("float_linear: AVX-512 is not available on this CPU")
     return y
