@@ -54,7 +54,14 @@ def serve(llm_engine, config: ServerConfig, log_level: str = "warning") -> None:
     server = _DrainingServer(uv, engine, config.graceful_shutdown_s)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, server.handle_exit)
-    http = threading.Thread(target=server.run, name="qoqserve-http", daemon=True)
+
+    def run_http():
+        try:
+            server.run()
+        finally:  # however uvicorn ends (a port in use included), the engine loop ends too
+            engine.shutdown(timeout=0)
+
+    http = threading.Thread(target=run_http, name="qoqserve-http", daemon=True)
     http.start()
     try:
         engine.run_loop()  # until the app's shutdown stops the engine
@@ -65,3 +72,6 @@ def serve(llm_engine, config: ServerConfig, log_level: str = "warning") -> None:
         while http.is_alive():
             http.join(0.5)
     http.join(config.graceful_shutdown_s + 10.0)
+    if not server.started:
+        raise RuntimeError(f"the HTTP server did not start on {config.host}:{config.port} "
+                           "(port in use? see the log above)")
