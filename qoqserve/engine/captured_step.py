@@ -19,6 +19,7 @@ so once. `enforce_eager` never captures.
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 
@@ -112,10 +113,7 @@ class CapturedDecode:
         """The captured size a decode batch runs in, or None (op by op)."""
         if self.disabled or batch_size > self.max_size:
             return None
-        for s in self.sizes:
-            if s >= batch_size:
-                return s
-        return None
+        return self.sizes[bisect.bisect_left(self.sizes, batch_size)]
 
     def run(self, decodes: list[Sequence]) -> torch.Tensor | None:
         """Final hidden states [len(decodes), hidden] of one decode step, or None
@@ -138,7 +136,7 @@ class CapturedDecode:
             table = seq.block_table
             np["ids"][i] = seq.token_ids[pos]
             np["positions"][i] = pos
-            np["slots"][i] = table[pos // bs] * bs + pos % bs
+            np["slots"][i] = seq.slot(pos, bs)
             np["context_lens"][i] = pos + 1
             # block tables only grow while a sequence runs (a preemption gives it a
             # new one): write what this row does not hold yet

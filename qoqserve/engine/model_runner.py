@@ -130,9 +130,6 @@ class ModelRunner:
                 "linear_paths": paths, "dtype": str(self.dtype).replace("torch.", ""),
                 "captured_decode_sizes": self.captured.sizes if self.captured else []}
 
-    def _slot(self, seq: Sequence, pos: int) -> int:
-        return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
-
     def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
         width = max(len(s.block_table) for s in seqs)
         flat = [b for s in seqs for b in s.block_table + [0] * (width - len(s.block_table))]
@@ -145,13 +142,13 @@ class ModelRunner:
             pos = len(seq) - 1
             ids.append(seq.token_ids[pos])
             positions.append(pos)
-            slots.append(self._slot(seq, pos))
+            slots.append(seq.slot(pos, self.block_size))
         starts, cached = [0], []
         for seq, n in batch.prefills:
             start = seq.num_computed_tokens
             ids.extend(seq.token_ids[start:start + n])
             positions.extend(range(start, start + n))
-            slots.extend(self._slot(seq, p) for p in range(start, start + n))
+            slots.extend(seq.slot(p, self.block_size) for p in range(start, start + n))
             starts.append(starts[-1] + n)
             cached.append(start)
         seqs = batch.decodes + [s for s, _ in batch.prefills]

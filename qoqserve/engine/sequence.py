@@ -66,6 +66,10 @@ class Sequence:
     def num_blocks(self, block_size: int) -> int:
         return -(-len(self.token_ids) // block_size)
 
+    def slot(self, pos: int, block_size: int) -> int:
+        """The flat KV slot (page * block_size + offset) of token `pos`."""
+        return self.block_table[pos // block_size] * block_size + pos % block_size
+
     def block_tokens(self, i: int, block_size: int) -> list[int]:
         return self.token_ids[i * block_size:(i + 1) * block_size]
 

@@ -29,11 +29,10 @@ class TorchTokenOps:
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return weight * xf.to(dtype)
 
-    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rms_norm(h + delta), h + delta); delta None: nothing to add."""
-        if delta is not None:
-            h = h + delta
+        """(rms_norm(h + delta), h + delta)."""
+        h = h + delta
         return self.rms_norm(h, weight, eps), h
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -70,8 +69,6 @@ class CpuTokenOps(TorchTokenOps):
         return elementwise.rms_norm(x, weight, eps)
 
     def add_rms_norm(self, h, delta, weight, eps):
-        if delta is None:
-            return elementwise.rms_norm(h, weight, eps), h
         return elementwise.add_rms_norm(h, delta, weight, eps)
 
     def silu_mul(self, gate_up):

@@ -7,6 +7,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -20,6 +21,15 @@ log = logging.getLogger(__name__)
 _BASE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _lock = threading.Lock()
 _libs: dict[str, ctypes.CDLL | None] = {}
+
+
+def runtime_dispatch_flags() -> list[str]:
+    """Flags for a library whose vector code carries its own target attributes
+    and is chosen at run time: on x86 the rest is built for a baseline CPU (a
+    later -march overrides -march=native), so one build runs on any x86-64."""
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        return ["-march=x86-64", "-mtune=native"]
+    return []
 
 
 def _source_text(source: str) -> bytes:

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import ctypes
 import os
-import platform
 
 import torch
 
 from qoqserve.kernels.cpu import graph
-from qoqserve.kernels.cpu.build import load_library
+from qoqserve.kernels.cpu.build import load_library, runtime_dispatch_flags
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _SIGNATURES = {"float_linear_simd": (_I, []),
@@ -22,10 +21,7 @@ WEIGHT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C
 def load():
     # no FMA contraction beyond the explicit fmaf/fmadd: the scalar path must
     # round exactly as the vector one
-    flags = ["-ffp-contract=off"]
-    if platform.machine().lower() in ("x86_64", "amd64"):
-        flags += ["-march=x86-64", "-mtune=native"]
-    return load_library("float_linear", flags, _SIGNATURES)
+    return load_library("float_linear", ["-ffp-contract=off", *runtime_dispatch_flags()], _SIGNATURES)
 
 
 def available() -> bool:

@@ -17,6 +17,8 @@ allocation i of the small graph fits in allocation i of the large one.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -85,10 +87,7 @@ class StepGraph:
         self.output = None
 
     def alloc(self, shape, dtype) -> torch.Tensor:
-        i = len(self.buffers)
-        numel = 1
-        for s in shape:
-            numel *= s
+        i, numel = len(self.buffers), math.prod(shape)
         if i < len(self._arena) and self._arena[i].dtype == dtype and self._arena[i].numel() >= numel:
             t = self._arena[i].view(-1)[:numel].view(*shape)
         else:

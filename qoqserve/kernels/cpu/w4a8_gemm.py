@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import ctypes
 import os
-import platform
 
 import torch
 from torch import nn
 
 from qoqserve.kernels import qoq_ref
 from qoqserve.kernels.cpu import graph
-from qoqserve.kernels.cpu.build import load_library
+from qoqserve.kernels.cpu.build import load_library, runtime_dispatch_flags
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _SIGNATURES = {
@@ -32,13 +31,9 @@ _ERRORS = {-1: "could not allocate its scratch buffers", -2: "AVX-512 VNNI is no
 
 
 def load():
-    # no FMA contraction: the reference rounds each product and sum on its own.
-    # x86: baseline code, the AVX-512 functions carry target attributes and are
-    # chosen at run time, so the library also runs on a CPU without them.
-    flags = ["-ffp-contract=off"]
-    if platform.machine().lower() in ("x86_64", "amd64"):
-        flags += ["-march=x86-64", "-mtune=native"]
-    return load_library("w4a8_gemm", flags, _SIGNATURES)
+    # no FMA contraction: the reference rounds each product and sum on its own;
+    # the AVX-512 functions are chosen at run time (runtime_dispatch_flags)
+    return load_library("w4a8_gemm", ["-ffp-contract=off", *runtime_dispatch_flags()], _SIGNATURES)
 
 
 def available() -> bool:
