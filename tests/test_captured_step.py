@@ -135,6 +135,28 @@ def test_captured_full_precision_fp32_equals_eager(tmp_path):
 
 
 @needs_c
+@pytest.mark.parametrize("kw", [{"w4a8_backend": "torch-int8"}, {"w4a8_backend": "packed"}])
+def test_every_int8_kernel_replays(qoq_tiny, kw):
+    # a kernel call the graph did not record would be skipped by every replay
+    prompts = [[5 + i * 3 + j for j in range(7 + 5 * i)] for i in range(3)]
+    eager, _ = _outputs(qoq_tiny, prompts, dtype="float32", enforce_eager=True, **kw)
+    captured, stats = _outputs(qoq_tiny, prompts, dtype="float32", capture_sizes="1,2,4", **kw)
+    assert stats["captured_decode_sizes"] == [1, 2, 4]
+    assert captured == eager
+
+
+@needs_c
+def test_w8a8_quantized_at_load_replays(tmp_path):
+    from test_quant_pipeline import tiny_source
+    tiny_source("llama", tmp_path)
+    path = str(tmp_path / "llama")
+    prompts = [[5 + i * 3 + j for j in range(7 + 5 * i)] for i in range(3)]
+    eager, _ = _outputs(path, prompts, dtype="float32", quantization="w8a8", enforce_eager=True)
+    captured, stats = _outputs(path, prompts, dtype="float32", quantization="w8a8", capture_sizes="1,2,4")
+    assert stats["captured_decode_sizes"] == [1, 2, 4] and captured == eager
+
+
+@needs_c
 def test_a_model_that_cannot_be_captured_runs_op_by_op(qoq_tiny):
     # the sim method computes with torch ops: capture refuses, steps still run
     outs, stats = _outputs(qoq_tiny, [[5, 6, 7, 8]], dtype="float32", w4a8_backend="sim")

@@ -8,6 +8,7 @@ import ctypes
 
 import torch
 
+from qoqserve.kernels.cpu import graph
 from qoqserve.kernels.cpu.build import load_library
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
@@ -51,11 +52,11 @@ def int8_linear(x2: torch.Tensor, packed: torch.Tensor, n: int, offset: int, s1:
     m, k = x2.shape
     if packed.shape[1] * QUAD_K < k or packed.shape[0] * BLOCK_N < n:
         raise ValueError(f"packed weight {tuple(packed.shape)} does not cover [{n}, {k}]")
-    y = torch.empty(m, n, dtype=x2.dtype)
+    y = graph.empty(m, n, dtype=x2.dtype)
     ptr = [None if t is None else t.data_ptr() for t in (s1, rowsum, zs1, bias)]
-    rc = load().int8_linear(x2.data_ptr(), int(x2.dtype == torch.bfloat16), m, k, packed.data_ptr(), n,
-                            offset, *ptr, y.data_ptr(), int(x2.dtype == torch.bfloat16),
-                            torch.get_num_threads())
+    rc = graph.launch(load().int8_linear, x2.data_ptr(), int(x2.dtype == torch.bfloat16), m, k,
+                      packed.data_ptr(), n, offset, *ptr, y.data_ptr(), int(x2.dtype == torch.bfloat16),
+                      torch.get_num_threads())
     if rc != 0:
         raise MemoryError("INT8 linear kernel could not allocate its scratch buffers")
     return y

@@ -6,6 +6,7 @@ import ctypes
 
 import torch
 
+from qoqserve.kernels.cpu import graph
 from qoqserve.kernels.cpu.build import load_library
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
@@ -29,10 +30,10 @@ def quantize_act_int8(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x2 [M, K] fp32/bf16 -> (int8 [M, K], fp32 scale [M]); as qoq_ref.quantize_act_int8."""
     x2 = x2.contiguous()
     m, k = x2.shape
-    q = torch.empty(m, k, dtype=torch.int8)
-    scale = torch.empty(m, dtype=torch.float32)
-    load().quantize_rows_int8(x2.data_ptr(), int(x2.dtype == torch.bfloat16), m, k, q.data_ptr(),
-                              scale.data_ptr(), None, torch.get_num_threads())
+    q = graph.empty(m, k, dtype=torch.int8)
+    scale = graph.empty(m, dtype=torch.float32)
+    graph.launch(load().quantize_rows_int8, x2.data_ptr(), int(x2.dtype == torch.bfloat16), m, k, q.data_ptr(),
+                 scale.data_ptr(), None, torch.get_num_threads())
     return q, scale
 
 
@@ -43,7 +44,7 @@ def epilogue(acc: torch.Tensor, s_a: torch.Tensor, s1: torch.Tensor, out_dtype: 
     m, n = acc.shape
     acc = acc.contiguous()
     f32 = [None if t is None else t.float().contiguous() for t in (s_a, s1, rowsum, zs1, bias)]
-    y = torch.empty(m, n, dtype=out_dtype)
-    load().w4a8_epilogue(acc.data_ptr(), *[None if t is None else t.data_ptr() for t in f32], m, n,
-                         y.data_ptr(), int(out_dtype == torch.bfloat16), torch.get_num_threads())
+    y = graph.empty(m, n, dtype=out_dtype)
+    graph.launch(load().w4a8_epilogue, acc.data_ptr(), *[None if t is None else t.data_ptr() for t in f32], m, n,
+                 y.data_ptr(), int(out_dtype == torch.bfloat16), torch.get_num_threads())
     return y
