@@ -198,3 +198,28 @@ def qoq_tiny(tmp_path_factory):
                             progress=False)
     save_checkpoint(result, source, calib(4), str(tmp / "ckpt"))
     return str(tmp / "ckpt")
+
+
+def cpu_has_avx512() -> bool:
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq"))
+
+
+@pytest.fixture(params=["avx512", "scalar"])
+def isa(request, monkeypatch):
+    """Both paths of the C attention kernels, each checked to be the one taken."""
+    from qoqserve.kernels.cpu import paged_decode, paged_prefill
+
+    if request.param == "scalar":
+        monkeypatch.setenv("QOQSERVE_CPU_ISA", "scalar")
+    else:
+        monkeypatch.delenv("QOQSERVE_CPU_ISA", raising=False)
+        if not cpu_has_avx512():
+            pytest.skip("no AVX-512 here")
+    for kernel in (paged_decode, paged_prefill):
+        if kernel.isa() != request.param:
+            pytest.fail(f"{kernel.__name__}: path {request.param} not taken (got {kernel.isa()})")
+    return request.param

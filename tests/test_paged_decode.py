@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_pages, page_layout
+from conftest import cpu_has_avx512, make_pages, page_layout
 
 from qoqserve.kernels.cpu import paged_decode
 from qoqserve.layers.attention import AttentionMetadata, PagedAttention
@@ -38,28 +38,9 @@ def _reference(layout, heads, hkv, d, q, cache, tables, ctx):
     return attn(q, None, None, AttentionMetadata(False, None, tables, ctx), cache).view(q.shape)
 
 
-@pytest.fixture(params=["avx512", "scalar"])
-def isa(request, monkeypatch):
-    if request.param == "scalar":
-        monkeypatch.setenv("QOQSERVE_CPU_ISA", "scalar")
-    else:
-        monkeypatch.delenv("QOQSERVE_CPU_ISA", raising=False)
-    if paged_decode.isa() != request.param:
-        pytest.fail(f"path {request.param} not taken (got {paged_decode.isa()})")
-    return request.param
-
-
-def _cpu_has_avx512() -> bool:
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq"))
-
-
 def test_the_vector_path_is_taken_where_the_cpu_has_it(monkeypatch):
     monkeypatch.delenv("QOQSERVE_CPU_ISA", raising=False)
-    assert paged_decode.isa() == ("avx512" if _cpu_has_avx512() else "scalar")
+    assert paged_decode.isa() == ("avx512" if cpu_has_avx512() else "scalar")
     monkeypatch.setenv("QOQSERVE_CPU_ISA", "scalar")
     assert paged_decode.isa() == "scalar"
 
@@ -68,8 +49,6 @@ def test_the_vector_path_is_taken_where_the_cpu_has_it(monkeypatch):
 @pytest.mark.parametrize("heads,hkv,d", SHAPES)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_decode_attention_matches_the_fp64_reference(fmt, heads, hkv, d, bs, isa):
-    if isa == "avx512" and not _cpu_has_avx512():
-        pytest.skip("no AVX-512 here")
     layout, c_layout, cache, tables, ctx, q = _case(fmt, heads, hkv, d, bs)
     got = c_layout.decode(q, cache, tables, ctx, d ** -0.5)
     ref = _reference(layout, heads, hkv, d, q, cache, tables, ctx)
@@ -78,7 +57,7 @@ def test_decode_attention_matches_the_fp64_reference(fmt, heads, hkv, d, bs, isa
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_the_two_paths_agree(fmt, monkeypatch):
-    if not _cpu_has_avx512():
+    if not cpu_has_avx512():
         pytest.skip("one path only on this CPU")
     _, c_layout, cache, tables, ctx, q = _case(fmt, 12, 3, 64, 16, seed=3)
     vec = c_layout.decode(q, cache, tables, ctx, 0.125)

@@ -154,7 +154,7 @@ class ModelRunner:
         seqs = batch.decodes + [s for s, _ in batch.prefills]
         meta = AttentionMetadata(
             is_prefill=bool(batch.prefills), slot_mapping=self.staging.put("slots", slots),
-            block_tables=self._block_tables(seqs) if batch.decodes or any(cached) else None,
+            block_tables=self._block_tables(seqs),
             context_lens=(self.staging.put("context_lens", [len(s) for s in batch.decodes])
                           if batch.decodes else None),
             query_starts=starts if batch.prefills else None,

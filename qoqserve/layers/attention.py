@@ -1,8 +1,10 @@
 """Paged attention: the model's attention layer over one attention backend
 (layers/attention_backends.py: page format + kernels).
 
-Prefill attends per sequence over [cached prefix from the pages] + [fresh K/V]
-in torch SDPA; decode is the backend's. All slots of a step
+Prefill is the backend's where it has a kernel over the pages (the C one on
+CPU: every query over the pages, its chunk's K/V written first); otherwise it
+attends per sequence over [cached prefix from the pages] + [fresh K/V] in
+torch SDPA. Decode is the backend's. All slots of a step
 are written before any sequence reads, so two prompts of one prefill batch that
 share a prefix block (one computes it, the other hits it in the prefix cache)
 see the freshly written values.
@@ -55,10 +57,15 @@ class PagedAttention(nn.Module):
             out = self._decode(q, meta, cache)
             return out.reshape(q.shape[0], self.num_heads * self.head_dim)
         d = meta.num_decodes
-        qp, kp, vp = q[d:], k[d:], v[d:]
-        if self.backend.quantized_prefill:
-            kp, vp = self.layout.fake_quant(kp), self.layout.fake_quant(vp)
-        out = self._prefill(qp, kp, vp, meta, cache)
+        out = None
+        if cache is not None and meta.slot_mapping is not None:  # the chunks' K/V are in the pages
+            out = self.backend.prefill(q[d:], cache, meta.block_tables[d:], meta.query_starts,
+                                       meta.cached_lens or [0] * (len(meta.query_starts) - 1), self.scale)
+        if out is None:
+            qp, kp, vp = q[d:], k[d:], v[d:]
+            if self.backend.quantized_prefill:
+                kp, vp = self.layout.fake_quant(kp), self.layout.fake_quant(vp)
+            out = self._prefill(qp, kp, vp, meta, cache)
         if d:
             dec = self.backend.decode(q[:d], cache, meta.block_tables[:d], meta.context_lens, self.scale)
             out = torch.cat([dec, out])

@@ -7,8 +7,8 @@ decode step over them, apart from the page formats they read
   write, decode by gathering each sequence's pages into a padded batch (fp64
   SDPA on CPU), or with `compiled=True` a torch.compile'd gather + dequantize
   + attend;
-* `CpuAttention`: our C kernels (kernels/cpu/): one paged-decode kernel for
-  every page format, and the KV4 page write;
+* `CpuAttention`: our C kernels (kernels/cpu/): one paged-decode and one
+  paged-prefill kernel for every page format, and the page writes;
 * `TritonAttention`: the CUDA path for KV4 pages (kernels/triton/).
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from qoqserve.kernels.cpu import kv4_write, paged_decode
+from qoqserve.kernels.cpu import kv4_write, paged_decode, paged_prefill
 from qoqserve.layers.kv_cache import (
     DenseKVCacheLayout,
     Int4KVCacheLayout,
@@ -51,6 +51,15 @@ class AttentionBackend:
     def write(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               slot_mapping: torch.Tensor) -> None:
         self.layout.write(cache, k, v, slot_mapping)
+
+    def prefill(self, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+                query_starts: list[int], first_positions: list[int], scale: float) -> torch.Tensor | None:
+        """q [T, H, D]: prompt chunks back to back (sequence i: rows
+        query_starts[i]:query_starts[i+1], the first at position
+        first_positions[i]), causal over their pages, the chunks' own K/V
+        written first -> [T, H, D]. None: no kernel over the pages here (the
+        attention layer then attends the fresh values in torch)."""
+        return None
 
     def decode(self, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                context_lens: torch.Tensor, scale: float) -> torch.Tensor:
@@ -88,6 +97,7 @@ class CpuAttention(AttentionBackend):
         # decided once: a captured step must not probe the library per call
         self._c_write = isinstance(layout, Int4KVCacheLayout) and kv4_write.available()
         self._c_copy = isinstance(layout, DenseKVCacheLayout) and kv4_write.available()
+        self._c_prefill = paged_prefill.available()
 
     def write(self, cache, k, v, slot_mapping) -> None:
         if self._c_write:
@@ -96,6 +106,16 @@ class CpuAttention(AttentionBackend):
             kv4_write.dense_write(*self.layout.page_rows(cache), k, v, slot_mapping)
         else:
             self.layout.write(cache, k, v, slot_mapping)
+
+    def prefill(self, q, cache, block_tables, query_starts, first_positions, scale):
+        # the pages must hold what prefill attends to: the stored values when
+        # those are what it sees (quantized_prefill), else the exact ones
+        exact = isinstance(self.layout, DenseKVCacheLayout) and self.layout.dtype == q.dtype
+        if not self._c_prefill or not (self.quantized_prefill or exact):
+            return None
+        k_rows, v_rows = self.layout.page_rows(cache)
+        return paged_prefill.paged_prefill_attention(q, k_rows, v_rows, self.layout.name, self.layout.block_size,
+                                                     block_tables, query_starts, first_positions, scale)
 
     def decode(self, q, cache, block_tables, context_lens, scale):
         k_rows, v_rows = self.layout.page_rows(cache)

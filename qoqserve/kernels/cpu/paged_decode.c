@@ -24,9 +24,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include "bf16.h"
+#include "kv_rows.h"
 
-enum { KV_INT4 = 0, KV_INT8 = 1, KV_F16 = 2, KV_BF16 = 3, KV_F32 = 4 };
 enum { BLOCK = 16 };          /* tokens scored at once: one AVX-512 vector of scores */
 enum { CHUNK_TOKENS = 256 };  /* enough chunks for 2+ threads at batch 1, few merges */
 
@@ -63,38 +62,6 @@ static inline int64_t scratch_floats(const job *j) {
 
 /* ---- the portable path ------------------------------------------------------ */
 
-static float meta(const uint8_t *p) { return half_to_float((uint16_t)(p[0] | (p[1] << 8))); }
-
-/* one row (a token's K or V of one head) -> x[D], dequantized */
-static void row_scalar(const uint8_t *r, int fmt, int D, float *x) {
-    switch (fmt) {
-    case KV_INT4: {
-        const float s = meta(r + D / 2), z = meta(r + D / 2 + 2);
-        for (int i = 0; i < D / 2; i++) {
-            x[2 * i] = ((float)(r[i] & 15) - z) * s;
-            x[2 * i + 1] = ((float)(r[i] >> 4) - z) * s;
-        }
-        break;
-    }
-    case KV_INT8: {
-        const float s = meta(r + D);
-        for (int d = 0; d < D; d++) x[d] = (float)(int8_t)r[d] * s;
-        break;
-    }
-    case KV_F16:
-        for (int d = 0; d < D; d++) x[d] = meta(r + 2 * d);
-        break;
-    case KV_BF16:  /* the top half of an fp32 */
-        for (int d = 0; d < D; d++) {
-            uint32_t bits = (uint32_t)(r[2 * d] | (r[2 * d + 1] << 8)) << 16;
-            memcpy(x + d, &bits, 4);
-        }
-        break;
-    default:
-        memcpy(x, r, sizeof(float) * (size_t)D);
-    }
-}
-
 static void chunk_scalar(const job *j, int b, int c, float *s) {
     const int D = j->D, G = j->G, H = j->H, bs = j->bs;
     float *q = s, *acc = q + (int64_t)H * D, *kr = acc + (int64_t)H * D, *vr = kr + BLOCK * D;
@@ -121,24 +88,7 @@ static void chunk_scalar(const job *j, int b, int c, float *s) {
                 }
                 for (int g = 0; g < G; g++) {
                     const int hq = h * G + g;
-                    float *qg = q + hq * D, *ag = acc + hq * D, sc[BLOCK], mx = -INFINITY;
-                    for (int i = 0; i < n; i++) {
-                        float dot = 0.f;
-                        for (int d = 0; d < D; d++) dot += qg[d] * kr[i * D + d];
-                        sc[i] = dot;
-                        mx = dot > mx ? dot : mx;
-                    }
-                    if (mx > m[hq]) {  /* rescale what was summed under the old max */
-                        const float a = exp2f(m[hq] - mx);
-                        l[hq] *= a;
-                        for (int d = 0; d < D; d++) ag[d] *= a;
-                        m[hq] = mx;
-                    }
-                    for (int i = 0; i < n; i++) {
-                        const float e = exp2f(sc[i] - m[hq]);
-                        l[hq] += e;
-                        for (int d = 0; d < D; d++) ag[d] += e * vr[i * D + d];
-                    }
+                    softmax_step_scalar(q + hq * D, kr, vr, n, D, m + hq, l + hq, acc + hq * D);
                 }
             }
         }

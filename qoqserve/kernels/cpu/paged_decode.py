@@ -59,6 +59,18 @@ def _(q, k_rows, v_rows, fmt, block_size, block_tables, context_lens, sm_scale):
     return torch.empty_like(q)
 
 
+def check_pages(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, fmt: str) -> int:
+    """The number of KV heads, after checking that queries q [..., H, D] and
+    page rows [num_slots, Hkv, row] fit the kernels (shared with paged_prefill)."""
+    h, d = q.shape[-2:]
+    _, hkv, row = k_rows.shape
+    if fmt not in FORMATS or k_rows.stride() != v_rows.stride() or k_rows.stride(2) != 1:
+        raise ValueError(f"unsupported pages: {fmt}, strides {k_rows.stride()} / {v_rows.stride()}")
+    if row * k_rows.element_size() != kv_row_bytes(fmt, d) or h % hkv or h // hkv > 64:
+        raise ValueError(f"unsupported shapes: q {tuple(q.shape)}, {fmt} rows {tuple(k_rows.shape)}")
+    return hkv
+
+
 def paged_decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, fmt: str,
                            block_size: int, block_tables: torch.Tensor, context_lens: torch.Tensor,
                            sm_scale: float) -> torch.Tensor:
@@ -77,12 +89,8 @@ def _paged_decode(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, f
                   block_size: int, block_tables: torch.Tensor, context_lens: torch.Tensor,
                   sm_scale: float) -> torch.Tensor:
     b, h, d = q.shape
-    _, hkv, row = k_rows.shape
-    if fmt not in FORMATS or k_rows.stride() != v_rows.stride() or k_rows.stride(2) != 1:
-        raise ValueError(f"unsupported pages: {fmt}, strides {k_rows.stride()} / {v_rows.stride()}")
+    hkv = check_pages(q, k_rows, v_rows, fmt)
     size = k_rows.element_size()
-    if row * size != kv_row_bytes(fmt, d) or h % hkv or h // hkv > 64:
-        raise ValueError(f"unsupported shapes: q {tuple(q.shape)}, {fmt} rows {tuple(k_rows.shape)}")
     qf = q.float().contiguous()
     tables = block_tables.to(torch.int64).contiguous()
     lens = context_lens.to(torch.int64).contiguous()

@@ -1,0 +1,129 @@
+/* The AVX-512 row conversion and exp2 shared by the CPU attention kernels
+ * (included after kv_rows.h). Compiled for AVX-512 F/BW/VL/DQ by target
+ * pragmas whatever -march says; call only after avx512_supported().
+ * Defines KV_AVX512 where the compiler can build it. */
+#ifndef QOQSERVE_KV_ROWS_AVX512_H
+#define QOQSERVE_KV_ROWS_AVX512_H
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define KV_AVX512 1
+#include <immintrin.h>
+
+/* Everything between KV_AVX512_BEGIN and KV_AVX512_END is compiled for
+ * AVX-512 whatever -march says (the kernels' own code uses them too). */
+#if defined(__clang__)
+#define KV_AVX512_BEGIN \
+    _Pragma("clang attribute push(__attribute__((target(\"avx512f,avx512bw,avx512vl,avx512dq,fma,f16c\"))), apply_to = function)")
+#define KV_AVX512_END _Pragma("clang attribute pop")
+#else
+#define KV_AVX512_BEGIN _Pragma("GCC push_options") _Pragma("GCC target(\"avx512f,avx512bw,avx512vl,avx512dq,fma,f16c\")")
+#define KV_AVX512_END _Pragma("GCC pop_options")
+#endif
+
+KV_AVX512_BEGIN
+
+static int avx512_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+
+static inline int planar(int fmt) { return fmt == KV_INT4 || fmt == KV_BF16; }
+static inline int padded(int fmt, int D) { return planar(fmt) ? (D + 31) / 32 * 32 : (D + 15) / 16 * 16; }
+/* the channel held by slot i of a dequantized row */
+static inline int channel_of(int fmt, int i) {
+    if (!planar(fmt)) return i;
+    const int r = i % 32;
+    return i - r + (r < 16 ? 2 * r : 2 * (r - 16) + 1);
+}
+
+static inline float half_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* 2^x, x <= 0: exact reduction x = n + r (|r| <= 1/2), degree-7 Taylor of
+ * e^(r ln 2) (truncation < 6e-9), scalef for 2^n (underflows to 0, no NaN) */
+static inline __m512 exp2_ps(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.525273380405984e-05f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.5403530393381608e-04f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3333558146428443e-03f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.618129107628477e-03f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.550410866482158e-02f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.402265069591007e-01f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.931471805599453e-01f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* one row -> dst[padded(fmt, D)] fp32 (masked loads: never past the row): KV4
+ * codes - 8 and KV8 codes as they are (their scale and zero are applied per
+ * block by block_meta), dense values as they are */
+static inline __attribute__((always_inline)) void row_avx512(const uint8_t *r, const int fmt, const int D,
+                                                              float *dst) {
+    if (fmt == KV_INT4) {
+        const int nb = D / 2;
+        const __m512 tbl = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+        for (int c = 0; 16 * c < nb; c++) {
+            const int n = nb - 16 * c;
+            const __m128i x = n >= 16 ? _mm_loadu_si128((const __m128i *)(r + 16 * c))
+                                      : _mm_maskz_loadu_epi8((__mmask16)((1u << n) - 1), r + 16 * c);
+            const __m512i w = _mm512_cvtepu8_epi32(x);  /* vpermps reads the low 4 bits only */
+            _mm512_store_ps(dst + 32 * c, _mm512_permutexvar_ps(w, tbl));
+            _mm512_store_ps(dst + 32 * c + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), tbl));
+        }
+    } else if (fmt == KV_BF16) {
+        for (int c = 0; 32 * c < D; c++) {
+            const int n = D - 32 * c;
+            const __m512i x = n >= 32 ? _mm512_loadu_si512(r + 64 * c)
+                                      : _mm512_maskz_loadu_epi16((__mmask32)((1ull << n) - 1), r + 64 * c);
+            _mm512_store_ps(dst + 32 * c, _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)));
+            _mm512_store_ps(dst + 32 * c + 16,
+                            _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u))));
+        }
+    } else if (fmt == KV_F16) {
+        for (int c = 0; 16 * c < D; c++) {
+            const int n = D - 16 * c;
+            const __m256i x = n >= 16 ? _mm256_loadu_si256((const __m256i *)(r + 32 * c))
+                                      : _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1), r + 32 * c);
+            _mm512_store_ps(dst + 16 * c, _mm512_cvtph_ps(x));
+        }
+    } else if (fmt == KV_INT8) {
+        for (int c = 0; 16 * c < D; c++) {
+            const int n = D - 16 * c;
+            const __m128i x = n >= 16 ? _mm_loadu_si128((const __m128i *)(r + 16 * c))
+                                      : _mm_maskz_loadu_epi8((__mmask16)((1u << n) - 1), r + 16 * c);
+            _mm512_store_ps(dst + 16 * c, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x)));
+        }
+    } else {
+        for (int c = 0; 16 * c < D; c++) {
+            const int n = D - 16 * c;
+            _mm512_store_ps(dst + 16 * c, n >= 16 ? _mm512_loadu_ps(r + 64 * c)
+                                                  : _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), r + 64 * c));
+        }
+    }
+}
+
+/* fn(fmt, d) with the format and head_dim as constants: head_dim 64 and 128
+ * fully unrolled, any other the same code with loops */
+#define KV_SWITCH_FORMAT(fmt, d, fn)                  \
+    switch (fmt) {                                    \
+    case KV_INT4: fn(KV_INT4, d); break;              \
+    case KV_INT8: fn(KV_INT8, d); break;              \
+    case KV_F16: fn(KV_F16, d); break;                \
+    case KV_BF16: fn(KV_BF16, d); break;              \
+    default: fn(KV_F32, d);                           \
+    }
+#define KV_SPECIALIZE(fmt, D, fn)                                \
+    do {                                                         \
+        if ((D) == 64) { KV_SWITCH_FORMAT(fmt, 64, fn) }         \
+        else if ((D) == 128) { KV_SWITCH_FORMAT(fmt, 128, fn) }  \
+        else { KV_SWITCH_FORMAT(fmt, D, fn) }                    \
+    } while (0)
+
+KV_AVX512_END
+#endif
+#endif

@@ -1,0 +1,153 @@
+/* Paged prefill attention for CPUs, in fp32: the queries of prompt chunks,
+ * causal over their sequence's pages (the cached prefix and the chunk itself,
+ * which the engine writes into the pages before attending), for every page
+ * format that paged_decode.c reads.
+ *
+ * Flash-style: keys are visited in tiles of TILE positions counted from
+ * position 0 of the sequence, whatever page or chunk they fall in; each query
+ * row keeps an online softmax (running max m, sum l, unnormalized acc) over
+ * the tiles it can see, masking the keys after its own position. A row's
+ * arithmetic therefore depends on nothing but its position and the page
+ * contents: not on the other queries of its task, on how the prompt was
+ * chunked, on the batch or on the thread count. Chunked and whole prefills
+ * agree bit for bit by construction, not by rounding fp64 back.
+ *
+ * Task = (sequence, KV head, QBLOCK consecutive queries): each K/V tile is
+ * converted to fp32 once per task, for its QBLOCK * G query rows.
+ *
+ * Two paths in one library, chosen at run time: AVX-512 (paged_prefill_avx512.h)
+ * and the portable loops below (or when QOQSERVE_CPU_ISA=scalar).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include "kv_rows.h"
+
+enum { TILE = 16 };    /* key positions per online-softmax step: one AVX-512 vector of scores */
+enum { QBLOCK = 32 };  /* queries per task: enough rows to amortize a tile's conversion */
+
+typedef struct {
+    const float *q;  /* [T, H, D] */
+    const uint8_t *k, *v;
+    int64_t slot_stride, head_stride;
+    const int64_t *tables, *q_starts, *first_pos;
+    float *out;      /* [T, H, D] */
+    int fmt, S, H, Hkv, G, D, bs, width;
+    float qscale;    /* sm_scale * log2(e): scores in log2 units, softmax by exp2 */
+} pjob;
+
+/* byte offset of the row of (sequence s, position p, KV head h) */
+static inline int64_t row_at(const pjob *j, int s, int64_t p, int h) {
+    const int64_t slot = j->tables[(int64_t)s * j->width + p / j->bs] * j->bs + p % j->bs;
+    return slot * j->slot_stride + (int64_t)h * j->head_stride;
+}
+
+/* floats of per-thread scratch (either path): rows padded to 32 channels and
+ * 8 spare rows, so the vector path can always work on blocks of 8 */
+static inline int64_t scratch_floats(const pjob *j) {
+    const int64_t np = (j->D + 31) / 32 * 32, rows = (int64_t)QBLOCK * j->G + 8;
+    return rows * (2 * np + TILE + 1) + 3 * TILE * np + 8 * TILE + 32;
+}
+
+#include "paged_prefill_avx512.h"  /* defines task_avx512() where it can */
+
+/* ---- the portable path ------------------------------------------------------ */
+
+static void task_scalar(const pjob *j, int s, int h, int t0, int t1, float *buf) {
+    const int D = j->D, G = j->G, R = (t1 - t0) * G;
+    float *q = buf, *acc = q + (int64_t)R * D, *m = acc + (int64_t)R * D, *l = m + R;
+    float *kr = l + R, *vr = kr + TILE * D;
+    const int64_t base = j->q_starts[s], pos0 = j->first_pos[s] + t0, last = j->first_pos[s] + t1 - 1;
+    for (int r = 0; r < R; r++) {
+        const float *src = j->q + ((base + t0 + r / G) * j->H + h * G + r % G) * D;
+        for (int d = 0; d < D; d++) q[r * D + d] = src[d] * j->qscale;
+        m[r] = -INFINITY;
+        l[r] = 0.f;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)R * D);
+    for (int64_t k0 = 0; k0 <= last; k0 += TILE) {
+        const int n = (int)(last + 1 - k0 < TILE ? last + 1 - k0 : TILE);
+        for (int i = 0; i < n; i++) {
+            const int64_t off = row_at(j, s, k0 + i, h);
+            row_scalar(j->k + off, j->fmt, D, kr + i * D);
+            row_scalar(j->v + off, j->fmt, D, vr + i * D);
+        }
+        const int64_t first = k0 > pos0 ? k0 - pos0 : 0;  /* the first query that sees this tile */
+        for (int r = (int)first * G; r < R; r++) {  /* keys after the row's own position are not seen */
+            const int64_t p = pos0 + r / G;
+            const int nv = (int)(p - k0 + 1 < n ? p - k0 + 1 : n);
+            softmax_step_scalar(q + (int64_t)r * D, kr, vr, nv, D, m + r, l + r, acc + (int64_t)r * D);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float *o = j->out + ((base + t0 + r / G) * j->H + h * G + r % G) * D;
+        for (int d = 0; d < D; d++) o[d] = acc[(int64_t)r * D + d] / l[r];
+    }
+}
+
+static int use_vector_path(void) {
+    const char *isa = getenv("QOQSERVE_CPU_ISA");
+    if (isa && strcmp(isa, "scalar") == 0) return 0;
+#ifdef KV_AVX512
+    return avx512_supported();
+#else
+    return 0;
+#endif
+}
+
+/* Which path paged_prefill_attention takes now: 512 (AVX-512) or 0 (scalar). */
+int paged_prefill_isa(void) { return use_vector_path() ? 512 : 0; }
+
+/* q, out: float [T, H, D], the queries of S sequences back to back: sequence s
+ * owns rows q_starts[s] .. q_starts[s + 1] - 1, the first at position
+ * first_pos[s] (its cached prefix length); query i of it attends to positions
+ * 0 .. first_pos[s] + i. Rows as in paged_decode_attention: K of (slot, head)
+ * at k + slot * slot_stride + head * head_stride bytes, V at v + the same,
+ * slot = tables[s][p / bs] * bs + p % bs. Returns 0, or -1 if out of memory. */
+int paged_prefill_attention(const float *q, const uint8_t *k, const uint8_t *v, int64_t slot_stride,
+                            int64_t head_stride, int fmt, const int64_t *tables, const int64_t *q_starts,
+                            const int64_t *first_pos, float *out, int S, int H, int Hkv, int D, int bs,
+                            int width, float sm_scale, int threads) {
+    pjob j = {q, k, v, slot_stride, head_stride, tables, q_starts, first_pos, out, fmt, S, H, Hkv, H / Hkv,
+              D, bs, width, sm_scale * 1.4426950408889634f};
+    int64_t ntasks = 0;
+    for (int s = 0; s < S; s++) ntasks += (q_starts[s + 1] - q_starts[s] + QBLOCK - 1) / QBLOCK * Hkv;
+    int32_t *tasks = malloc(sizeof(int32_t) * 3 * (size_t)(ntasks + 1));
+    if (!tasks) return -1;
+    int64_t n = 0;
+    for (int s = 0; s < S; s++) {  /* the last blocks of a prompt see the most keys: hand them out first */
+        const int blocks = (int)((q_starts[s + 1] - q_starts[s] + QBLOCK - 1) / QBLOCK);
+        for (int b = blocks - 1; b >= 0; b--)
+            for (int h = 0; h < Hkv; h++, n++) {
+                tasks[3 * n] = s;
+                tasks[3 * n + 1] = h;
+                tasks[3 * n + 2] = b;
+            }
+    }
+    const int vec = use_vector_path();
+    int failed = 0;
+    #pragma omp parallel num_threads(threads)
+    {
+    float *scratch = calloc((size_t)scratch_floats(&j) + 16, sizeof(float));
+    float *buf = scratch ? (float *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63) : NULL;  /* 64-byte rows */
+    if (!scratch) {
+        #pragma omp atomic write
+        failed = 1;
+    }
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < ntasks; t++) {
+        if (!buf) continue;
+        const int s = tasks[3 * t], h = tasks[3 * t + 1], t0 = tasks[3 * t + 2] * QBLOCK;
+        const int len = (int)(q_starts[s + 1] - q_starts[s]), t1 = t0 + QBLOCK < len ? t0 + QBLOCK : len;
+#ifdef KV_AVX512
+        if (vec) { task_avx512(&j, s, h, t0, t1, buf); continue; }
+#endif
+        task_scalar(&j, s, h, t0, t1, buf);
+    }
+    free(scratch);
+    }
+    free(tasks);
+    (void)vec;
+    return failed ? -1 : 0;
+}

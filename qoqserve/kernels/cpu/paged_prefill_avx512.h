@@ -1,0 +1,151 @@
+/* The AVX-512 path of paged_prefill.c (included once by it, after its job
+ * type), entered only after a run-time CPU check.
+ *
+ * Per key tile: the TILE K rows are converted to fp32 (kv_rows_avx512.h,
+ * scale and zero applied) and transposed, so that a query row's TILE scores
+ * are one vector built by D broadcast-FMAs; blocks of 8 query rows share each
+ * loaded K vector. V rows stay row-major and blocks of 4 query rows share each
+ * loaded V vector. KV4 and bf16 rows come out planar per 32 channels, so q is
+ * permuted into that order once per task and the output permuted back.
+ */
+#include "kv_rows_avx512.h"
+#ifdef KV_AVX512
+
+KV_AVX512_BEGIN
+
+/* TILE rows of (s, h) from position k0 -> dst[TILE][np] fp32, dequantized;
+ * rows n.. are zero */
+static inline __attribute__((always_inline)) void tile_rows(const pjob *j, const uint8_t *pages, int s, int64_t k0,
+                                                             int n, int h, const int fmt, const int D, const int np,
+                                                             float *dst) {
+    for (int i = 0; i < n; i++) {
+        const uint8_t *r = pages + row_at(j, s, k0 + i, h);
+        float *x = dst + i * np;
+        row_avx512(r, fmt, D, x);
+        if (fmt == KV_INT4 || fmt == KV_INT8) {  /* KV4 rows hold code - 8, KV8 rows the code */
+            const __m512 sc = _mm512_set1_ps(half_at(r + (fmt == KV_INT4 ? D / 2 : D)));
+            const __m512 z = _mm512_set1_ps(fmt == KV_INT4 ? half_at(r + D / 2 + 2) - 8.f : 0.f);
+            for (int c = 0; c < np; c += 16)
+                _mm512_store_ps(x + c, _mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(x + c), z), sc));
+        }
+    }
+    if (n < TILE) memset(dst + n * np, 0, sizeof(float) * (size_t)(TILE - n) * np);
+}
+
+/* src[16][stride] (16 columns from col0) -> dst[16][16] transposed */
+static inline __attribute__((always_inline)) void transpose16(const float *src, int64_t stride, float *dst) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_load_ps(src + i * stride);
+    for (int i = 0; i < 8; i++) {  /* per 128-bit lane: [a0 b0 a1 b1], [a2 b2 a3 b3] */
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int g = 0; g < 4; g++) {  /* r[4g + k]: lane L holds column 4L + k of rows 4g .. 4g + 3 */
+        r[4 * g] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], 0x44);
+        r[4 * g + 1] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], 0xee);
+        r[4 * g + 2] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0x44);
+        r[4 * g + 3] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0xee);
+    }
+    for (int k = 0; k < 4; k++) {
+        const __m512 x0 = _mm512_shuffle_f32x4(r[k], r[4 + k], 0x88), x1 = _mm512_shuffle_f32x4(r[k], r[4 + k], 0xdd);
+        const __m512 y0 = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0x88);
+        const __m512 y1 = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0xdd);
+        _mm512_store_ps(dst + 16 * k, _mm512_shuffle_f32x4(x0, y0, 0x88));
+        _mm512_store_ps(dst + 16 * (8 + k), _mm512_shuffle_f32x4(x0, y0, 0xdd));
+        _mm512_store_ps(dst + 16 * (4 + k), _mm512_shuffle_f32x4(x1, y1, 0x88));
+        _mm512_store_ps(dst + 16 * (12 + k), _mm512_shuffle_f32x4(x1, y1, 0xdd));
+    }
+}
+
+/* o[4 rows][np] += sum_{k<n} w[row][k] * v[k] (w rows TILE apart) */
+static inline __attribute__((always_inline)) void accumulate4(float *o, const float *w, const float *v, int n,
+                                                               const int np) {
+    for (int c0 = 0; c0 < np; c0 += 64) {
+        const int nv = np - c0 >= 64 ? 4 : (np - c0) / 16;
+        __m512 a[4][4];
+        for (int r = 0; r < 4; r++)
+            for (int u = 0; u < nv; u++) a[r][u] = _mm512_load_ps(o + r * np + c0 + 16 * u);
+        for (int k = 0; k < n; k++) {
+            __m512 x[4];
+            for (int u = 0; u < nv; u++) x[u] = _mm512_load_ps(v + k * np + c0 + 16 * u);
+            for (int r = 0; r < 4; r++) {
+                const __m512 wr = _mm512_set1_ps(w[r * TILE + k]);
+                for (int u = 0; u < nv; u++) a[r][u] = _mm512_fmadd_ps(wr, x[u], a[r][u]);
+            }
+        }
+        for (int r = 0; r < 4; r++)
+            for (int u = 0; u < nv; u++) _mm512_store_ps(o + r * np + c0 + 16 * u, a[r][u]);
+    }
+}
+
+static inline __attribute__((always_inline)) void task_impl(const pjob *j, int s, int h, int t0, int t1,
+                                                             float *buf, const int fmt, const int D) {
+    const int np = padded(fmt, D), G = j->G, R = (t1 - t0) * G, rows = R + 8;
+    float *q = buf, *o = q + (int64_t)rows * np, *lv = o + (int64_t)rows * np, *m = lv + (int64_t)rows * TILE;
+    float *kt = m + (rows + 15) / 16 * 16, *tmp = kt + TILE * np, *vb = tmp + TILE * np, *w = vb + TILE * np;
+    const int64_t base = j->q_starts[s], pos0 = j->first_pos[s] + t0, last = j->first_pos[s] + t1 - 1;
+    for (int r = 0; r < rows; r++) {
+        const float *src = j->q + ((base + t0 + r / G) * j->H + h * G + r % G) * D;
+        for (int i = 0; i < np; i++) {
+            const int ch = channel_of(fmt, i);
+            q[(int64_t)r * np + i] = r < R && ch < D ? src[ch] * j->qscale : 0.f;  /* pads add 0 */
+        }
+        m[r] = -INFINITY;
+    }
+    memset(o, 0, sizeof(float) * (size_t)rows * np);
+    memset(lv, 0, sizeof(float) * (size_t)rows * TILE);
+    for (int64_t k0 = 0; k0 <= last; k0 += TILE) {
+        const int n = (int)(last + 1 - k0 < TILE ? last + 1 - k0 : TILE);
+        tile_rows(j, j->k, s, k0, n, h, fmt, D, np, tmp);
+        for (int c = 0; c < np; c += 16) transpose16(tmp + c, np, kt + c * TILE);
+        tile_rows(j, j->v, s, k0, n, h, fmt, D, np, vb);
+        const int first = (int)(k0 > pos0 ? k0 - pos0 : 0) * G;  /* the first row that sees this tile */
+        for (int r = first; r < R; r += 8) {
+            __m512 sc[8];
+            for (int b = 0; b < 8; b++) sc[b] = _mm512_setzero_ps();
+            for (int i = 0; i < np; i++) {
+                const __m512 kv = _mm512_load_ps(kt + i * TILE);
+                for (int b = 0; b < 8; b++)
+                    sc[b] = _mm512_fmadd_ps(_mm512_set1_ps(q[(int64_t)(r + b) * np + i]), kv, sc[b]);
+            }
+            for (int b = 0; b < 8; b++) {
+                const int rr = r + b;
+                if (rr >= R) {
+                    _mm512_store_ps(w + b * TILE, _mm512_setzero_ps());
+                    continue;
+                }
+                const int64_t p = pos0 + rr / G;
+                const int nv = (int)(p - k0 + 1 < n ? p - k0 + 1 : n);
+                const __mmask16 valid = (__mmask16)((1u << nv) - 1);
+                const float mx = _mm512_mask_reduce_max_ps(valid, sc[b]);
+                float *orow = o + (int64_t)rr * np, *lrow = lv + (int64_t)rr * TILE;
+                if (mx > m[rr]) {  /* rescale what was summed under the old max */
+                    const __m512 f = _mm512_set1_ps(exp2f(m[rr] - mx));
+                    _mm512_store_ps(lrow, _mm512_mul_ps(_mm512_load_ps(lrow), f));
+                    for (int c = 0; c < np; c += 16) _mm512_store_ps(orow + c, _mm512_mul_ps(_mm512_load_ps(orow + c), f));
+                    m[rr] = mx;
+                }
+                const __m512 e = _mm512_maskz_mov_ps(valid, exp2_ps(_mm512_sub_ps(sc[b], _mm512_set1_ps(m[rr]))));
+                _mm512_store_ps(lrow, _mm512_add_ps(_mm512_load_ps(lrow), e));
+                _mm512_store_ps(w + b * TILE, e);
+            }
+            accumulate4(o + (int64_t)r * np, w, vb, n, np);
+            accumulate4(o + (int64_t)(r + 4) * np, w + 4 * TILE, vb, n, np);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float *dst = j->out + ((base + t0 + r / G) * j->H + h * G + r % G) * D;
+        const float inv = 1.f / _mm512_reduce_add_ps(_mm512_load_ps(lv + (int64_t)r * TILE));
+        for (int i = 0; i < np; i++) {
+            const int ch = channel_of(fmt, i);
+            if (ch < D) dst[ch] = o[(int64_t)r * np + i] * inv;
+        }
+    }
+}
+
+#define TASK(f, d) task_impl(j, s, h, t0, t1, buf, f, d)
+static void task_avx512(const pjob *j, int s, int h, int t0, int t1, float *buf) { KV_SPECIALIZE(j->fmt, j->D, TASK); }
+#undef TASK
+
+KV_AVX512_END
+#endif

@@ -1,0 +1,113 @@
+"""The C paged prefill kernel (both of its paths) against an fp64 reference
+over every page format, head_dim, GQA group and block size, and its
+invariance: a query's result must not depend on how its prompt was chunked,
+what shares the call, or the thread count."""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import cpu_has_avx512, make_pages, page_layout
+
+from qoqserve.layers.attention_backends import CpuAttention
+
+FORMATS = ["int4", "int8", "bfloat16", "float16", "float32"]
+SHAPES = [(9, 3, 64), (8, 2, 128), (8, 1, 80), (4, 4, 96)]
+
+
+def _case(fmt, heads, hkv, d, bs, lens, seed=0):
+    layout = page_layout(fmt, hkv, d, bs)
+    blocks = sum(-(-n // bs) for n in lens) + 3
+    _, cache, tables, _ = make_pages(heads, hkv, d, lens, bs=bs, num_blocks=blocks, seed=seed, layout=layout)
+    return layout, CpuAttention(layout, quantized_prefill=True), cache, tables  # attend to the pages as stored
+
+
+def _reference(layout, q, cache, tables, starts, firsts, scale):
+    """Each chunk's queries over positions 0..own, from the pages read in fp64."""
+    heads, outs = q.shape[1], []
+    for i in range(len(firsts)):
+        qi = q[starts[i]:starts[i + 1]].double()
+        n = qi.shape[0]
+        k, v = (x[0, :firsts[i] + n] for x in layout.read(cache, tables[i:i + 1], torch.float64))
+        group = heads // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)   # [L, H, D]
+        scores = torch.einsum("thd,lhd->htl", qi, k) * scale
+        pos = firsts[i] + torch.arange(n)
+        scores = scores.masked_fill(torch.arange(k.shape[0])[None, None, :] > pos[None, :, None], float("-inf"))
+        outs.append(torch.einsum("htl,lhd->thd", torch.softmax(scores, -1), v))
+    return torch.cat(outs).float()
+
+
+def _queries(t, heads, d, seed):
+    return torch.randn(t, heads, d, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+@pytest.mark.parametrize("bs", [16, 24])
+@pytest.mark.parametrize("heads,hkv,d", SHAPES)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_prefill_attention_matches_the_fp64_reference(fmt, heads, hkv, d, bs, isa):
+    # whole prompts (first position 0) and chunks after a cached prefix, of
+    # lengths around the 16-key tiles and the 32-query tasks
+    lens, chunks = [1, 40, 77, 130], [1, 40, 9, 70]
+    layout, attn, cache, tables = _case(fmt, heads, hkv, d, bs, lens)
+    firsts = [n - c for n, c in zip(lens, chunks)]
+    starts = [0]
+    for c in chunks:
+        starts.append(starts[-1] + c)
+    q = _queries(starts[-1], heads, d, seed=1)
+    got = attn.prefill(q, cache, tables, starts, firsts, d ** -0.5)
+    ref = _reference(layout, q, cache, tables, starts, firsts, d ** -0.5)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "bfloat16", "float32"])
+def test_a_query_does_not_depend_on_chunking_batch_or_threads(fmt, isa):
+    heads, hkv, d, n = 9, 3, 64, 150
+    layout, attn, cache, tables = _case(fmt, heads, hkv, d, 16, [n, 60])
+    q = _queries(n, heads, d, seed=2)
+    whole = attn.prefill(q, cache, tables[:1], [0, n], [0], 0.125)
+    for size in (1, 7, 64):
+        cuts = list(range(0, n, size)) + [n]
+        rows = tables[:1].expand(len(cuts) - 1, -1)
+        chunked = attn.prefill(q, cache, rows, cuts, cuts[:-1], 0.125)   # every chunk in one call
+        assert torch.equal(chunked, whole), size
+        for a, b in zip(cuts[:3], cuts[1:4]):                             # chunks one call each
+            assert torch.equal(attn.prefill(q[a:b], cache, tables[:1], [0, b - a], [a], 0.125), whole[a:b])
+    other = _queries(60, heads, d, seed=3)
+    mixed = attn.prefill(torch.cat([other, q]), cache, tables[[1, 0]], [0, 60, 60 + n], [0, 0], 0.125)
+    assert torch.equal(mixed[60:], whole)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = attn.prefill(q, cache, tables[:1], [0, n], [0], 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(single, whole)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_two_paths_agree(fmt, monkeypatch):
+    if not cpu_has_avx512():
+        pytest.skip("one path only on this CPU")
+    layout, attn, cache, tables = _case(fmt, 12, 3, 64, 16, [100])
+    q = _queries(100, 12, 64, seed=4)
+    vec = attn.prefill(q, cache, tables, [0, 100], [0], 0.125)
+    monkeypatch.setenv("QOQSERVE_CPU_ISA", "scalar")
+    scalar = attn.prefill(q, cache, tables, [0, 100], [0], 0.125)
+    torch.testing.assert_close(vec, scalar, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(vec, scalar)  # two real paths, not one twice
+
+
+def test_mismatched_offsets_are_refused():
+    _, attn, cache, tables = _case("int4", 4, 2, 64, 16, [20])
+    with pytest.raises(ValueError, match="query offsets"):
+        attn.prefill(_queries(20, 4, 64, 0), cache, tables, [0, 19], [0], 0.125)
+
+
+def test_fresh_kv_prefill_over_lossy_pages_is_left_to_the_torch_path():
+    # QServe's fresh-K/V prefill must not read rounded values back from the pages
+    layout = page_layout("bfloat16", 2, 64, 16)
+    _, cache, tables, _ = make_pages(4, 2, 64, [20], bs=16, num_blocks=4, layout=layout)
+    q = _queries(20, 4, 64, 0)
+    assert CpuAttention(layout, quantized_prefill=False).prefill(q, cache, tables, [0, 20], [0], 0.125) is None
+    assert CpuAttention(layout, quantized_prefill=False).prefill(q.bfloat16(), cache, tables, [0, 20], [0],
+                                                                 0.125) is not None  # exact pages
