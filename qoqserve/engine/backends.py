@@ -24,7 +24,7 @@ from qoqserve.layers.kv_cache import (
     KVCacheLayout,
 )
 from qoqserve.layers.linear import LinearMethod
-from qoqserve.layers.logits import CpuLogitsHead, LogitsHead
+from qoqserve.layers.logits import CpuLogitsHead, Int8LogitsHead, LogitsHead
 from qoqserve.layers.quantization import (
     KernelChoice,
     QuantizationConfig,
@@ -116,5 +116,13 @@ def select_backends(config: EngineConfig, arch: ModelArchConfig,
     on_cpu = choice.kernels == "cpu" and config.device == "cpu"
     dtype = config.torch_dtype
     return Backends(quant, choice, quant.get_linear_method(choice), attention,
-                    CpuLogitsHead() if on_cpu and CpuLogitsHead.supports(dtype) else LogitsHead(),
+                    logits_head(config.lm_head_dtype, choice, on_cpu, dtype),
                     CpuTokenOps() if on_cpu and CpuTokenOps.supports(dtype) else TorchTokenOps())
+
+
+def logits_head(lm_head_dtype: str, choice: KernelChoice, on_cpu: bool, dtype: torch.dtype) -> LogitsHead:
+    if lm_head_dtype == "int8":
+        return Int8LogitsHead(fused=choice.fused_int8, cpu_ops=choice.cpu_ops)
+    if lm_head_dtype != "auto":
+        raise ValueError(f"lm_head_dtype {lm_head_dtype!r}: choose auto or int8")
+    return CpuLogitsHead() if on_cpu and CpuLogitsHead.supports(dtype) else LogitsHead()

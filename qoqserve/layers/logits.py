@@ -10,6 +10,9 @@ the others (engine/backends.py):
   when the weights are exactly such values (checkpoints stored in bf16/fp16
   are, even when the model runs in fp32), so half the bytes for the same
   numbers.
+* `Int8LogitsHead` (`--lm-head-dtype int8`): per-channel INT8 weights and
+  per-token INT8 hidden states on the INT8 GEMM of the W8A8 linears: half
+  the bytes of bf16, at a perplexity cost (docs/accuracy.md).
 """
 from __future__ import annotations
 
@@ -17,6 +20,8 @@ import torch
 
 from qoqserve.kernels.cpu import float_linear
 from qoqserve.layers.linear import batch_invariant_linear
+from qoqserve.layers.quantization.int8_gemm import PackedInt8Gemm, int8_linear
+from qoqserve.layers.quantization.w8a8 import quantize_weight_per_channel
 
 
 class LogitsHead:
@@ -27,6 +32,10 @@ class LogitsHead:
 
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return batch_invariant_linear(hidden, weight).float()
+
+    def resident_bytes(self) -> int:
+        """Bytes this head holds besides the model's own weight."""
+        return 0
 
 
 class CpuLogitsHead(LogitsHead):
@@ -55,3 +64,34 @@ class CpuLogitsHead(LogitsHead):
         if self._weight is None or weight.data_ptr() != self._source_ptr:
             self.prepare(weight)  # loaded again or moved: re-derive
         return float_linear.float_linear(hidden, self._weight)
+
+    def resident_bytes(self) -> int:
+        w = self._weight
+        return 0 if w is None or w.data_ptr() == self._source_ptr else w.numel() * w.element_size()
+
+
+class Int8LogitsHead(LogitsHead):
+    """fused: the packed VNNI kernel (CPU); else torch._int_mm between C or
+    torch quantize / epilogue passes."""
+
+    def __init__(self, fused: bool, cpu_ops: bool):
+        self.fused, self.cpu_ops = fused, cpu_ops
+        self.name = "int8" + ("+vnni" if fused else "")
+        self._source_ptr = None
+
+    def prepare(self, weight: torch.Tensor) -> None:
+        w_int8, self._scale = quantize_weight_per_channel(weight.detach())
+        self._gemm = PackedInt8Gemm(w_int8, self._scale, None, None) if self.fused else None
+        self._w_int8 = None if self.fused else w_int8
+        self._source_ptr = weight.data_ptr()
+
+    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if weight.data_ptr() != self._source_ptr:
+            self.prepare(weight)
+        if self._gemm is not None:
+            return self._gemm(hidden).float()
+        return int8_linear(hidden, self._w_int8, self._scale, None, None, self.cpu_ops).float()
+
+    def resident_bytes(self) -> int:
+        held = [self._scale] + ([self._w_int8] if self._gemm is None else list(self._gemm.buffers()))
+        return sum(t.numel() * t.element_size() for t in held)

@@ -10,6 +10,13 @@ from qoqserve.layers.quantization.base import KernelChoice, QuantizationConfig
 from qoqserve.layers.quantization.int8_gemm import install_packed_gemm, int8_linear
 
 
+def quantize_weight_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (INT8 codes [N, K], fp32 scale [N]): symmetric, absmax / 127 per row."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-8)
+    return torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8), scale
+
+
 class W8A8Config(QuantizationConfig):
     """Applied at load (`--quantization w8a8`): the checkpoint is a plain FP one."""
     name = "w8a8"
@@ -26,9 +33,7 @@ class W8A8LinearMethod(UnquantizedLinearMethod):
         self.name = "w8a8/torch-int8" + ("+vnni" if self.fused else "+c" if cpu_ops else "")
 
     def process_weights_after_loading(self, layer: Linear) -> None:
-        w = layer.weight.detach().float()
-        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-8)
-        w_int8 = torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8)
+        w_int8, scale = quantize_weight_per_channel(layer.weight.detach())
         # the float copy is no longer needed: keep only what apply() reads
         del layer._parameters["weight"]
         layer.weight = None

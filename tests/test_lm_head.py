@@ -1,0 +1,77 @@
+"""The LM head's kernels: the INT8 option (--lm-head-dtype int8) against a
+per-channel fake-quant reference, its bytes, and its replay in a captured step."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from qoqserve.kernels import qoq_ref
+from qoqserve.kernels.cpu import int8_linear
+from qoqserve.layers.logits import CpuLogitsHead, Int8LogitsHead
+from qoqserve.layers.quantization.w8a8 import quantize_weight_per_channel
+from qoqserve.llm import LLM
+from qoqserve.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=True)
+
+
+def _fake_quant_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp64 of (per-token INT8 hidden) x (per-channel INT8 weight), each dequantized."""
+    w_int8, scale = quantize_weight_per_channel(weight)
+    x_q, s_a = qoq_ref.quantize_act_int8(hidden)
+    return (x_q.double() * s_a.double()[:, None]) @ (w_int8.double() * scale.double()[:, None]).T
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_int8_head_matches_the_fake_quant_reference(fused):
+    if fused and not int8_linear.available():
+        pytest.skip("no VNNI kernel here")
+    g = torch.Generator().manual_seed(0)
+    weight, hidden = torch.randn(1000, 96, generator=g) * 0.05, torch.randn(7, 96, generator=g)
+    head = Int8LogitsHead(fused=fused, cpu_ops=True)
+    head.prepare(weight)
+    got = head(hidden, weight)
+    ref = _fake_quant_logits(hidden, weight)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+    exact = hidden @ weight.T
+    assert (got - exact).abs().max() > 1e-4  # really quantized, not the float head
+
+
+def test_the_fused_and_torch_int8_heads_agree_bit_for_bit():
+    if not int8_linear.available():
+        pytest.skip("no VNNI kernel here")
+    g = torch.Generator().manual_seed(1)
+    weight, hidden = torch.randn(300, 64, generator=g), torch.randn(5, 64, generator=g)
+    heads = [Int8LogitsHead(fused=f, cpu_ops=True) for f in (True, False)]
+    for h in heads:
+        h.prepare(weight)
+    assert torch.equal(heads[0](hidden, weight), heads[1](hidden, weight))
+
+
+def test_int8_head_holds_about_half_of_a_bf16_copy():
+    weight = torch.randn(4096, 256).bfloat16().float()  # bf16 values: the float head keeps a bf16 copy
+    bf16, int8 = CpuLogitsHead(), Int8LogitsHead(fused=int8_linear.available(), cpu_ops=True)
+    bf16.prepare(weight)
+    int8.prepare(weight)
+    assert bf16.resident_bytes() == weight.numel() * 2
+    assert weight.numel() <= int8.resident_bytes() <= 0.52 * bf16.resident_bytes()
+
+
+def test_an_engine_with_the_int8_head_replays_its_captured_steps(tmp_path):
+    from test_quant_pipeline import tiny_source
+    tiny_source("llama", tmp_path)
+    path, prompts = str(tmp_path / "llama"), [[5 + i * 3 + j for j in range(6 + 4 * i)] for i in range(3)]
+    runs = {}
+    for name, kw in {"eager": {"enforce_eager": True}, "captured": {"capture_sizes": "1,2,4"},
+                     "float": {}}.items():
+        llm = LLM(path, kv_cache_gb=0.05, dtype="float32", lm_head_dtype="auto" if name == "float" else "int8", **kw)
+        runs[name] = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, GREEDY)]
+        runs[name + "_stats"] = llm.engine.stats()
+        del llm
+        gc.collect()
+    assert runs["captured_stats"]["lm_head_kernel"].startswith("int8")
+    assert runs["captured_stats"]["captured_decode_sizes"] == [1, 2, 4]
+    assert runs["captured"] == runs["eager"]
+    assert runs["float"] != runs["eager"]  # the option changes the numbers: it ran
