@@ -76,7 +76,8 @@ def bench_system(name: str, cmd: str, args) -> list[dict]:
         for c in args.concurrency:
             n = max(args.requests_per_stream * c, args.min_requests)
             cfg = LoadConfig(base_url=base, num_requests=n, concurrency=c, input_words=args.input_words,
-                             output_len=args.output_len, seed=args.seed)
+                             output_len=args.output_len, seed=args.seed, long_streams=args.long_streams,
+                             long_input_words=args.long_input_words)
             s = run_load(cfg, progress=False)
             s["system"] = name
             s["command"] = cmd
@@ -123,6 +124,9 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=8321)
     ap.add_argument("--startup-timeout", type=float, default=900)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--long-streams", type=int, default=0,
+                    help="a mixed load: clients sending long prompts beside each sweep's streams")
+    ap.add_argument("--long-input-words", type=int, default=1500)
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     systems = dict(OURS)
@@ -142,8 +146,9 @@ def main() -> int:
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(md + "\n")
     print(md)
-    plot_latency_vs_load(results, os.path.join(args.out, "latency_vs_load.png"),
-                         f"{args.input_words} words in, {args.output_len} tokens out")
+    title = f"{args.input_words} words in, {args.output_len} tokens out" + (
+        f", beside {args.long_streams} streams of {args.long_input_words}-word prompts" if args.long_streams else "")
+    plot_latency_vs_load(results, os.path.join(args.out, "latency_vs_load.png"), title)
     return 0
 
 

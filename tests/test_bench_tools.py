@@ -67,6 +67,12 @@ def test_load_generator_counts_tokens_and_latencies(server):
                                num_requests=4, concurrency=None, request_rate=20.0, output_len=4),
                     progress=False)
     assert chat["completed"] == 4 and chat["output_tokens"] == 16
+    # a mixed load: the long-prompt clients run beside, the summary is the main load's
+    mixed = run_load(LoadConfig(base_url=server.base, api_key=server.api_key, num_requests=4, concurrency=2,
+                                input_words=10, output_len=5, long_streams=1, long_input_words=200),
+                     progress=False)
+    assert mixed["completed"] == 4 and mixed["output_tokens"] == 20
+    assert mixed["prompt_tokens"] < 4 * 60  # none of the ~260-token long prompts counted
 
 
 def test_plots_are_written_as_png(tmp_path):

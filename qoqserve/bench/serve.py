@@ -6,7 +6,8 @@ Requests stream (SSE); the client clocks every chunk. Per request: TTFT (send
 the server's usage when it reports them (stream_options.include_usage), else
 the count of content chunks. Load is either a fixed concurrency (a pool of
 clients, each sending its next request when the last one ends) or a Poisson
-arrival rate.
+arrival rate, optionally beside clients that send long prompts back to back
+(a mixed load: what prefills of long prompts do to the short streams' ITL).
 
 Prompts are seeded random English words, so the same run can be replayed
 against another server with the same tokenizer.
@@ -45,6 +46,10 @@ class LoadConfig:
     ignore_eos: bool = True
     seed: int = 0
     timeout_s: float = 600.0
+    # a mixed load: this many more clients send long prompts back to back while
+    # the main load runs; the summary's latencies are the main load's alone
+    long_streams: int = 0
+    long_input_words: int = 1500           # ~2,000 tokens
 
 
 @dataclass
@@ -62,14 +67,16 @@ class RequestResult:
         return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
 
 
-def make_requests(cfg: LoadConfig) -> list[tuple[str, int]]:
-    rng = random.Random(cfg.seed)
+def make_requests(cfg: LoadConfig, long: bool = False) -> list[tuple[str, int]]:
+    """The main load's prompts, or (long) those of the long-prompt clients."""
+    rng = random.Random(cfg.seed + (7919 if long else 0))
+    words_in = cfg.long_input_words if long else cfg.input_words
     out = []
-    for i in range(cfg.num_requests):
-        n_in = max(1, round(cfg.input_words * (1 + rng.uniform(-cfg.input_jitter, cfg.input_jitter))))
+    for i in range(cfg.long_streams * 64 if long else cfg.num_requests):
+        n_in = max(1, round(words_in * (1 + rng.uniform(-cfg.input_jitter, cfg.input_jitter))))
         n_out = max(1, round(cfg.output_len * (1 + rng.uniform(-cfg.output_jitter, cfg.output_jitter))))
         words = [rng.choice(_WORDS) for _ in range(n_in)]
-        out.append((f"Request {i}: " + " ".join(words), n_out))
+        out.append((f"{'Long request' if long else 'Request'} {i}: " + " ".join(words), n_out))
     return out
 
 
@@ -132,7 +139,7 @@ async def _one(client, cfg: LoadConfig, model: str, prompt: str, max_tokens: int
 async def _run(cfg: LoadConfig, progress: bool) -> tuple[list[RequestResult], float, str]:
 
     requests = make_requests(cfg)
-    limits = httpx.Limits(max_connections=max(cfg.concurrency or 0, 256))
+    limits = httpx.Limits(max_connections=max((cfg.concurrency or 0) + cfg.long_streams, 256))
     async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout_s), limits=limits) as client:
         model = cfg.model
         if model is None:
@@ -146,6 +153,14 @@ async def _run(cfg: LoadConfig, progress: bool) -> tuple[list[RequestResult], fl
             results[i] = await _one(client, cfg, model, *requests[i])
             bar.update(1)
 
+        long_queue = iter(make_requests(cfg, long=True))
+
+        async def long_client():  # until cancelled when the main load is done
+            for prompt, n_out in long_queue:
+                await _one(client, cfg, model, prompt, n_out)
+        background = [asyncio.create_task(long_client()) for _ in range(cfg.long_streams)]
+        if background:  # the main load starts once the long prompts are being served
+            await asyncio.sleep(0.5)
         start = time.perf_counter()
         if cfg.request_rate:
             rng = random.Random(cfg.seed + 1)
@@ -162,6 +177,9 @@ async def _run(cfg: LoadConfig, progress: bool) -> tuple[list[RequestResult], fl
                     await run_one(i)
             await asyncio.gather(*(worker() for _ in range(cfg.concurrency or 1)))
         wall = time.perf_counter() - start
+        for task in background:
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
         bar.close()
     return results, wall, model
 

@@ -89,6 +89,10 @@ def register(sub) -> None:
     srv.add_argument("--output-len", type=int, default=128)
     srv.add_argument("--output-jitter", type=float, default=0.0)
     srv.add_argument("--no-ignore-eos", action="store_true")
+    srv.add_argument("--long-streams", type=int, default=0,
+                     help="a mixed load: this many more clients send long prompts back to back "
+                          "(latencies reported are the main load's)")
+    srv.add_argument("--long-input-words", type=int, default=1500, help="their prompts (~2,000 tokens)")
     srv.add_argument("--seed", type=int, default=0)
     srv.add_argument("--json-out", default=None)
     srv.set_defaults(func=run_serve_cmd)
@@ -182,7 +186,8 @@ def run_serve_cmd(args) -> int:
                          concurrency=concurrency, request_rate=rate, input_words=args.input_words,
                          input_jitter=args.input_jitter, output_len=args.output_len,
                          output_jitter=args.output_jitter, ignore_eos=not args.no_ignore_eos,
-                         seed=args.seed)
+                         seed=args.seed, long_streams=args.long_streams,
+                         long_input_words=args.long_input_words)
         summary = run_load(cfg)
         print(f"# {'rate %g req/s' % rate if rate else 'concurrency %d' % concurrency}")
         print(format_summary(summary), flush=True)
