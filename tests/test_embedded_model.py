@@ -16,13 +16,18 @@ def llm():
 
 def test_logits_match_transformers(llm, hf_gguf_model):
     ids = llm.tokenizer.encode(read_texts(LICENSE_TEXTS[1:])[:2000])[:300]
-    ours = llm.engine.runner.prompt_logprobs(ids)
+    ours = llm.engine.prompt_logprobs(ids)
     with torch.inference_mode():
         logits = hf_gguf_model(torch.tensor([ids])).logits[0, :-1].float()
     ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
     # fp32 on both sides; only summation order differs
     torch.testing.assert_close(ours, ref, atol=2e-3, rtol=0)
     assert ref.std() > 0.5
+    # the scored pass ran over scratch pages (C prefill kernel), gave them back,
+    # and agrees with the uncached pass (fp64 torch attention)
+    stats = llm.engine.stats()
+    assert stats["num_free_blocks"] == stats["num_kv_blocks"]
+    torch.testing.assert_close(ours, llm.engine.runner.prompt_logprobs(ids), atol=1e-4, rtol=0)
 
 
 def test_greedy_generation_matches_transformers(llm, hf_gguf_model):
@@ -51,7 +56,7 @@ def _hf_chunked_ppl(model, ids, window):
 
 def test_perplexity_on_license_texts_matches_transformers(llm, hf_gguf_model):
     ids = llm.tokenizer.encode(read_texts(LICENSE_TEXTS))
-    ours = perplexity(llm.engine.runner.prompt_logprobs, ids, window=512, stride=512)
+    ours = perplexity(llm.engine.prompt_logprobs, ids, window=512, stride=512)
     ref, count = _hf_chunked_ppl(hf_gguf_model, ids, 512)
     assert ours.num_tokens == count
     assert abs(ours.ppl / ref - 1) < 0.005, (ours.ppl, ref)
@@ -60,8 +65,8 @@ def test_perplexity_on_license_texts_matches_transformers(llm, hf_gguf_model):
 
 def test_sliding_window_scores_each_token_once(llm):
     ids = llm.tokenizer.encode(read_texts(LICENSE_TEXTS[1:]))[:700]
-    res = perplexity(llm.engine.runner.prompt_logprobs, ids, window=256, stride=128)
+    res = perplexity(llm.engine.prompt_logprobs, ids, window=256, stride=128)
     assert res.num_tokens == len(ids) - 1
-    disjoint = perplexity(llm.engine.runner.prompt_logprobs, ids, window=256, stride=256)
+    disjoint = perplexity(llm.engine.prompt_logprobs, ids, window=256, stride=256)
     # more context per scored token -> lower perplexity
     assert res.ppl < disjoint.ppl

@@ -30,12 +30,12 @@ def test_runtime_perplexity_equals_simulation(quantized, default_source):
     sim = perplexity(result.model.prompt_logprobs, ids, 512, 512)
     llm = LLM(path, dtype="float32", kv_cache_gb=0.05, quantized_prefill=True)
     assert "w4a8-g64/packed+vnni" in llm.engine.stats()["linear_paths"]  # the packed 4-bit C kernel
-    runtime = perplexity(llm.engine.runner.prompt_logprobs, ids, 512, 512)
+    runtime = perplexity(llm.engine.prompt_logprobs, ids, 512, 512)
     # the runtime's C norms and LM head sum in another order than torch's ops,
     # and per-token INT8 rounding turns those 1e-7 differences into ~1e-3 of ppl
     assert abs(runtime.ppl / sim.ppl - 1) < 3e-3, (runtime.ppl, sim.ppl)
     fp = LLM(dtype="float32", kv_cache_gb=0.05)
-    fp_ppl = perplexity(fp.engine.runner.prompt_logprobs, ids, 512, 512).ppl
+    fp_ppl = perplexity(fp.engine.prompt_logprobs, ids, 512, 512).ppl
     assert 1.0 < runtime.ppl / fp_ppl < 3.0  # a quick RTN-ish config: worse, but the same model
 
 

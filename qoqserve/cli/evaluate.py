@@ -27,13 +27,13 @@ def run_ppl(args) -> int:
     # lazy: CLI start-up
     from qoqserve.eval.perplexity import LICENSE_TEXTS, perplexity, read_texts
 
-    args.kv_cache_gb = args.kv_cache_gb or 0.05  # scoring does not use the page pool
+    args.kv_cache_gb = args.kv_cache_gb or 0.05  # scratch pages for one window
     args.quantized_prefill = True  # every position sees K/V as the cache stores them
     engine = make_engine(args, args.model)
     files = args.files or list(LICENSE_TEXTS)
     ids = engine.tokenizer.encode(read_texts(files))
     stride = args.stride or args.window
-    res = perplexity(engine.runner.prompt_logprobs, ids, args.window, stride, progress=not args.json)
+    res = perplexity(engine.prompt_logprobs, ids, args.window, stride, progress=not args.json)
     if args.json:
         print(json.dumps({"ppl": res.ppl, "nll": res.nll, "tokens": res.num_tokens,
                           "window": res.window, "stride": res.stride, "files": files}))

@@ -119,6 +119,20 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = seq.num_hashed_blocks = 0
 
+    def take_scratch(self, n: int) -> list[int] | None:
+        """n free pages outside any sequence (a scored pass that writes K/V and
+        keeps nothing), or None when fewer are free; give them back with
+        release_scratch. Their old contents leave the prefix cache."""
+        if n > self.num_free_blocks:
+            return None
+        return [self._take_free().block_id for _ in range(n)]
+
+    def release_scratch(self, block_ids: list[int]) -> None:
+        for block_id in block_ids:
+            self.blocks[block_id].ref_count = 0
+            self.used_ids.discard(block_id)
+            self.free_ids.append(block_id)
+
     def can_append(self, seq: Sequence) -> bool:
         """Room for the slot of seq's newest token (appended, not yet computed)."""
         needs_block = len(seq) > len(seq.block_table) * self.block_size

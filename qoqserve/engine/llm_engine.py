@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from qoqserve.config import EngineConfig
 from qoqserve.engine.admission import Admission, PreparedRequest
 from qoqserve.engine.block_manager import BlockManager
@@ -95,6 +97,17 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
         self.runner.release(seq.request_id)
+
+    def prompt_logprobs(self, token_ids: list[int]) -> torch.Tensor:
+        """log p(token i+1 | tokens <= i) of a scored text window, for
+        perplexity: through the pages and the prefill kernel on scratch pages
+        when enough are free, else an uncached pass (the same numbers)."""
+        pages = self.block_manager.take_scratch(-(-len(token_ids) // self.block_manager.block_size))
+        try:
+            return self.runner.prompt_logprobs(token_ids, pages)
+        finally:
+            if pages is not None:
+                self.block_manager.release_scratch(pages)
 
     def stats(self) -> dict:
         bm = self.block_manager

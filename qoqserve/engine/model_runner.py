@@ -187,5 +187,7 @@ class ModelRunner:
         """A request ended: drop its sampling state."""
         self.sampler.release(request_id)
 
-    def prompt_logprobs(self, token_ids: list[int]) -> torch.Tensor:
-        return self.model.prompt_logprobs(token_ids)
+    def prompt_logprobs(self, token_ids: list[int], pages: list[int] | None = None) -> torch.Tensor:
+        """Scored pass (perplexity); pages: free pages to write K/V into, so
+        attention runs the paged prefill kernel (else an uncached pass)."""
+        return self.model.prompt_logprobs(token_ids, pages, self.kv_caches, self.block_size)

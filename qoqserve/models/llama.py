@@ -121,14 +121,23 @@ class LlamaForCausalLM(nn.Module):
         return self.logits_head(hidden, self.lm_head)
 
     @torch.inference_mode()
-    def prompt_logprobs(self, token_ids: list[int]) -> torch.Tensor:
+    def prompt_logprobs(self, token_ids: list[int], pages: list[int] | None = None,
+                        kv_caches: list[torch.Tensor] | None = None, block_size: int = 0) -> torch.Tensor:
         """log p(token i+1 | tokens <= i) for each i ([len-1], fp32, CPU): one
-        uncached causal pass, for perplexity."""
+        causal pass, for perplexity. With pages (ids of enough free pages of
+        kv_caches), K/V are written there and attention runs the prefill
+        kernel over them; without, an uncached pass."""
         device = self.embed_tokens.device
         ids = torch.tensor(token_ids, dtype=torch.long, device=device)
-        meta = AttentionMetadata(is_prefill=True, slot_mapping=None, block_tables=None,
-                                 context_lens=None, query_starts=[0, len(token_ids)], cached_lens=[0])
-        hidden = self(ids, torch.arange(len(token_ids), device=device), meta, None)
+        n = len(token_ids)
+        slots = tables = None
+        if pages is not None:
+            pos = torch.arange(n)
+            slots = (torch.tensor(pages)[pos // block_size] * block_size + pos % block_size).to(device)
+            tables = torch.tensor([pages], device=device)
+        meta = AttentionMetadata(is_prefill=True, slot_mapping=slots, block_tables=tables,
+                                 context_lens=None, query_starts=[0, n], cached_lens=[0])
+        hidden = self(ids, torch.arange(n, device=device), meta, kv_caches if pages is not None else None)
         logprobs = torch.log_softmax(self.compute_logits(hidden[:-1]), dim=-1)
         return logprobs.gather(1, ids[1:, None])[:, 0].cpu()
 
