@@ -1,13 +1,46 @@
-"""Per-request sampling settings, validated once when the request is created."""
+"""Per-request sampling settings, validated and normalized once when the
+request is created: after __post_init__ every field holds a value of its
+declared type inside its range, so nothing downstream (the sampler, a torch
+generator, the detokenizer) can be handed a value it would choke on mid-step.
+"""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from qoqserve.errors import InvalidRequestError
 
+# (low, high, low is exclusive) of each numeric field; the HTTP schemas
+# publish the same bounds, so the two cannot drift apart
+FLOAT_RANGES = {
+    "temperature": (0.0, 100.0, False),
+    "top_p": (0.0, 1.0, True),
+    "repetition_penalty": (0.0, 10.0, True),
+    "presence_penalty": (-2.0, 2.0, False),
+    "frequency_penalty": (-2.0, 2.0, False),
+}
+# torch generators take any 64-bit seed, signed or not; one beyond that
+# overflowed inside a step and took the whole batch down with it
+SEED_RANGE = (-2**63, 2**64 - 1)
+MAX_TOP_LOGPROBS = 20
+
 
 class InvalidSamplingParams(InvalidRequestError):
     """A sampling parameter out of range; `param` names it."""
+
+
+def is_valid_text(s: str) -> bool:
+    """Encodable as UTF-8: no lone surrogates (JSON's "\\ud800" decodes to one,
+    and the tokenizer and every response writer would fail on it)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclass
@@ -31,47 +64,52 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop is not None and not isinstance(self.stop, (list, tuple)):
+            raise InvalidSamplingParams("stop must be a string or a list of strings", param="stop")
         self.stop = list(self.stop or [])
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise InvalidSamplingParams("stop_token_ids must be a list of integers", param="stop_token_ids")
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.validate()
+        for name in FLOAT_RANGES:  # ints are accepted, floats are stored
+            setattr(self, name, float(getattr(self, name)))
+        if self.top_k == 0:
+            self.top_k = -1
 
     def validate(self) -> None:
         def bad(msg: str):
             raise InvalidSamplingParams(msg, param=msg.split()[0])
 
-        if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0:
-            bad(f"temperature must be in [0, 100], got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            bad(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+        for name, (lo, hi, open_lo) in FLOAT_RANGES.items():
+            v = getattr(self, name)
+            ok = (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                  and (lo < v if open_lo else lo <= v) and v <= hi)
+            if not ok:
+                bad(f"{name} must be a number in {'(' if open_lo else '['}{lo:g}, {hi:g}], got {v!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
             bad(f"top_k must be -1 (disabled) or a positive integer, got {self.top_k!r}")
-        if self.max_tokens is not None and (
-                not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
-                or self.max_tokens < 1):
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            bad(f"min_tokens must be >= 0, got {self.min_tokens!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            bad(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
-                                      or not -2**63 <= self.seed < 2**64):
-            # torch generators take 64-bit seeds; a larger one must fail here, not mid-step
-            bad(f"seed must be an integer in [-2^63, 2^64), got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed)
+                                      or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+            bad(f"seed must be an integer in [-2^63, 2^64 - 1], got {self.seed!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop must be a non-empty string or a list of non-empty strings")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+        if not all(is_valid_text(s) for s in self.stop):
+            bad("stop strings must be valid Unicode text (no lone surrogates)")
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids must be non-negative integers")
-        if (not isinstance(self.top_logprobs, int) or isinstance(self.top_logprobs, bool)
-                or not 0 <= self.top_logprobs <= 20):
-            bad(f"top_logprobs must be an integer in [0, 20], got {self.top_logprobs!r}")
+        if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            bad(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
         if self.top_logprobs and not self.logprobs:
             bad("top_logprobs needs logprobs")
-        if not isinstance(self.repetition_penalty, (int, float)) or not 0.0 < self.repetition_penalty <= 10.0:
-            bad(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
-                bad(f"{name} must be in [-2, 2], got {v!r}")
+        for name in ("ignore_eos", "logprobs", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                bad(f"{name} must be true or false, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:

@@ -135,6 +135,45 @@ def server(default_gguf_path):
     proc.stop()
 
 
+class PoisonedSampler:
+    """Fault injection: the engine's real sampler, raising after it has drawn
+    (so seeded generators moved, as in a real failure mid-sampling) whenever
+    a request `is_poisoned` picks is in the call. Stands in for the next bug
+    a request could trigger, now that admission refuses every known one."""
+
+    def __init__(self, inner, is_poisoned):
+        self.inner, self.is_poisoned = inner, is_poisoned
+        self.failed_batch_sizes: list[int] = []
+
+    def __call__(self, logits, requests):
+        out = self.inner(logits, requests)
+        for r in requests:
+            if self.is_poisoned(r):
+                self.failed_batch_sizes.append(len(requests))
+                raise RuntimeError(f"injected fault for {r.request_id}")
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class FlakyRunner:
+    """Fault injection: the engine's real runner, failing its next `failures`
+    runs whatever the batch (a fault no request can be blamed for)."""
+
+    def __init__(self, inner, failures: int = 0):
+        self.inner, self.failures = inner, failures
+
+    def run(self, batch):
+        if self.failures > 0:
+            self.failures -= 1
+            raise RuntimeError("injected engine fault")
+        return self.inner.run(batch)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
 @pytest.fixture(scope="session")
 def reference_llm(default_gguf_path):
     """The offline engine the server's greedy outputs must equal."""

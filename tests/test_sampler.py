@@ -93,3 +93,19 @@ def test_invalid_params_are_rejected_with_a_message(kwargs):
     with pytest.raises(InvalidSamplingParams) as e:
         SamplingParams(**kwargs)
     assert any(k in str(e.value) for k in kwargs)
+
+
+def test_rollback_undoes_the_draws_of_a_failed_step():
+    logits = torch.zeros(2, 1000)  # uniform: every draw moves the generator
+    reqs_ = [Sequence("old", [1], SamplingParams(temperature=1.0, seed=3)),
+             Sequence("new", [1], SamplingParams(temperature=1.0, seed=4))]
+    s = Sampler()
+    s.begin()
+    s(logits[:1], reqs_[:1])            # "old" has a generator from an earlier step
+    s.begin()
+    failed = s(logits, reqs_)[0]       # the step that will fail
+    s.rollback()
+    s.begin()
+    assert s(logits, reqs_)[0] == failed  # drawn again from the same states
+    s.begin()
+    assert s(logits, reqs_)[0] != failed  # and without rollback they move on

@@ -17,7 +17,8 @@ def register(sub) -> None:
     p.add_argument("--api-key", default=os.environ.get("QOQSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $QOQSERVE_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: its name)")
-    p.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
+    p.add_argument("--max-body-bytes", type=int, default=4 * 2**20,
+                   help="larger request bodies get a 413 before they are read (default 4 MiB)")
     p.add_argument("--graceful-shutdown-s", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight requests may take to finish before abort")
     add_engine_args(p)

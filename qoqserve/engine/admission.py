@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from qoqserve.errors import InvalidRequestError
 from qoqserve.model_loader.tokenizer import Tokenizer
-from qoqserve.sampling_params import SamplingParams
+from qoqserve.sampling_params import SamplingParams, is_valid_text
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,9 @@ class Admission:
 
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
+            if not is_valid_text(prompt):
+                raise InvalidRequestError("the prompt is not valid Unicode text (it holds a lone surrogate)",
+                                          param="prompt", code="invalid_text")
             return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         if not isinstance(prompt, (list, tuple)) or not all(
                 isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in prompt):
@@ -43,7 +46,11 @@ class Admission:
                 max_tokens_must_fit: bool = False) -> PreparedRequest:
         """max_tokens_must_fit: refuse a max_tokens the context cannot hold (the
         OpenAI API's rule) instead of stopping at the context window (LLM's)."""
-        params = params or SamplingParams()
+        if params is not None and not isinstance(params, SamplingParams):
+            raise InvalidRequestError("params must be a SamplingParams", param="params")
+        # a copy, validated again: the caller may have changed its object since it
+        # was built, and the engine must not see later changes either
+        params = dataclasses.replace(params) if params is not None else SamplingParams()
         ids = self.tokenize(prompt)
         n = len(ids)
         if n == 0:

@@ -8,6 +8,7 @@ import torch
 from qoqserve.config import EngineConfig
 from qoqserve.engine.admission import Admission, PreparedRequest
 from qoqserve.engine.block_manager import BlockManager
+from qoqserve.engine.isolation import StepIsolation
 from qoqserve.engine.model_runner import ModelRunner
 from qoqserve.engine.output import OutputTracker, RequestOutput
 from qoqserve.engine.scheduler import Scheduler
@@ -42,6 +43,12 @@ class LLMEngine:
                                    sched.max_prompt_tokens, sched.max_tokens_limit)
         self.eos_ids = set(self.tokenizer.eos_token_ids) | set(self.arch.eos_token_ids)
         self.trackers: dict[str, OutputTracker] = {}
+        self.isolation = StepIsolation(self.runner)
+        # failures of steps: pinned on (and ended only) one request, or not
+        # (every request of the step ended); /health reports them
+        self.num_request_faults = 0
+        self.num_engine_faults = 0
+        self.last_engine_fault: str | None = None
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self._runner_stats = self.runner.stats()  # fixed after load; stats() is called every step
@@ -78,21 +85,44 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
+        """One step. A failure in it ends only the requests that caused it
+        (finish_reason "error"; engine/isolation.py); the rest go on."""
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        tokens, logprobs, top = self.runner.run(batch)
+        res = self.isolation.run(batch)
+        outputs = [self._fail(rid, err) for rid, err in res.failed.items()]
+        if res.failed:
+            if res.pinned:
+                self.num_request_faults += len(res.failed)
+            else:
+                self.num_engine_faults += 1
+                err = next(iter(res.failed.values()))
+                self.last_engine_fault = f"{type(err).__name__}: {err}"
+        batch = res.batch
         self.num_prompt_tokens += sum(n for _, n in batch.prefills)
-        self.num_generation_tokens += len(tokens)
-        outputs = []
-        for i, seq in enumerate(self.scheduler.postprocess(batch, tokens, logprobs, top)):
+        self.num_generation_tokens += len(res.tokens)
+        for i, seq in enumerate(self.scheduler.postprocess(batch, res.tokens, res.logprobs, res.top)):
             tracker = self.trackers[seq.request_id]
-            reason = tracker.on_token(tokens[i])
+            try:
+                reason = tracker.on_token(res.tokens[i])
+            except Exception as e:  # detokenizing or stop matching broke on this request alone
+                log.exception("output processing failed for request %s", seq.request_id)
+                self.num_request_faults += 1
+                outputs.append(self._fail(seq.request_id, e))
+                continue
             if reason is not None:
                 self._finish(seq, reason)
                 del self.trackers[seq.request_id]
             outputs.append(tracker.make_output())
         return outputs
+
+    def _fail(self, request_id: str, error: BaseException) -> RequestOutput:
+        """End a request because a step failed on it; its pages are freed, and
+        the tokens it already produced stay as they were."""
+        tracker = self.trackers.pop(request_id)
+        self._finish(tracker.seq, "error")
+        return tracker.make_output(error=f"{type(error).__name__}: {error}")
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
@@ -119,4 +149,6 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_queries": bm.prefix_queries, "prefix_cache_hits": bm.prefix_hits,
             "prompt_tokens": self.num_prompt_tokens, "generation_tokens": self.num_generation_tokens,
+            "request_faults": self.num_request_faults, "engine_faults": self.num_engine_faults,
+            "last_engine_fault": self.last_engine_fault,
         }

@@ -170,7 +170,11 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch):
         """One forward step; returns the sampler's (tokens, logprobs, top_logprobs)
-        for batch.sampled (nothing to sample when every chunk is partial)."""
+        for batch.sampled (nothing to sample when every chunk is partial).
+        Re-running a step that failed (after rollback()) is safe: it writes the
+        same K/V to the same slots, and the seeded generators draw again from
+        where they were."""
+        self.sampler.begin()
         if not batch.prefills and self.captured is not None:
             hidden = self.captured.run(batch.decodes)
             if hidden is not None:
@@ -182,6 +186,10 @@ class ModelRunner:
         if len(rows) != hidden.shape[0]:
             hidden = hidden[self.staging.put("sample_rows", rows)]
         return self.sampler(self.model.compute_logits(hidden), batch.sampled)
+
+    def rollback(self) -> None:
+        """The last run() failed: undo what its sampling drew."""
+        self.sampler.rollback()
 
     def release(self, request_id: str) -> None:
         """A request ended: drop its sampling state."""

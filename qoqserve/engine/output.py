@@ -22,6 +22,7 @@ class RequestOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None      # finish_reason "error": what failed (the engine's fault, not the caller's)
 
 
 class OutputTracker:
@@ -73,10 +74,13 @@ class OutputTracker:
                 best = end if best is None else min(best, end)
         return best
 
-    def make_output(self) -> RequestOutput:
+    def make_output(self, error: str | None = None) -> RequestOutput:
         seq = self.seq
         finished = seq.is_finished
         limit = len(self.text) if finished else max(self.released, len(self.text) - self.hold)
+        if error is not None:
+            # held-back text might have been cut by a stop string the request never got to
+            limit = self.released
         delta = self.text[self.released:limit]
         self.released = limit
         new_tokens, self.pending = self.pending, []
@@ -93,4 +97,4 @@ class OutputTracker:
             delta_token_ids=new_tokens, finished=finished, finish_reason=seq.finish_reason,
             logprobs=list(seq.logprobs) if seq.params.logprobs else None,
             top_logprobs=list(seq.top_logprobs) if seq.params.top_logprobs else None,
-            num_cached_tokens=seq.num_cached_tokens, metrics=metrics)
+            num_cached_tokens=seq.num_cached_tokens, metrics=metrics, error=error)

@@ -46,6 +46,16 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return len(self.decodes) + sum(n for _, n in self.prefills)
 
+    @property
+    def request_ids(self) -> list[str]:
+        return [s.request_id for s in self.decodes] + [s.request_id for s, _ in self.prefills]
+
+    def only(self, request_ids: set[str]) -> ScheduledBatch:
+        """The part of this batch that belongs to request_ids, in the same order
+        and with the same chunks (re-running it recomputes exactly those rows)."""
+        return ScheduledBatch([s for s in self.decodes if s.request_id in request_ids],
+                              [(s, n) for s, n in self.prefills if s.request_id in request_ids])
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int):

@@ -27,7 +27,7 @@ class Sequence:
     # prefilled in chunks until all but none are, then each step adds one
     num_computed_tokens: int = 0
     num_hashed_blocks: int = 0     # leading full blocks registered in the prefix cache
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     num_preemptions: int = 0

@@ -57,6 +57,13 @@ class Sampler:
     per seeded request (made on its first token, kept across preemptions, and
     dropped by release() when the request ends).
 
+    A step that fails after drawing must not move a seeded request's stream:
+    the engine re-runs the step (or part of it) to find the culprit, and the
+    others must then draw exactly what they would have. begin() starts a log
+    of the seeded generators each call touches (a ~1 us state copy per seeded
+    row) and rollback() restores them. The engine-wide generator of unseeded
+    rows is not rolled back: their draws depend on the batch anyway.
+
     Everything runs on the logits' device; only the chosen ids and the
     requested logprobs come back to the host (a few bytes per row, not the
     [B, vocab] logits), so a CUDA step does not copy its logits out."""
@@ -65,6 +72,7 @@ class Sampler:
         self.seed = seed
         self._engine_generators: dict[torch.device, torch.Generator] = {}
         self._generators: dict[str, torch.Generator] = {}
+        self._undo: list[tuple[str, torch.Tensor | None]] = []
 
     @property
     def generator(self) -> torch.Generator:
@@ -80,6 +88,19 @@ class Sampler:
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
+    def begin(self) -> None:
+        """A new step: forget the previous one's undo log."""
+        self._undo.clear()
+
+    def rollback(self) -> None:
+        """Put every seeded generator drawn from since begin() back as it was."""
+        for rid, state in reversed(self._undo):
+            if state is None:
+                self._generators.pop(rid, None)
+            elif rid in self._generators:
+                self._generators[rid].set_state(state)
+        self._undo.clear()
+
     def _generator(self, req: SamplingRequest, device: torch.device) -> torch.Generator:
         if req.params.seed is None:
             return self._engine_generator(device)
@@ -87,6 +108,9 @@ class Sampler:
         if gen is None:
             gen = torch.Generator(device=device).manual_seed(req.params.seed)
             self._generators[req.request_id] = gen
+            self._undo.append((req.request_id, None))
+        else:
+            self._undo.append((req.request_id, gen.get_state()))
         return gen
 
     def __call__(self, logits: torch.Tensor, requests: list[SamplingRequest]

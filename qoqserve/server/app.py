@@ -1,9 +1,13 @@
-"""The HTTP layer: routes, auth, body limits and error shapes over OpenAIServing."""
+"""The HTTP layer: routes and error shapes over OpenAIServing.
+
+Every error leaves as OpenAI's `{"error": {message, type, param, code}}`:
+the handlers' own, FastAPI's body validation (mapped from its 422 to a 400
+naming the field), unknown routes (404), wrong methods (405 with `Allow`),
+the guard's 401 and 413, and anything unexpected (500).
+"""
 from __future__ import annotations
 
 import asyncio
-import hmac
-import json
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -17,87 +21,32 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from qoqserve.errors import InvalidRequestError
 from qoqserve.server.async_engine import AsyncEngine, EngineDeadError
 from qoqserve.server.config import ServerConfig
+from qoqserve.server.guard import GuardMiddleware
 from qoqserve.server.metrics import ServerMetrics
 from qoqserve.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
-    parse,
+    error_response,
+    from_validation_errors,
+)
+from qoqserve.server.responses import (
+    ERRORS,
+    STREAM,
+    ChatCompletionResponse,
+    CompletionResponse,
+    ErrorResponse,
+    Health,
+    ModelList,
 )
 from qoqserve.server.serving import ClientGone, OpenAIServing
 
 log = logging.getLogger(__name__)
 
-
-class BodyTooLarge(APIError):
-    def __init__(self, limit: int):
-        super().__init__(413, f"the request body is larger than {limit} bytes", code="body_too_large")
+_HTTP_TYPES = {401: "authentication_error", 404: "not_found_error"}
 
 
-def error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
-
-
-class GuardMiddleware:
-    """API key on /v1/*, and the body-size limit, before any handler runs.
-    Plain ASGI (not BaseHTTPMiddleware) so streaming and disconnects pass through untouched."""
-
-    def __init__(self, app, config: ServerConfig):
-        self.app = app
-        self.config = config
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        key = self.config.api_key
-        if key and scope["path"].startswith("/v1"):
-            scheme, _, token = headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-                err = APIError(401, "invalid or missing API key; send 'Authorization: Bearer <key>'",
-                               type="authentication_error", code="invalid_api_key")
-                return await error_response(err)(scope, receive, send)
-        limit = self.config.max_body_bytes
-        length = headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > limit):
-            return await error_response(BodyTooLarge(limit))(scope, receive, send)
-        received = 0
-
-        async def limited_receive():
-            nonlocal received
-            msg = await receive()
-            if msg["type"] == "http.request":
-                received += len(msg.get("body", b""))
-                if received > limit:  # chunked bodies carry no content-length
-                    raise BodyTooLarge(limit)
-            return msg
-
-        await self.app(scope, limited_receive, send)
-
-
-async def _json_body(request: Request):
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
-
-
-def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str,
-              metrics: ServerMetrics | None = None) -> FastAPI:
-    serving = OpenAIServing(engine, config, model_name)
-    started = int(time.time())
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        yield
-        # uvicorn has already let in-flight requests finish (or cut them after its
-        # graceful timeout); whatever is left is aborted and the engine thread stops
-        await asyncio.to_thread(engine.shutdown)
-
-    app = FastAPI(title="qoqserve", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.add_middleware(GuardMiddleware, config=config)
-
+def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
         return error_response(e)
@@ -116,12 +65,14 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str,
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException):
-        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return error_response(APIError(e.status_code, str(e.detail), type=kind))
+        # 405s carry `Allow`; keep whatever headers the exception has
+        return error_response(APIError(e.status_code, str(e.detail),
+                                       type=_HTTP_TYPES.get(e.status_code, "invalid_request_error"),
+                                       headers=dict(e.headers or {})))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, e: RequestValidationError):
-        return error_response(APIError(400, str(e)))
+        return error_response(from_validation_errors(list(e.errors()), prefix=("body",)))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception):
@@ -129,30 +80,52 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str,
         return error_response(APIError(500, f"internal error: {type(e).__name__}: {e}",
                                        type="server_error"))
 
-    @app.get("/health")
+
+def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str,
+              metrics: ServerMetrics | None = None) -> FastAPI:
+    serving = OpenAIServing(engine, config, model_name)
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        # uvicorn has already let in-flight requests finish (or cut them after its
+        # graceful timeout); whatever is left is aborted and the engine thread stops
+        await asyncio.to_thread(engine.shutdown)
+
+    # strict_content_type off: a JSON body without a Content-Type is still JSON
+    app = FastAPI(title="qoqserve", description="OpenAI-compatible W4A8KV4 serving", lifespan=lifespan,
+                  docs_url="/docs", redoc_url=None, strict_content_type=False)
+    app.add_middleware(GuardMiddleware, config=config)
+    _install_error_handlers(app)
+
+    @app.get("/health", response_model=Health,
+             responses={503: {"model": ErrorResponse, "description": "the engine is not running"}})
     async def health():
+        """200 while the engine runs (`degraded` once a step failed that no single request
+        explained; the server still serves), 503 once it has stopped."""
         if not engine.is_alive:
             return error_response(APIError(503, "the engine is not running", type="service_unavailable"))
-        return JSONResponse({"status": "ok"})
+        return JSONResponse(engine.health())
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList)
     async def models():
         return {"object": "list", "data": [{
             "id": model_name, "object": "model", "created": started, "owned_by": "qoqserve",
             "max_model_len": serving.max_model_len}]}
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await serving.completion(parse(CompletionRequest, await _json_body(request)), request)
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS, description=STREAM)
+    async def completions(body: CompletionRequest, request: Request):
+        return await serving.completion(body, request)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await serving.chat(parse(ChatCompletionRequest, await _json_body(request)), request)
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS,
+              description=STREAM)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await serving.chat(body, request)
 
-    @app.get("/metrics")
+    @app.get("/metrics", include_in_schema=False)
     async def prometheus():
         body = metrics.render() if metrics is not None else b""
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     return app
-

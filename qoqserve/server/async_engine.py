@@ -48,6 +48,8 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._stopping = False
+        self._loop_faults = 0  # engine.step() itself raised (beyond what it isolates)
+        self._last_loop_fault: str | None = None
         self._drain_deadline: float | None = None
         self.stats: dict = engine.stats()  # snapshot, refreshed by the engine thread
         self._done = threading.Event()
@@ -59,6 +61,16 @@ class AsyncEngine:
     @property
     def is_alive(self) -> bool:
         return not self._done.is_set() and not self._stopping
+
+    def health(self) -> dict:
+        """What /health reports: "degraded" once a step failure could not be put on
+        one request (its requests failed; the server went on). Pinned failures
+        ended only their own request and leave the status "ok"."""
+        st = self.stats
+        engine_faults = st.get("engine_faults", 0) + self._loop_faults
+        return {"status": "degraded" if engine_faults else "ok",
+                "request_faults": st.get("request_faults", 0), "engine_faults": engine_faults,
+                "last_engine_fault": self._last_loop_fault or st.get("last_engine_fault")}
 
     def prepare_request(self, prompt: str | list[int], params: SamplingParams,
                         max_tokens_must_fit: bool = False) -> PreparedRequest:
@@ -157,9 +169,13 @@ class AsyncEngine:
         try:
             outputs = self.engine.step()
         except Exception as e:
-            # a bug in a step must not take the server down: fail the requests in
-            # flight (their pages are freed by abort) and keep serving
+            # the engine isolates failures of the model step itself; this is a
+            # failure outside it (scheduling, bookkeeping), which no request can be
+            # blamed for: fail the requests in flight (abort frees their pages),
+            # report it on /health and keep serving
             log.exception("engine step failed; aborting %d requests", len(self._streams))
+            self._loop_faults += 1
+            self._last_loop_fault = f"{type(e).__name__}: {e}"
             self._abort_all(RuntimeError(f"engine step failed: {e}"))
             return
         for out in outputs:

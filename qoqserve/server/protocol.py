@@ -1,86 +1,157 @@
 """OpenAI request schemas and error bodies.
 
-Schemas are strict (a string is not a number) and ignore fields they do not
-know, as vLLM does, so newer clients keep working.
+These models are the endpoints' declared bodies, so /openapi.json and /docs
+publish them. They are strict (a string is not a number, NaN is not a
+number), publish the same ranges the engine's admission enforces (taken
+from qoqserve.sampling_params, so the two cannot drift), refuse text that is
+not valid Unicode, and ignore fields they do not know, as vLLM does, so
+newer clients keep working.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from fastapi.responses import JSONResponse
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
+
+from qoqserve.sampling_params import FLOAT_RANGES, MAX_TOP_LOGPROBS, SEED_RANGE, is_valid_text
 
 
 class APIError(Exception):
     """An error the client caused (or must be told about), as OpenAI shapes it."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
 
-def from_validation_error(e: ValidationError) -> APIError:
-    err = e.errors()[0]
-    loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("function-", "union[")))
-    # for unions pydantic reports each branch; the first one names the field well enough
-    return APIError(400, f"{loc or 'body'}: {err['msg']}", param=loc or None, code="invalid_type"
-                    if err["type"].endswith("_type") else err["type"])
+class _ErrorJSON(JSONResponse):
+    def render(self, content) -> bytes:
+        # ASCII escapes: an error may quote client text, and must never fail to encode
+        return json.dumps(content, separators=(",", ":")).encode()
+
+
+def error_response(e: APIError) -> JSONResponse:
+    return _ErrorJSON(e.body(), status_code=e.status, headers=e.headers)
+
+
+_BRANCH_TAGS = {"str", "int", "float", "bool"}
+
+
+def _field_path(loc: tuple) -> str:
+    """The dotted path of a pydantic loc, without the tags it adds for union
+    branches ("list[int]", "function-after[...]")."""
+    return ".".join(str(p) for p in loc
+                    if not (isinstance(p, str) and ("[" in p or p in _BRANCH_TAGS)))
+
+
+def from_validation_errors(errors: list[dict], prefix: tuple = ()) -> APIError:
+    """Pydantic's errors as one 400 naming the field; `prefix` is the part of
+    each loc to drop (FastAPI puts "body" first). A union reports every
+    branch: the one that had the right type and failed on its value says
+    what is wrong; "not a string" from another branch would not."""
+    err = next((e for e in errors if not e["type"].endswith("_type")), errors[0])
+    path = _field_path(err["loc"][len(prefix):])
+    kind = err["type"]
+    if kind == "json_invalid":
+        detail = (err.get("ctx") or {}).get("error", err["msg"])
+        return APIError(400, f"the request body is not valid JSON: {detail}", code="invalid_json")
+    if not path and kind in ("model_type", "model_attributes_type", "dict_type"):
+        return APIError(400, "the request body must be a JSON object (Content-Type: application/json)")
+    return APIError(400, f"{path or 'body'}: {err['msg']}", param=path or None,
+                    code="invalid_type" if kind.endswith("_type") else kind)
+
+
+def _valid_text(s: str) -> str:
+    if not is_valid_text(s):
+        raise PydanticCustomError("invalid_text", "not valid Unicode text (it holds a lone surrogate)")
+    return s
+
+
+Text = Annotated[str, AfterValidator(_valid_text)]
+
+
+def _float(name: str, doc: str):
+    lo, hi, open_lo = FLOAT_RANGES[name]
+    bound = {"gt": lo} if open_lo else {"ge": lo}
+    return Field(None, le=hi, description=doc, **bound)
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: bool = Field(False, description="end the stream with a chunk holding `usage`")
 
 
 class SamplingFields(_Request):
     """Fields both endpoints share (OpenAI's plus vLLM's extensions)."""
-    model: str | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    n: int = 1
-    stream: bool = False
+    model: Text | None = Field(None, description="the served model's id (GET /v1/models); optional")
+    temperature: float | None = _float("temperature", "0 is greedy; default 1")
+    top_p: float | None = _float("top_p", "nucleus sampling mass; default 1")
+    top_k: int | None = Field(None, ge=-1, description="-1 or 0 disables")
+    n: int = Field(1, description="must be 1")
+    stream: bool = Field(False, description="server-sent events ending in `data: [DONE]`")
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    stop: Text | list[Text] | None = Field(None, description="strings that end the output (not included)")
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1],
+                             description="a 64-bit seed: the same seed gives the same tokens")
+    presence_penalty: float | None = _float("presence_penalty", "OpenAI presence penalty")
+    frequency_penalty: float | None = _float("frequency_penalty", "OpenAI frequency penalty")
+    repetition_penalty: float | None = _float("repetition_penalty", "HF-style; 1 disables")
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    logit_bias: dict[Text, float] | None = Field(None, description="not supported: refused when set")
+    user: Text | None = None
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: Text | list[int] | list[Text] | list[list[int]] = Field(
+        description="text, token ids, or a one-element list of either")
+    max_tokens: int | None = Field(16, ge=1, description="null: the rest of the context window")
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
+                                 description="also return this many most likely tokens per step")
     echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    best_of: int | None = Field(None, description="must be 1")
+    suffix: Text | None = Field(None, description="not supported: refused when set")
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class TextPart(_Request):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    # declared before content: content's check reads it
+    tool_calls: list[dict[str, Any]] | None = Field(
+        None, description="an assistant turn's tool calls (lets it have no content)")
+    content: Text | list[TextPart] | None = Field(
+        None, validate_default=True,
+        description="required, except on an assistant message with tool_calls")
+    name: Text | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_required(cls, v, info: ValidationInfo):
+        # OpenAI's rule: only an assistant turn that made tool calls may say nothing
+        if v is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
+            raise PydanticCustomError(
+                "content_required", "content must not be null (only an assistant message with "
+                "tool_calls may omit it)")
+        return v
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -89,21 +160,12 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(description="the conversation, oldest first; not empty")
+    max_tokens: int | None = Field(None, ge=1, description="deprecated alias of max_completion_tokens")
+    max_completion_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
     logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[Any] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="needs logprobs")
+    tools: list[Any] | None = Field(None, description="not supported: refused when set")
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = Field(None, description='only {"type": "text"}')
     add_generation_prompt: bool = True
-
-
-def parse(model: type[BaseModel], data: Any) -> Any:
-    if not isinstance(data, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise from_validation_error(e) from None

@@ -1,10 +1,14 @@
 """OpenAI requests -> engine requests: the API's own fields, streaming, disconnects.
 
-The engine's admission (engine/admission.py) checks prompts, limits and
-sampling parameters, once; this layer checks only what belongs to the OpenAI
-API (model name, n, unsupported fields) and maps the engine's errors to
-OpenAI errors. Both happen before the stream starts, so a stream only starts
-once the request is known to be good.
+The request schemas (protocol.py) check types, ranges and text as FastAPI
+parses the body; the engine's admission (engine/admission.py) checks
+prompts, limits and sampling parameters again, as it does for the Python
+API; this layer checks only what belongs to the OpenAI API (model name, n,
+unsupported fields) and maps the engine's errors to OpenAI errors. All of
+it happens before the stream starts, so a stream only starts once the
+request is known to be good. A request the engine later ends with
+finish_reason "error" gets a 500 server_error (streams: an error event,
+after the chunks already sent, then [DONE]).
 """
 from __future__ import annotations
 
@@ -33,6 +37,12 @@ from qoqserve.server.protocol import (
 
 class ClientGone(Exception):
     pass
+
+
+def _failed(out: RequestOutput) -> APIError:
+    """A request the engine ended because a step failed on it: the server's fault."""
+    return APIError(500, f"the request failed in the engine: {out.error}", type="server_error",
+                    code="engine_error")
 
 
 class OpenAIServing:
@@ -162,6 +172,8 @@ class OpenAIServing:
     def _final(out: RequestOutput | None) -> RequestOutput:
         if out is None:
             raise APIError(500, "the request ended without output", type="server_error")
+        if out.finish_reason == "error":
+            raise _failed(out)
         return out
 
     async def _sse(self, outputs: AsyncIterator[RequestOutput], fmt: Format, include_usage: bool):
@@ -169,6 +181,8 @@ class OpenAIServing:
         try:
             async for out in outputs:
                 last = out
+                if out.finish_reason == "error":  # what was streamed stands; the error ends it
+                    raise _failed(out)
                 chunk = fmt.chunk(out)
                 if chunk is not None:
                     yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"

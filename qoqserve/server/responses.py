@@ -1,0 +1,122 @@
+"""The response bodies, as schemas for /openapi.json and /docs.
+
+formats.py builds the bodies as plain dicts (fast on every chunk); these
+models only describe them, and tests/test_server_edges.py checks real
+responses against them, so the documentation cannot quietly go stale.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str = Field(description="invalid_request_error, authentication_error, not_found_error, "
+                                  "server_error or service_unavailable")
+    param: str | None = Field(description="the offending field, as a dotted path")
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+FinishReason = Literal["stop", "length", "abort"] | None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    text_offset: list[int]
+    top_logprobs: list[dict[str, float]]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = Field(None, description="on the full response; in a stream only with "
+                                                  "stream_options.include_usage, on the last chunk")
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: Literal["ok", "degraded"] = Field(
+        description="degraded: a step failed that could not be put on one request (its requests "
+                    "failed; the server goes on serving)")
+    request_faults: int = Field(description="requests ended because a step failed on them alone")
+    engine_faults: int = Field(description="step failures no single request explained")
+    last_engine_fault: str | None
+
+
+STREAM = "`stream: true`: `text/event-stream`, one chunk per step, then `data: [DONE]`"
+ERRORS = {
+    "4XX": {"model": ErrorResponse, "description": "the request's fault: 400 bad field, 401 key, "
+            "404 model, 405 method, 413 body too large"},
+    "5XX": {"model": ErrorResponse, "description": "500 the request failed in the engine "
+            "(server_error); 503 the engine is not running"},
+}
