@@ -1,0 +1,153 @@
+#!/usr/bin/env python
+"""A roofline table of the CPU kernels at the shapes of one decode step of
+the embedded model (batch 1 and batch 32, 1024-token contexts) and of a
+1024-token prefill, against this machine's limits measured in the same run:
+read bandwidth (torch.sum over 512 MB), INT8 peak (torch._int_mm at
+2048x4096x4096) and fp32 peak (torch.mm at 2048^3).
+
+Per kernel call: time (the fastest of --repeats single calls), the bytes it must move (weights, pages,
+activations in and out), the operations it must do, achieved GB/s and
+GOP/s, and each as a fraction of the matching limit. A kernel is near its
+roof when one fraction is near 1; far from both, it is overhead-bound or
+unfinished. Calls go through the Python wrappers the eager path uses.
+Weights are 30 copies (one per layer) taken in turn, so they stream from
+memory as in a step, not from cache.
+
+    OMP_NUM_THREADS=2 python scripts/cpu_roofline.py > docs/benchmarks/roofline_cpu.md
+"""
+import argparse
+import platform
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from cpu_w4a8_gemm import checkpoint_tensors  # noqa: E402
+
+from qoqserve.kernels.cpu import elementwise, float_linear, w4a8_gemm  # noqa: E402
+from qoqserve.layers import kv_cache as kc  # noqa: E402
+from qoqserve.layers.attention_backends import CpuAttention  # noqa: E402
+from qoqserve.layers.logits import Int8LogitsHead  # noqa: E402
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB, LAYERS = 576, 9, 3, 64, 1536, 49152, 30
+LINEARS = {"qkv_proj": (HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM), "o_proj": (HIDDEN, HIDDEN),
+           "gate_up_proj": (HIDDEN, 2 * INTER), "down_proj": (INTER, HIDDEN)}
+
+
+def cycling(calls):
+    """One call of the next copy each time: weights come from memory, not cache."""
+    state = {"i": 0}
+
+    def run():
+        calls[state["i"] % len(calls)]()
+        state["i"] += 1
+    return run
+
+
+def w4a8_rows(m: int, g: torch.Generator):
+    for name, (k, n) in LINEARS.items():
+        mods = []
+        for _ in range(LAYERS):
+            t = checkpoint_tensors(n, k, 64, g)
+            mods.append(w4a8_gemm.PackedW4A8Gemm(t["qweight"], t["s1"], t["s2"], t["zeros"], None, 64))
+        x = torch.randn(m, k)
+        weight = sum(b.numel() * b.element_size() for b in mods[0].buffers())
+        yield (f"W4A8 GEMM {name} {n}x{k} (packed g64)", m, cycling([lambda mod=mod, x=x: mod(x) for mod in mods]),
+               weight + 4 * m * (k + n), 2 * m * n * k, "int8")
+
+
+def lm_head_rows(m: int, g: torch.Generator):
+    w = (torch.randn(VOCAB, HIDDEN, generator=g) * 0.05).bfloat16()
+    x = torch.randn(m, HIDDEN)
+    yield ("LM head, bf16 weights (float_linear.c)", m, lambda: float_linear.float_linear(x, w),
+           w.numel() * 2 + 4 * m * (HIDDEN + VOCAB), 2 * m * VOCAB * HIDDEN, "fp32")
+    head = Int8LogitsHead(fused=True, cpu_ops=True)
+    head.prepare(w.float())
+    yield ("LM head, INT8 weights (--lm-head-dtype int8)", m, lambda: head(x, w),
+           head.resident_bytes() + 4 * m * (HIDDEN + VOCAB), 2 * m * VOCAB * HIDDEN, "int8")
+
+
+def attention_rows(b: int, ctx: int):
+    for fmt, layout in (("KV4", kc.Int4KVCacheLayout(KV_HEADS, HEAD_DIM, 16)),
+                        ("bf16", kc.DenseKVCacheLayout(KV_HEADS, HEAD_DIM, 16, torch.bfloat16))):
+        pages = b * ctx // 16
+        cache = layout.allocate(pages + 1, "cpu")
+        slots = torch.arange(pages * 16)
+        layout.write(cache, torch.randn(pages * 16, KV_HEADS, HEAD_DIM), torch.randn(pages * 16, KV_HEADS, HEAD_DIM),
+                     slots)
+        attn = CpuAttention(layout, quantized_prefill=True)  # prefill reads the pages as stored
+        tables = torch.arange(pages).view(b, ctx // 16)
+        kv_bytes = 2 * b * ctx * layout.bytes_per_token()
+        q = torch.randn(b, HEADS, HEAD_DIM)
+        lens = torch.full((b,), ctx)
+        yield (f"paged decode attention, {fmt} pages, ctx {ctx}", b,
+               lambda attn=attn, cache=cache, tables=tables, q=q: attn.decode(q, cache, tables, lens, 0.125),
+               kv_bytes // 2 + 8 * b * HEADS * HEAD_DIM, 4 * b * ctx * HEADS * HEAD_DIM, "fp32")
+        if b == 1:
+            qp = torch.randn(ctx, HEADS, HEAD_DIM)
+            yield (f"paged prefill attention, {fmt} pages, {ctx} tokens", ctx,
+                   lambda attn=attn, cache=cache, tables=tables, qp=qp:
+                   attn.prefill(qp, cache, tables, [0, ctx], [0], 0.125),
+                   kv_bytes // 2 + 8 * ctx * HEADS * HEAD_DIM, 4 * (ctx * (ctx + 1) // 2) * HEADS * HEAD_DIM, "fp32")
+
+
+def elementwise_rows(m: int):
+    h, d, w = torch.randn(m, HIDDEN), torch.randn(m, HIDDEN), torch.ones(HIDDEN)
+    yield ("add + RMSNorm (elementwise.c)", m, lambda: elementwise.add_rms_norm(h, d, w, 1e-5),
+           4 * m * HIDDEN * 4, 5 * m * HIDDEN, "fp32")
+    gu = torch.randn(m, 2 * INTER)
+    yield ("SiLU * up (elementwise.c)", m, lambda: elementwise.silu_mul(gu), 4 * m * 3 * INTER, 20 * m * INTER, "fp32")
+
+
+def fastest_call(fn, calls: int) -> float:
+    """The fastest of `calls` single calls: on a shared machine a call only
+    gets slower (preempted threads wait at OpenMP barriers for a time slice)."""
+    for _ in range(3):
+        fn()
+    best = float("inf")
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def machine_limits() -> tuple[float, float, float]:
+    """(read B/s, INT8 OP/s, fp32 FLOP/s), timed as the kernels are (fastest call)."""
+    big = torch.ones(128 * 1024 * 1024)  # 512 MB
+    bw = big.numel() * 4 / fastest_call(big.sum, 8)
+    del big
+    a, b = (torch.randint(-127, 128, s, dtype=torch.int8) for s in ((2048, 4096), (4096, 4096)))
+    int8 = 2 * 2048 * 4096 * 4096 / fastest_call(lambda: torch._int_mm(a, b), 4)
+    x, y = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    return bw, int8, 2 * 2048**3 / fastest_call(lambda: x @ y, 4)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=60)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    bw, int8_peak, fp32_peak = machine_limits()
+    peaks = {"int8": int8_peak, "fp32": fp32_peak}
+    print(f"# Kernel roofline on this CPU ({platform.processor() or platform.machine()}, "
+          f"{torch.get_num_threads()} threads)\n")
+    print(f"Measured limits: read bandwidth {bw / 1e9:.1f} GB/s (torch.sum, 512 MB); INT8 "
+          f"{int8_peak / 1e12:.2f} TOPS (torch._int_mm 2048x4096x4096); fp32 {fp32_peak / 1e9:.0f} GFLOP/s "
+          f"(torch.mm 2048^3).\n")
+    print("| kernel | rows | us / call | bytes moved | GB/s | of bandwidth | GOP/s | of peak (kind) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    rows = []
+    for m in (1, 32):
+        rows += list(w4a8_rows(m, g)) + list(lm_head_rows(m, g)) + list(attention_rows(m, 1024))
+        rows += list(elementwise_rows(m))
+    for name, m, fn, nbytes, ops, kind in rows:
+        t = fastest_call(fn, args.repeats)
+        print(f"| {name} | {m} | {t * 1e6:.1f} | {nbytes / 2**20:.2f} MiB | {nbytes / t / 1e9:.1f} | "
+              f"{nbytes / t / bw:.0%} | {ops / t / 1e9:.0f} | {ops / t / peaks[kind]:.0%} ({kind}) |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
