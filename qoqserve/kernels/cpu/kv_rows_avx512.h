@@ -126,4 +126,19 @@ static inline __attribute__((always_inline)) void row_avx512(const uint8_t *r, c
 
 KV_AVX512_END
 #endif
+
+#include <stdlib.h>
+#include <string.h>
+
+/* whether the kernels take their AVX-512 path now: the CPU has it and
+ * QOQSERVE_CPU_ISA=scalar does not ask for the portable one */
+static int kv_vector_path(void) {
+    const char *isa = getenv("QOQSERVE_CPU_ISA");
+    if (isa && strcmp(isa, "scalar") == 0) return 0;
+#ifdef KV_AVX512
+    return avx512_supported();
+#else
+    return 0;
+#endif
+}
 #endif

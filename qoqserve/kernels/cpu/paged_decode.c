@@ -116,18 +116,8 @@ static void merge(const job *j, int b, int hq, float *out) {
     for (int d = 0; d < D; d++) out[d] /= den;
 }
 
-static int use_vector_path(void) {
-    const char *isa = getenv("QOQSERVE_CPU_ISA");
-    if (isa && strcmp(isa, "scalar") == 0) return 0;
-#ifdef PD_AVX512
-    return avx512_supported();
-#else
-    return 0;
-#endif
-}
-
 /* Which path paged_decode_attention takes now: 512 (AVX-512) or 0 (scalar). */
-int paged_decode_isa(void) { return use_vector_path() ? 512 : 0; }
+int paged_decode_isa(void) { return kv_vector_path() ? 512 : 0; }
 
 /* q, out: float [B, H, D]. The row of (slot, head) for K starts at
  * k + slot * slot_stride + head * head_stride bytes, for V at v + the same;
@@ -142,7 +132,7 @@ int paged_decode_attention(const float *q, const uint8_t *k, const uint8_t *v, i
     for (int b = 0; b < B; b++) j.max_chunks = chunks_of(&j, b) > j.max_chunks ? chunks_of(&j, b) : j.max_chunks;
     j.part = malloc(sizeof(float) * (size_t)B * j.max_chunks * H * (D + 2));
     if (!j.part) return -1;
-    const int vec = use_vector_path();
+    const int vec = kv_vector_path();
     int failed = 0;
     #pragma omp parallel num_threads(threads)
     {

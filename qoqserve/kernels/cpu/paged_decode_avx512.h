@@ -10,12 +10,12 @@
  * constant table (centred: less cancellation against the zero term); scales
  * and zeros are applied to a block's 16 scores / weights at once.
  */
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include "kv_rows_avx512.h"
+#ifdef KV_AVX512
 #define PD_AVX512 1
 #ifndef PD_PF
 #define PD_PF 2
 #endif
-#include "kv_rows_avx512.h"
 
 KV_AVX512_BEGIN
 

@@ -86,18 +86,8 @@ static void task_scalar(const pjob *j, int s, int h, int t0, int t1, float *buf)
     }
 }
 
-static int use_vector_path(void) {
-    const char *isa = getenv("QOQSERVE_CPU_ISA");
-    if (isa && strcmp(isa, "scalar") == 0) return 0;
-#ifdef KV_AVX512
-    return avx512_supported();
-#else
-    return 0;
-#endif
-}
-
 /* Which path paged_prefill_attention takes now: 512 (AVX-512) or 0 (scalar). */
-int paged_prefill_isa(void) { return use_vector_path() ? 512 : 0; }
+int paged_prefill_isa(void) { return kv_vector_path() ? 512 : 0; }
 
 /* q, out: float [T, H, D], the queries of S sequences back to back: sequence s
  * owns rows q_starts[s] .. q_starts[s + 1] - 1, the first at position
@@ -125,7 +115,7 @@ int paged_prefill_attention(const float *q, const uint8_t *k, const uint8_t *v, 
                 tasks[3 * n + 2] = b;
             }
     }
-    const int vec = use_vector_path();
+    const int vec = kv_vector_path();
     int failed = 0;
     #pragma omp parallel num_threads(threads)
     {
