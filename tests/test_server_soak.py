@@ -8,9 +8,12 @@ arenas, the tokenizer's caches), so the bound is the issue's 5%.
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from qoqserve.bench.soak import GARBAGE, SoakConfig, classify, format_summary, run_soak
+from qoqserve.cli.main import main
 
 CLIENTS = 8
 SECONDS = 15.0
@@ -46,3 +49,15 @@ def test_the_soak_tells_errors_apart(expected, text, done, reason, kind):
 
 def test_the_garbage_is_varied():
     assert len(set(GARBAGE)) == len(GARBAGE) >= 15
+
+
+def test_the_soak_cli_prints_rows_and_exits_0(server, tmp_path, capsys):
+    out = tmp_path / "soak.json"
+    rc = main(["bench", "serve", "--base-url", server.base, "--api-key", "test-key", "--soak", "3",
+               "--concurrency", "4", "--output-len", "4", "--soak-interval", "1",
+               "--server-pid", str(server.proc.pid), "--json-out", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    assert "ERRORS 0" in printed and "0 leaked pages" in printed and "RSS" in printed
+    s = json.loads(out.read_text())
+    assert s["config"]["concurrency"] == 4 and s["config"]["output_len"] == 4 and len(s["rows"]) >= 2
