@@ -21,3 +21,13 @@ class InvalidRequestError(ValueError):
         super().__init__(message)
         self.param = param
         self.code = code
+
+
+class QueueFullError(RuntimeError):
+    """The engine's waiting queue is at its bound (--max-waiting-queue-length):
+    the request was not queued. Not the request's fault; retrying later may
+    succeed, after about `retry_after_s` (the server sends it as Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

@@ -5,6 +5,7 @@ session-scoped so every test module can reuse it.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 # The Triton kernels run in Triton's interpreter on CPU; the flag is read when
@@ -133,6 +134,39 @@ def server(default_gguf_path):
     proc = ServerProcess([default_gguf_path, *SERVER_ARGS], api_key="test-key")
     yield proc
     proc.stop()
+
+
+@contextlib.contextmanager
+def in_process_server(engine, config=None):
+    """An HTTP server in this process over `engine` (so a test can reach into
+    it: inject faults, slow it down): yields (base url, AsyncEngine). The engine
+    is the server thread's until the block ends, then the caller's again."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from qoqserve.server.config import ServerConfig
+    from qoqserve.server.launch import build_server
+
+    app, async_engine = build_server(engine, config or ServerConfig())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}", async_engine
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        async_engine.shutdown()
 
 
 class PoisonedSampler:

@@ -109,3 +109,15 @@ def test_rollback_undoes_the_draws_of_a_failed_step():
     assert s(logits, reqs_)[0] == failed  # drawn again from the same states
     s.begin()
     assert s(logits, reqs_)[0] != failed  # and without rollback they move on
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(repetition_penalty=5e-324),                  # found by schemathesis: a 500
+    SamplingParams(temperature=1e-300),                         # rounds to 0 as a float32
+    SamplingParams(temperature=1e-300, repetition_penalty=5e-324, top_p=0.5, seed=1),
+])
+def test_tiny_temperatures_and_penalties_sample_the_top_token(params):
+    """They overflow the logits to inf (softmax: nan); the limit is the top token."""
+    logits = torch.tensor([[2.0, -2.0, 3.0, 0.5]])
+    seq = Sequence("t", [2, 1], params)
+    assert Sampler()(logits, [seq])[0] == [2]

@@ -9,19 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
-from conftest import FlakyRunner, PoisonedSampler
+from conftest import FlakyRunner, PoisonedSampler, in_process_server
 
 from qoqserve.engine.isolation import StepIsolation
 from qoqserve.sampling_params import SamplingParams
-from qoqserve.server.config import ServerConfig
-from qoqserve.server.launch import build_server
 from qoqserve.server.responses import ErrorResponse
 
 PROMPTS = ["The capital of France is", "Water boils at", "My favourite colour is",
@@ -34,22 +29,8 @@ N = 12
 def live(reference_llm, alone):
     """(base url, engine); the engine is the server thread's until teardown, so
     `alone` runs first."""
-    engine = reference_llm.engine
-    app, async_engine = build_server(engine, ServerConfig())
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", engine
-    server.should_exit = True
-    thread.join(30)
-    async_engine.shutdown()  # the offline engine is the main thread's again
+    with in_process_server(reference_llm.engine) as (base, _):
+        yield base, reference_llm.engine
 
 
 @pytest.fixture(scope="module")

@@ -95,6 +95,15 @@ def register(sub) -> None:
     srv.add_argument("--long-input-words", type=int, default=1500, help="their prompts (~2,000 tokens)")
     srv.add_argument("--seed", type=int, default=0)
     srv.add_argument("--json-out", default=None)
+    soak = srv.add_argument_group("soak (bench/soak.py): checks every answer instead of timing")
+    soak.add_argument("--soak", type=float, default=None, metavar="SECONDS",
+                      help="run the load this long with garbage and hang-ups; report errors, p99, "
+                           "RSS and KV pages over time (concurrency: the first --concurrency)")
+    soak.add_argument("--garbage-frac", type=float, default=0.1, help="share of malformed bodies (must get 4xx)")
+    soak.add_argument("--disconnect-frac", type=float, default=0.1, help="share of streams hung up early")
+    soak.add_argument("--soak-interval", type=float, default=10.0, help="seconds between report rows")
+    soak.add_argument("--server-pid", type=int, default=None,
+                      help="read the server's RSS from /proc/PID/status (default: /health's rss_bytes)")
     srv.set_defaults(func=run_serve_cmd)
 
     plot = bsub.add_parser("plot", help="PNG plots of benchmark JSON")
@@ -173,7 +182,25 @@ def run_memory_cmd(args) -> int:
     return 0
 
 
+def run_soak_cmd(args) -> int:
+    # lazy: CLI start-up (load what a subcommand needs when it runs)
+    from qoqserve.bench.soak import SoakConfig, format_summary, run_soak
+
+    cfg = SoakConfig(base_url=args.base_url, duration_s=args.soak, concurrency=(args.concurrency or [64])[0],
+                     garbage_frac=args.garbage_frac, disconnect_frac=args.disconnect_frac,
+                     output_len=min(args.output_len, 32), interval_s=args.soak_interval,
+                     server_pid=args.server_pid, api_key=args.api_key, model=args.model, seed=args.seed)
+    summary = run_soak(cfg)
+    print(format_summary(summary), flush=True)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(summary, f, indent=2)
+    return 0 if summary["errors"] == 0 and not summary["leaked_blocks"] else 1
+
+
 def run_serve_cmd(args) -> int:
+    if args.soak is not None:
+        return run_soak_cmd(args)
     # lazy: CLI start-up (load what a subcommand needs when it runs)
     from qoqserve.bench.serve import LoadConfig, format_summary, run_load
 

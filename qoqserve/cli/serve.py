@@ -21,6 +21,9 @@ def register(sub) -> None:
                    help="larger request bodies get a 413 before they are read (default 4 MiB)")
     p.add_argument("--graceful-shutdown-s", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight requests may take to finish before abort")
+    p.add_argument("--max-waiting-queue-length", type=int, default=1024,
+                   help="requests waiting for their first token beyond which new ones get a 429 with "
+                        "Retry-After (0: unbounded; default 1024)")
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -35,7 +38,8 @@ def run(args) -> int:
     model = args.model_path or args.model or "qoq"
     config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                           served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
-                          graceful_shutdown_s=args.graceful_shutdown_s)
+                          graceful_shutdown_s=args.graceful_shutdown_s,
+                          max_waiting_queue_length=args.max_waiting_queue_length)
     engine = make_engine(args, model)
     s = engine.stats()
     print(f"qoqserve: serving {config.served_model_name or engine.model_name} on "

@@ -38,6 +38,20 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
     return logits
 
 
+def _scaled(row: torch.Tensor, temperature: float) -> torch.Tensor:
+    """row / temperature, or where that overflows its limit. Both a temperature
+    and a repetition penalty need only be > 0, and a tiny one (5e-324, found by
+    schemathesis) turns logits into inf, softmax into nan and the step into a
+    failure; the limit of such a distribution is its top token(s) alone."""
+    out = row / temperature
+    if torch.isfinite(out).all():
+        return out  # the usual case, bit for bit as before
+    if torch.isposinf(row).any():  # the penalty overflowed already: the inf tokens share it
+        return torch.where(torch.isposinf(row), 0.0, float("-inf"))
+    # in float64: as a float32 the temperature itself may round to 0
+    return ((row.double() - row.max()) / temperature).to(row.dtype)  # the top token at 0, the rest <= 0
+
+
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     if top_k > 0 and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
@@ -134,7 +148,7 @@ class Sampler:
             if p.greedy:
                 tokens[i] = row.argmax()
                 continue
-            row = _filter_top_k_top_p(row / p.temperature, p.top_k, p.top_p)
+            row = _filter_top_k_top_p(_scaled(row, p.temperature), p.top_k, p.top_p)
             gen = self._generator(requests[i], logits.device)
             tokens[i] = torch.multinomial(row.softmax(-1), 1, generator=gen)[0]
         chosen = top = None

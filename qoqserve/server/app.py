@@ -3,7 +3,8 @@
 Every error leaves as OpenAI's `{"error": {message, type, param, code}}`:
 the handlers' own, FastAPI's body validation (mapped from its 422 to a 400
 naming the field), unknown routes (404), wrong methods (405 with `Allow`),
-the guard's 401 and 413, and anything unexpected (500).
+the guard's 401 and 413, a full waiting queue (429 with Retry-After), and
+anything unexpected (500).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from qoqserve.errors import InvalidRequestError
+from qoqserve.errors import InvalidRequestError, QueueFullError
 from qoqserve.server.async_engine import AsyncEngine, EngineDeadError
 from qoqserve.server.config import ServerConfig
 from qoqserve.server.guard import GuardMiddleware
@@ -54,6 +55,12 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(InvalidRequestError)
     async def _invalid(request: Request, e: InvalidRequestError):
         return error_response(APIError(400, str(e), param=e.param, code=e.code))
+
+    @app.exception_handler(QueueFullError)
+    async def _full(request: Request, e: QueueFullError):
+        # 429, as vLLM's bounded queue answers: the client should back off and retry
+        return error_response(APIError(429, str(e), type="rate_limit_error", code="queue_full",
+                                       headers={"Retry-After": str(e.retry_after_s)}))
 
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, e: EngineDeadError):

@@ -4,6 +4,14 @@ Only the engine thread ever touches the LLMEngine: requests and aborts reach it
 through an inbox, and outputs go back to each request's asyncio queue with
 call_soon_threadsafe. A forward pass therefore never blocks the event loop,
 and no engine state is shared between threads.
+
+Overload: at most `max_waiting` requests wait (admitted, no token yet); one
+more is refused with QueueFullError before anything is queued or a response
+starts, so the server answers 429 instead of letting the queue, and the
+memory it holds, grow without bound. The count lives here, on the event
+loop, not in the scheduler: the scheduler sees a request only once the
+engine thread has taken it from the inbox, too late to refuse it with a
+status code; and the offline LLM API queues whole batches at once, unbounded.
 """
 from __future__ import annotations
 
@@ -12,11 +20,13 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from qoqserve.engine.llm_engine import LLMEngine, PreparedRequest
 from qoqserve.engine.output import RequestOutput
+from qoqserve.errors import QueueFullError
 from qoqserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -24,6 +34,19 @@ log = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     pass
+
+
+def rss_bytes() -> int | None:
+    """This process's resident memory (Linux /proc; None elsewhere): /health
+    reports it so a soak run can watch it without access to the server's host."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 @dataclass
@@ -35,13 +58,32 @@ class _Stream:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
+class _Waiting:
+    """One request's place in the waiting count; given back exactly once: at its
+    first output, its end, or (a stream never started) when it is collected."""
+
+    def __init__(self, owner: AsyncEngine):
+        self.owner: AsyncEngine | None = owner
+        owner.num_waiting += 1
+
+    def release(self) -> None:
+        if self.owner is not None:
+            self.owner.num_waiting -= 1
+            self.owner = None
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None,
-                 own_thread: bool = True):
+                 own_thread: bool = True, max_waiting: int | None = None, retry_after_s: int = 1):
         """own_thread False: the caller runs run_loop() on a thread of its own
         choosing (`serve` uses the main thread: OpenMP kernels called from any
-        other thread pay a slow team start per parallel region, ~60 us here)."""
+        other thread pay a slow team start per parallel region, ~60 us here).
+        max_waiting None or 0: no bound on the waiting requests."""
         self.engine = engine
+        self.max_waiting = max_waiting or None
+        self.retry_after_s = retry_after_s
+        self.num_waiting = 0  # event loop only: admitted requests without a first output yet
+        self.num_refused = 0
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self._on_step = on_step
@@ -70,24 +112,43 @@ class AsyncEngine:
         engine_faults = st.get("engine_faults", 0) + self._loop_faults
         return {"status": "degraded" if engine_faults else "ok",
                 "request_faults": st.get("request_faults", 0), "engine_faults": engine_faults,
-                "last_engine_fault": self._last_loop_fault or st.get("last_engine_fault")}
+                "last_engine_fault": self._last_loop_fault or st.get("last_engine_fault"),
+                "num_running": st.get("num_running", 0), "num_waiting": self.num_waiting,
+                "max_waiting": self.max_waiting, "num_refused": self.num_refused,
+                "kv_free_blocks": st.get("num_free_blocks", 0), "kv_total_blocks": st.get("num_kv_blocks", 0),
+                "rss_bytes": rss_bytes()}
 
     def prepare_request(self, prompt: str | list[int], params: SamplingParams,
                         max_tokens_must_fit: bool = False) -> PreparedRequest:
         """The engine's admission checks (pure, so any thread may call them)."""
         return self.engine.prepare_request(prompt, params, max_tokens_must_fit)
 
-    async def generate(self, request_id: str, request: PreparedRequest) -> AsyncIterator[RequestOutput]:
-        """Yields the request's outputs as steps produce them. Leaving the
+    def generate(self, request_id: str, request: PreparedRequest) -> AsyncIterator[RequestOutput]:
+        """The request's outputs, as steps produce them. Raises at once (before a
+        response starts, so the server can still pick the status) when the
+        engine is not running or the waiting queue is full. Leaving the
         iteration early (client gone, task cancelled) aborts the request."""
         if not self.is_alive:
             raise EngineDeadError("the engine is not running")
+        if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
+            self.num_refused += 1
+            raise QueueFullError(f"the server is overloaded: {self.num_waiting} requests are waiting "
+                                 f"(--max-waiting-queue-length {self.max_waiting}); retry later",
+                                 self.retry_after_s)
+        place = _Waiting(self)
+        outputs = self._outputs(request_id, request, place)
+        weakref.finalize(outputs, place.release)  # a response that never iterated it
+        return outputs
+
+    async def _outputs(self, request_id: str, request: PreparedRequest,
+                       place: _Waiting) -> AsyncIterator[RequestOutput]:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._inbox.put(("add", request_id, request, stream))
         finished = False
         try:
             while True:
                 item = await stream.queue.get()
+                place.release()  # running (or ended): no longer waiting
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -96,6 +157,7 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
+            place.release()
             if not finished:
                 self.abort(request_id)
 

@@ -13,3 +13,7 @@ class ServerConfig:
     max_body_bytes: int = 4 * 2**20
     graceful_shutdown_s: float = 30.0     # on SIGTERM, in-flight requests get this long to finish
     log_level: str = "info"
+    # waiting requests (admitted, no token yet) before new ones get a 429; generous,
+    # so normal use never meets it: it is there to stop a flood, not to shape load
+    max_waiting_queue_length: int | None = 1024
+    retry_after_s: int = 1                # the 429's Retry-After

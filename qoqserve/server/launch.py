@@ -22,7 +22,8 @@ def build_server(llm_engine, config: ServerConfig, own_thread: bool = True) -> t
     False), wired to one metrics registry."""
     name = config.served_model_name or llm_engine.model_name
     metrics = ServerMetrics(name, lambda: engine.stats)  # engine is bound just below
-    engine = AsyncEngine(llm_engine, on_step=metrics.on_step, own_thread=own_thread)
+    engine = AsyncEngine(llm_engine, on_step=metrics.on_step, own_thread=own_thread,
+                         max_waiting=config.max_waiting_queue_length, retry_after_s=config.retry_after_s)
     return build_app(engine, config, name, metrics), engine
 
 

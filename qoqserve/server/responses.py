@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field
 class ErrorBody(BaseModel):
     message: str
     type: str = Field(description="invalid_request_error, authentication_error, not_found_error, "
-                                  "server_error or service_unavailable")
+                                  "rate_limit_error, server_error or service_unavailable")
     param: str | None = Field(description="the offending field, as a dotted path")
     code: str | None
 
@@ -111,12 +111,19 @@ class Health(BaseModel):
     request_faults: int = Field(description="requests ended because a step failed on them alone")
     engine_faults: int = Field(description="step failures no single request explained")
     last_engine_fault: str | None
+    num_running: int
+    num_waiting: int = Field(description="admitted requests without a first token yet")
+    max_waiting: int | None = Field(description="--max-waiting-queue-length (null: unbounded)")
+    num_refused: int = Field(description="requests refused with a 429 because the queue was full")
+    kv_free_blocks: int
+    kv_total_blocks: int
+    rss_bytes: int | None = Field(description="the server's resident memory (Linux)")
 
 
 STREAM = "`stream: true`: `text/event-stream`, one chunk per step, then `data: [DONE]`"
 ERRORS = {
     "4XX": {"model": ErrorResponse, "description": "the request's fault: 400 bad field, 401 key, "
-            "404 model, 405 method, 413 body too large"},
+            "404 model, 405 method, 413 body too large, 429 waiting queue full (with Retry-After)"},
     "5XX": {"model": ErrorResponse, "description": "500 the request failed in the engine "
             "(server_error); 503 the engine is not running"},
 }
