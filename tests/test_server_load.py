@@ -31,6 +31,17 @@ def wait_idle(server, timeout: float = 10.0) -> dict:
         time.sleep(0.1)
 
 
+def assert_still_serving(server, reference_llm) -> None:
+    """After an ordeal: a normal request gets the reference greedy text, then
+    the server goes idle with every page free and reports itself healthy."""
+    r = httpx.post(server.base + "/v1/completions", headers=KEY, timeout=60,
+                   json={"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0})
+    ref = reference_llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=8))[0]
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref.text
+    wait_idle(server)
+    assert httpx.get(server.base + "/health").json()["status"] == "ok"
+
+
 async def _stream_one(client: httpx.AsyncClient, base: str, i: int, hang_up_after: int | None):
     body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": MAX_TOKENS, "temperature": 0,
             "stream": True}

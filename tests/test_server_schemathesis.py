@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
@@ -20,9 +19,8 @@ from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import status_code_conformance
-from test_server_load import wait_idle
+from test_server_load import assert_still_serving
 
-from qoqserve.sampling_params import SamplingParams
 from qoqserve.server.responses import ErrorResponse
 
 KEY = {"Authorization": "Bearer test-key"}
@@ -112,9 +110,4 @@ def test_schemathesis_every_answer_is_documented_never_5xx(api_schema, server, r
     # (schemathesis's own choices are not all seeded: the counts vary a little)
     assert sum(statuses.values()) >= EXAMPLES and statuses.get(200, 0) >= 3 and statuses.get(400, 0) >= 10, \
         statuses
-    r = httpx.post(server.base + "/v1/completions", headers=KEY, timeout=60,
-                   json={"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0})
-    ref = reference_llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=8))[0]
-    assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref.text
-    wait_idle(server)
-    assert httpx.get(server.base + "/health").json()["status"] == "ok"
+    assert_still_serving(server, reference_llm)
