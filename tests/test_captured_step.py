@@ -163,6 +163,28 @@ def test_a_model_that_cannot_be_captured_runs_op_by_op(qoq_tiny):
     assert stats["captured_decode_sizes"] == [] and len(outs[0][0]) == GREEDY.max_tokens
 
 
+@needs_c
+def test_a_kernel_refusing_its_arguments_at_capture_leaves_steps_op_by_op(qoq_tiny, monkeypatch):
+    # recording runs no kernel; the check replay after capture must catch a
+    # kernel that fails (here: the first one recorded) before a served step does
+    launch = graph.launch
+
+    def refuse(*args):
+        return -2
+
+    def first_recorded_refuses(fn, *args):
+        if graph.recording() and not graph._recording.ops:
+            fn = refuse
+        return launch(fn, *args)
+
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    eager, _ = _outputs(qoq_tiny, prompts, dtype="float32", enforce_eager=True)
+    monkeypatch.setattr(graph, "launch", first_recorded_refuses)
+    outs, stats = _outputs(qoq_tiny, prompts, dtype="float32", capture_sizes="1,2")
+    assert stats["captured_decode_sizes"] == []
+    assert outs == eager
+
+
 def test_capture_sizes_are_validated():
     from qoqserve.config import EngineConfig
     assert EngineConfig(capture_sizes="8, 1,4").capture_size_list() == [1, 4, 8]

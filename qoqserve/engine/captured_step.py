@@ -73,6 +73,8 @@ class CapturedDecode:
         for size in reversed(self.sizes):
             if self._graph(size) is None:
                 break
+        else:
+            self._check_kernels()
         self.capture_seconds = time.perf_counter() - start
         if self.disabled is None:
             log.info("captured decode graphs for batch sizes %s in %.2f s", self.sizes, self.capture_seconds)
@@ -89,7 +91,6 @@ class CapturedDecode:
             return g
         arena = self.graphs.get(self.max_size)
         g = graph.StepGraph(arena)
-        # the recording run computes too: make every row a padding row
         self._reset_rows(0, self.max_size)
         try:
             g.capture(self.model, self.ids[:size], self.positions[:size], self._meta(size), self.kv_caches)
@@ -99,6 +100,18 @@ class CapturedDecode:
             return None
         self.graphs[size] = g
         return g
+
+    def _check_kernels(self) -> None:
+        """Recording ran no kernel: replay the smallest graph once (padding rows
+        only, writing nowhere) so a kernel that refuses its arguments shows here,
+        not in the first served step. What a kernel checks depends on the layer
+        shapes, not on the batch size."""
+        try:
+            self.graphs[self.sizes[0]].replay()
+        except RuntimeError as e:
+            self.graphs.clear()
+            self.disabled = str(e)
+            log.warning("decode steps run op by op (not captured): %s", e)
 
     def _reset_rows(self, lo: int, hi: int) -> None:
         np = self._np

@@ -5,7 +5,10 @@ Every ctypes call of the CPU kernels goes through `launch`, every buffer
 they write is made by `empty`. While a `StepGraph` records, `launch` also
 appends the call (function and converted arguments: raw pointers, sizes) and
 `empty` keeps the buffer alive, so replaying writes the same memory the
-recorded run wrote. Inputs are static buffers the caller fills before each
+recorded run would have written. The recording run computes nothing: no value
+a kernel writes can change which calls follow (the Python between them only
+sees shapes; anything reading values is a torch op and refused), so the kernel
+calls are only noted, and capturing a size costs no forward pass. Inputs are static buffers the caller fills before each
 replay. A recording is only valid if *nothing else* computed data: a torch op
 run once at capture would be frozen into the graph, so `StepGraph.capture`
 rejects any aten op that is not a view or an allocation (CaptureError), and
@@ -36,11 +39,12 @@ class CaptureError(RuntimeError):
 
 
 def launch(fn, *args):
-    """Call a ctypes kernel (recorded when a capture is on); returns its result."""
-    rc = fn(*args)
+    """Call a ctypes kernel; while a capture is on, only record the call (the
+    first replay runs it and checks its result)."""
     if _recording is not None:
         _recording.ops.append((fn, args))
-    return rc
+        return 0
+    return fn(*args)
 
 
 def empty(*shape, dtype: torch.dtype) -> torch.Tensor:
@@ -96,8 +100,8 @@ class StepGraph:
         return t
 
     def capture(self, fn, *args):
-        """Run fn(*args) once, recording its kernel calls; returns its output,
-        which each replay rewrites in place."""
+        """Trace fn(*args) once, recording its kernel calls without running
+        them; returns its output buffer, which each replay writes in place."""
         global _recording
         if _recording is not None:
             raise CaptureError("captures do not nest")
