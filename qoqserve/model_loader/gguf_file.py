@@ -6,6 +6,7 @@ models for its RoPE layout; we undo that so every consumer sees HF order.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -64,7 +65,9 @@ def _to_torch(t) -> torch.Tensor:
     elif t.tensor_type == Q.BF16:
         return torch.from_numpy(np.array(t.data).view(np.int16)).view(torch.bfloat16).reshape(shape)
     else:
-        arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        # np.asarray drops the memmap subclass: gguf's dequantize slices the array
+        # per row group, and every memmap slice costs a Python __array_finalize__
+        arr = np.asarray(dequantize(np.asarray(t.data), t.tensor_type), dtype=np.float32)
     return torch.from_numpy(arr).reshape(shape)
 
 
@@ -108,10 +111,20 @@ def _rope_scaling(meta: dict[str, Any], a: str, rope_freqs, theta: float, head_d
 
 
 def _open_reader(path: str):
+    st = os.stat(path)
+    return _open_reader_cached(os.path.realpath(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_reader_cached(path: str, size: int, mtime_ns: int):
+    """The parsed file, kept per process: GGUFReader decodes every metadata
+    array element in Python (a tokenizer's ~100k strings take seconds), and
+    loading one file again (another engine, eval configurations, the tests)
+    should not pay it twice. Keyed by size and mtime, so a changed file is
+    parsed afresh. Everything read from the reader is copied out."""
     # lazy: only GGUF files need the gguf package
     from gguf import GGUFReader
 
-    size = os.path.getsize(path)
     try:
         reader = GGUFReader(path, "r")
     except Exception as e:  # the reader fails in many ways on damaged files
