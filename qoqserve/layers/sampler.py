@@ -139,7 +139,8 @@ class Sampler:
         """logits [B, V] -> chosen token per row; when any row asks, each chosen token's
         logprob and each row's top_logprobs most likely (token, logprob) pairs.
         Logprobs are of the model's distribution (within what a constraint allows),
-        before penalties and temperature."""
+        before penalties and temperature. Constrained rows of fp32 logits are
+        masked in place (the step's logits are not used after sampling)."""
         params = [r.params for r in requests]
         logits = logits.float()
         self.masks.apply(logits, [r.constraint for r in requests])

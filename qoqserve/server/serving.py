@@ -139,10 +139,11 @@ class OpenAIServing:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         structure = requested_structure(req)
         tools, choice = self._tool_choice(req)
-        if tools and structure[0] is not None:
+        calls = bool(tools) and choice != "none"  # constrained to, and parsed for, tool calls
+        if calls and structure[0] is not None:
             raise APIError(400, f"{structure[1]} cannot be combined with tool calls (send tool_choice "
                                 '"none" to constrain the text instead)', param=structure[1])
-        if tools:
+        if calls:
             tag = tool_structural_tag(tools, choice, req.parallel_tool_calls)
             structure = spec_or_400({"structural_tag": tag}, "tools"), "tools"
         native = template_speaks_tools(self.tokenizer.chat_template)
@@ -158,17 +159,17 @@ class OpenAIServing:
         prepared = await self._prepare(req, ids, max_tokens, "messages", logprobs=req.logprobs,
                                        top_logprobs=req.top_logprobs or 0, structure=structure)
         fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, self.tokenizer, len(ids),
-                         tool_parser=ToolCallParser() if tools else None)
+                         tool_parser=ToolCallParser() if calls else None)
         return await self._respond(fmt, prepared, req, raw)
 
     @staticmethod
     def _tool_choice(req: ChatCompletionRequest) -> tuple[list[dict], str | dict]:
-        """(the functions the output may call, tool_choice); no functions when
-        tool_choice is "none" (the tools are then left out of the prompt)."""
+        """(the functions, tool_choice). With "none" the tools are still in the
+        prompt, as vLLM does, but the output is neither constrained nor parsed."""
         tools = [t.function.model_dump(exclude_none=True) for t in req.tools or []]
         choice = req.tool_choice or ("auto" if tools else "none")
         if choice == "none":
-            return [], choice
+            return tools, choice
         if not tools:
             raise APIError(400, f"tool_choice {choice!r} needs tools", param="tool_choice")
         if not isinstance(choice, str):

@@ -152,6 +152,8 @@ class ToolCallParser:
                 self._buf, self._state = self._buf[i + len(BEGIN):], "head"
             elif self._state == "head":
                 m = _CALL_HEAD.match(self._buf)
+                if m is not None and m.end() == len(self._buf) and not final:
+                    m = None  # more whitespace may follow: the arguments start after it
                 if m is None:
                     if final:  # a broken call: keep it as text
                         content += BEGIN + self._buf
