@@ -126,3 +126,9 @@ def test_choice_and_ignore_eos_end_when_the_grammar_does(engine):
                             structured_outputs=StructuredOutputs(choice=['say "yes"', "no\\way"]))
     out = run(engine, {"c": ("Answer:", params)})["c"]
     assert out.text in ('say "yes"', "no\\way") and out.finish_reason == "stop"
+
+
+def test_a_stop_string_cuts_a_constrained_output(engine, alone):
+    cut = alone["greedy"].index(",")
+    out = run(engine, {"s": (PERSON, constrained(stop=[","]))})["s"]
+    assert out.text == alone["greedy"][:cut] and out.finish_reason == "stop"

@@ -2,14 +2,15 @@
  * call: for each listed row, every token whose bit is 0 gets -inf. Bit t of
  * a row is bit t % 32 of its 32-bit word t / 32 (xgrammar's layout). A word
  * of all ones (every token allowed) costs one compare, a word of zeros one
- * run of 32 stores; only mixed words go bit by bit. Rows run in parallel.
+ * run of 32 stores; only mixed words go bit by bit. One thread: a batch's
+ * masks are a few MB of stores (~0.1 ms), less than waking a thread team
+ * costs on a busy machine.
  */
 #include <math.h>
 #include <stdint.h>
 
 void apply_token_bitmask(float *logits, int64_t row_stride, const int64_t *rows, int64_t n_rows,
-                         const int32_t *bitmask, int64_t words, int64_t vocab, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
+                         const int32_t *bitmask, int64_t words, int64_t vocab) {
     for (int64_t r = 0; r < n_rows; r++) {
         float *row = logits + rows[r] * row_stride;
         const uint32_t *mask = (const uint32_t *)bitmask + r * words;

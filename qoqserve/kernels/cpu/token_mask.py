@@ -7,8 +7,8 @@ import torch
 
 from qoqserve.kernels.cpu.build import load_library
 
-_P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-_SIGNATURES = {"apply_token_bitmask": (None, [_P, _L, _P, _L, _P, _L, _L, _I])}
+_P, _L = ctypes.c_void_p, ctypes.c_int64
+_SIGNATURES = {"apply_token_bitmask": (None, [_P, _L, _P, _L, _P, _L, _L])}
 
 
 def load():
@@ -30,4 +30,4 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
     if words * 32 < vocab or bitmask.shape[0] != rows.shape[0]:
         raise ValueError(f"bitmask {tuple(bitmask.shape)} does not cover {rows.shape[0]} rows of {vocab} tokens")
     load().apply_token_bitmask(logits.data_ptr(), logits.stride(0), rows.data_ptr(), rows.shape[0],
-                               bitmask.data_ptr(), words, vocab, min(torch.get_num_threads(), rows.shape[0]))
+                               bitmask.data_ptr(), words, vocab)
