@@ -67,11 +67,14 @@ def test_constrained_outputs_match_the_schema_and_the_decode_step_ran_captured(e
     check_person(alone["seeded"])
 
 
-def test_a_mixed_batch_changes_no_request(engine, alone):
+def test_a_mixed_batch_changes_no_request_and_a_stop_string_cuts_a_constrained_one(engine, alone):
     reqs = {"free0": (FREE[0], free_params()), "greedy": (PERSON, constrained()),
-            "free1": (FREE[1], free_params()), "seeded": (PERSON, constrained(seed=3))}
+            "free1": (FREE[1], free_params()), "seeded": (PERSON, constrained(seed=3)),
+            "stopped": (PERSON, constrained(stop=[","]))}
     outs = run(engine, reqs)
+    stopped = outs.pop("stopped")
     assert {rid: o.text for rid, o in outs.items()} == alone
+    assert stopped.text == alone["greedy"][:alone["greedy"].index(",")] and stopped.finish_reason == "stop"
 
 
 def test_a_preempted_constrained_request_recomputes_to_the_same_output(engine, alone):
@@ -127,8 +130,3 @@ def test_choice_and_ignore_eos_end_when_the_grammar_does(engine):
     out = run(engine, {"c": ("Answer:", params)})["c"]
     assert out.text in ('say "yes"', "no\\way") and out.finish_reason == "stop"
 
-
-def test_a_stop_string_cuts_a_constrained_output(engine, alone):
-    cut = alone["greedy"].index(",")
-    out = run(engine, {"s": (PERSON, constrained(stop=[","]))})["s"]
-    assert out.text == alone["greedy"][:cut] and out.finish_reason == "stop"
