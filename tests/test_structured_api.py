@@ -98,8 +98,8 @@ def test_regex_and_choice_on_both_endpoints_streamed_or_not(client, model):
     assert old.choices[0].text in choices
     obj = client.completions.create(model=model, prompt="A JSON object:", max_tokens=24, temperature=0,
                                     extra_body={"response_format": {"type": "json_object"}})
-    if obj.choices[0].finish_reason == "stop":
-        assert isinstance(json.loads(obj.choices[0].text), dict)
+    assert obj.choices[0].finish_reason == "stop", obj.choices[0].text
+    assert isinstance(json.loads(obj.choices[0].text), dict)
 
 
 def test_tool_call_round_trip_streamed_and_not(client, model):
