@@ -5,6 +5,7 @@ generator, the detokenizer) can be handed a value it would choke on mid-step.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -43,6 +44,65 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+# StructuredOutputs' kinds, one of which a spec sets (vLLM's field names)
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+
+
+@dataclass
+class StructuredOutputs:
+    """What the output must match (vLLM's StructuredOutputsParams): exactly one
+    of a JSON schema, any JSON object, a regex, a list of choices, an EBNF
+    (GBNF-style) grammar or an xgrammar structural tag. After __post_init__
+    `json` and `structural_tag` hold JSON text and `choice` a tuple, so
+    key() is the same for equal specs (the grammar cache's key)."""
+    json: str | dict | bool | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | tuple[str, ...] | None = None
+    grammar: str | None = None
+    structural_tag: str | dict | None = None
+    disable_any_whitespace: bool = False  # JSON without free whitespace between tokens
+
+    def __post_init__(self) -> None:
+        def bad(msg: str, param: str):
+            raise InvalidSamplingParams(msg, param=f"structured_outputs.{param}")
+
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            bad(f"set exactly one of {', '.join(STRUCTURED_KINDS)} (got {', '.join(given) or 'none'})",
+                given[1] if len(given) > 1 else "json")
+        for name in ("json", "structural_tag"):
+            v = getattr(self, name)
+            if isinstance(v, str):
+                try:
+                    v = json.loads(v)
+                except ValueError as e:
+                    bad(f"{name} is not valid JSON: {e}", name)
+            if v is not None:
+                if not isinstance(v, (dict, bool)) or (name == "structural_tag" and not isinstance(v, dict)):
+                    bad(f"{name} must be a JSON {'schema' if name == 'json' else 'object'}", name)
+                setattr(self, name, json.dumps(v, ensure_ascii=False))
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and is_valid_text(c) for c in self.choice)):
+                bad("choice must be a non-empty list of strings", "choice")
+            self.choice = tuple(self.choice)
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, str) and v and is_valid_text(v)):
+                bad(f"{name} must be a non-empty string", name)
+        for name in ("json_object", "disable_any_whitespace"):
+            if not isinstance(getattr(self, name), bool):
+                bad(f"{name} must be true or false", name)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple:
+        return (self.kind, getattr(self, self.kind), self.disable_any_whitespace)
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 1.0   # 0 means greedy
@@ -60,6 +120,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputs | None = None  # constrain the output (a grammar)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -107,6 +168,9 @@ class SamplingParams:
             bad(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
         if self.top_logprobs and not self.logprobs:
             bad("top_logprobs needs logprobs")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise InvalidSamplingParams("structured_outputs must be a StructuredOutputs",
+                                        param="structured_outputs")
         for name in ("ignore_eos", "logprobs", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 bad(f"{name} must be true or false, got {getattr(self, name)!r}")

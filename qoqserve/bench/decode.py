@@ -29,15 +29,16 @@ class DecodeResult:
     max_batch_in_budget: int
 
 
-def run_batch(llm, batch: int, input_len: int, output_len: int, seed: int | None = None
-              ) -> tuple[float, float, int]:
+def run_batch(llm, batch: int, input_len: int, output_len: int, seed: int | None = None,
+              params: list[SamplingParams] | None = None) -> tuple[float, float, int]:
     """seed: of the prompts (default: the batch size); the warm-up uses others,
-    or the timed prefill would be a prefix-cache hit."""
+    or the timed prefill would be a prefix-cache hit. params: one per request
+    (default: greedy, output_len tokens, EOS ignored)."""
     engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    default = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     prompts = make_prompts(batch, input_len, engine.arch.vocab_size, seed=batch if seed is None else seed)
     for i, p in enumerate(prompts):
-        engine.add_request(f"bench-{batch}-{i}", p, params)
+        engine.add_request(f"bench-{batch}-{i}", p, params[i] if params else default)
     prefill = decode = 0.0
     decoded = 0
     while engine.has_unfinished():

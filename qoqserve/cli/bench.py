@@ -35,6 +35,19 @@ def register(sub) -> None:
     dec.add_argument("--json-out", default=None)
     dec.set_defaults(func=run_decode_cmd)
 
+    st = bsub.add_parser("structured", help="decode tok/s with 0/50/100%% of the batch constrained "
+                                            "to a JSON schema")
+    st.add_argument("--precision", default="w4a8kv4")
+    st.add_argument("--batch-size", type=int, default=32)
+    st.add_argument("--fractions", nargs="+", type=float, default=[0.0, 0.5, 1.0],
+                    help="constrained shares of the batch; the first is the baseline")
+    st.add_argument("--input-len", type=int, default=128)
+    st.add_argument("--output-len", type=int, default=64)
+    st.add_argument("--rounds", type=int, default=3)
+    st.add_argument("--kv-budget-gb", type=float, default=0.25)
+    st.add_argument("--json-out", default=None)
+    st.set_defaults(func=run_structured_cmd)
+
     ker = bsub.add_parser("kernels", help="GPU kernels: W4A8 GEMM vs cuBLAS INT8 vs FP16, "
                                           "KV4 decode attention vs FP16")
     ker.add_argument("--device", default="cuda")
@@ -254,6 +267,27 @@ def run_decode_cmd(args) -> int:
                        "input_len": args.input_len, "output_len": args.output_len,
                        "compile": args.compile, "enforce_eager": args.enforce_eager,
                        "results": as_dicts(results)}, f, indent=2)
+    return 0
+
+
+def run_structured_cmd(args) -> int:
+    # lazy: CLI start-up (load what a subcommand needs when it runs)
+    from qoqserve.bench.structured import as_dicts, bench_structured
+
+    print(f"# {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
+          f"{args.precision}, batch {args.batch_size}, input {args.input_len}, output {args.output_len}, "
+          f"greedy, EOS ignored, {args.rounds} rounds")
+    results = bench_structured(args.precision, args.batch_size, args.fractions, args.input_len,
+                               args.output_len, args.rounds, args.kv_budget_gb)
+    for r in results:
+        print(f"{100 * r.constrained_fraction:3.0f}% constrained: best {r.best_tok_per_s:7.1f} tok/s "
+              f"(rounds {', '.join(f'{s:.1f}' for s in r.decode_tok_per_s)}); "
+              f"{100 * r.slowdown_vs_free:+.1f}% slower than {100 * results[0].constrained_fraction:.0f}%; "
+              f"masks {r.mask_ms_per_step:.2f} ms per {r.step_ms:.1f} ms step")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"threads": torch.get_num_threads(), "torch": torch.__version__,
+                       "precision": args.precision, "results": as_dicts(results)}, f, indent=2)
     return 0
 
 

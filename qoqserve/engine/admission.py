@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
+from qoqserve.engine.structured import GrammarCompiler
 from qoqserve.errors import InvalidRequestError
 from qoqserve.model_loader.tokenizer import Tokenizer
 from qoqserve.sampling_params import SamplingParams, is_valid_text
@@ -15,15 +17,19 @@ from qoqserve.sampling_params import SamplingParams, is_valid_text
 
 @dataclass(frozen=True)
 class PreparedRequest:
-    """A request that passed admission: token ids and final parameters."""
+    """A request that passed admission: token ids, final parameters and, for
+    structured outputs, the compiled grammar."""
     prompt_token_ids: list[int]
     params: SamplingParams
+    grammar: Any = None  # xgrammar.CompiledGrammar
 
 
 class Admission:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
-                 max_prompt_tokens: int | None = None, max_tokens_limit: int | None = None):
+                 max_prompt_tokens: int | None = None, max_tokens_limit: int | None = None,
+                 grammars: GrammarCompiler | None = None):
         self.tokenizer = tokenizer
+        self.grammars = grammars
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         # a prompt plus at least one generated token must fit the context window
@@ -77,4 +83,9 @@ class Admission:
         if not all(t < self.vocab_size for t in params.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids must be below the vocabulary size {self.vocab_size}",
                                       param="stop_token_ids")
-        return PreparedRequest(ids, params)
+        grammar = None
+        if params.structured_outputs is not None:  # last: the other checks are cheap
+            if self.grammars is None:
+                raise InvalidRequestError("structured outputs are not available", param="structured_outputs")
+            grammar = self.grammars.compile(params.structured_outputs)
+        return PreparedRequest(ids, params, grammar)

@@ -13,6 +13,7 @@ from qoqserve.engine.model_runner import ModelRunner
 from qoqserve.engine.output import OutputTracker, RequestOutput
 from qoqserve.engine.scheduler import Scheduler
 from qoqserve.engine.sequence import Sequence
+from qoqserve.engine.structured import GrammarCompiler, GrammarConstraint
 from qoqserve.errors import InvalidRequestError
 from qoqserve.model_loader import load_model_source
 from qoqserve.sampling_params import SamplingParams
@@ -39,9 +40,10 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, bs, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         sched = config.scheduler
-        self.admission = Admission(self.tokenizer, self.arch.vocab_size, self.max_model_len,
-                                   sched.max_prompt_tokens, sched.max_tokens_limit)
         self.eos_ids = set(self.tokenizer.eos_token_ids) | set(self.arch.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size, sorted(self.eos_ids))
+        self.admission = Admission(self.tokenizer, self.arch.vocab_size, self.max_model_len,
+                                   sched.max_prompt_tokens, sched.max_tokens_limit, self.grammars)
         self.trackers: dict[str, OutputTracker] = {}
         self.isolation = StepIsolation(self.runner)
         # failures of steps: pinned on (and ended only) one request, or not
@@ -69,7 +71,8 @@ class LLMEngine:
         if request_id in self.trackers:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         req = prompt if isinstance(prompt, PreparedRequest) else self.prepare_request(prompt, params)
-        seq = Sequence(request_id, list(req.prompt_token_ids), req.params)
+        seq = Sequence(request_id, list(req.prompt_token_ids), req.params,
+                       constraint=GrammarConstraint(req.grammar) if req.grammar is not None else None)
         self.trackers[request_id] = OutputTracker(seq, self.tokenizer, self.eos_ids, self.max_model_len)
         self.scheduler.add(seq)
         return seq.token_ids[:seq.num_prompt_tokens]
@@ -105,8 +108,12 @@ class LLMEngine:
         for i, seq in enumerate(self.scheduler.postprocess(batch, res.tokens, res.logprobs, res.top)):
             tracker = self.trackers[seq.request_id]
             try:
+                if seq.constraint is not None:
+                    seq.constraint.accept(res.tokens[i])
                 reason = tracker.on_token(res.tokens[i])
-            except Exception as e:  # detokenizing or stop matching broke on this request alone
+                if reason is None and seq.constraint is not None and seq.constraint.is_terminated:
+                    reason = "stop"  # the grammar ended (its stop token, even with ignore_eos)
+            except Exception as e:  # matching, detokenizing or stop matching broke on this request alone
                 log.exception("output processing failed for request %s", seq.request_id)
                 self.num_request_faults += 1
                 outputs.append(self._fail(seq.request_id, e))

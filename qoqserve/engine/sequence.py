@@ -5,6 +5,7 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
+from qoqserve.layers.token_mask import TokenConstraint
 from qoqserve.sampling_params import SamplingParams
 
 
@@ -37,6 +38,10 @@ class Sequence:
     last_token_time: float | None = None
     # token-count bookkeeping for presence/frequency penalties
     output_counts: dict[int, int] = field(default_factory=dict)
+    # structured outputs: a grammar matcher that has accepted every output token
+    # so far (engine/structured.py); a preempted sequence keeps it, since
+    # recomputing changes no token
+    constraint: TokenConstraint | None = None
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

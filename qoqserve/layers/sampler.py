@@ -1,7 +1,10 @@
-"""Token sampling: penalties, temperature, top-k, top-p, per-request seeds.
+"""Token sampling: constraint masks, penalties, temperature, top-k, top-p,
+per-request seeds.
 
 Rows are sampled one by one with their own generator when seeded, so a seeded
-request draws the same tokens whatever else shares its batch.
+request draws the same tokens whatever else shares its batch. A constrained
+request's disallowed tokens are -inf before anything else (layers/token_mask.py),
+so every sampling mode, and the logprobs, see only what the grammar allows.
 """
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from qoqserve.layers.token_mask import ConstraintMasks, TokenConstraint
 from qoqserve.sampling_params import SamplingParams
 
 
@@ -19,6 +23,7 @@ class SamplingRequest(Protocol):
     token_ids: list[int]
     num_prompt_tokens: int
     output_counts: dict[int, int]
+    constraint: TokenConstraint | None  # the tokens a grammar allows next, or None
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
@@ -44,7 +49,8 @@ def _scaled(row: torch.Tensor, temperature: float) -> torch.Tensor:
     schemathesis) turns logits into inf, softmax into nan and the step into a
     failure; the limit of such a distribution is its top token(s) alone."""
     out = row / temperature
-    if torch.isfinite(out).all():
+    # a token a constraint masked is -inf at every temperature
+    if (torch.isfinite(out) | torch.isneginf(row)).all():
         return out  # the usual case, bit for bit as before
     if torch.isposinf(row).any():  # the penalty overflowed already: the inf tokens share it
         return torch.where(torch.isposinf(row), 0.0, float("-inf"))
@@ -87,6 +93,7 @@ class Sampler:
         self._engine_generators: dict[torch.device, torch.Generator] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._undo: list[tuple[str, torch.Tensor | None]] = []
+        self.masks = ConstraintMasks()
 
     @property
     def generator(self) -> torch.Generator:
@@ -131,9 +138,12 @@ class Sampler:
                  ) -> tuple[list[int], list[float] | None, list[list[tuple[int, float]]] | None]:
         """logits [B, V] -> chosen token per row; when any row asks, each chosen token's
         logprob and each row's top_logprobs most likely (token, logprob) pairs.
-        Logprobs are of the model's distribution, before penalties and temperature."""
+        Logprobs are of the model's distribution (within what a constraint allows),
+        before penalties and temperature. Constrained rows of fp32 logits are
+        masked in place (the step's logits are not used after sampling)."""
         params = [r.params for r in requests]
         logits = logits.float()
+        self.masks.apply(logits, [r.constraint for r in requests])
         want_logprobs = any(p.logprobs for p in params)
         logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         # greedy rows without penalties: one argmax for the batch

@@ -9,6 +9,7 @@ import time
 
 from qoqserve.engine.output import RequestOutput
 from qoqserve.model_loader.tokenizer import Tokenizer
+from qoqserve.server.tools import ToolCallParser
 
 
 def _new_token_logprobs(out: RequestOutput, everything: bool):
@@ -103,9 +104,10 @@ class ChatFormat(Format):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def __init__(self, *args):
+    def __init__(self, *args, tool_parser: ToolCallParser | None = None):
         super().__init__(*args)
         self.sent_role = False
+        self.tool_parser = tool_parser  # the request has tools: its text may hold tool calls
 
     def _logprobs(self, entries) -> dict | None:
         if entries is None:
@@ -119,19 +121,36 @@ class ChatFormat(Format):
         return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in top]}
                             for t, lp, top in zip(ids, lps, tops)]}
 
+    def _finish_reason(self, out: RequestOutput) -> str | None:
+        # OpenAI's: a turn that ends in tool calls ends with "tool_calls"
+        if out.finish_reason == "stop" and self.tool_parser is not None and self.tool_parser.calls:
+            return "tool_calls"
+        return out.finish_reason
+
     def choice(self, out: RequestOutput) -> dict:
-        return {"index": 0, "message": {"role": "assistant", "content": out.text},
+        message = {"role": "assistant", "content": out.text}
+        if self.tool_parser is not None:
+            content, _ = self.tool_parser.feed(out.text, final=True)
+            message["content"] = content.strip() or None
+            if self.tool_parser.calls:
+                message["tool_calls"] = self.tool_parser.tool_calls()
+        return {"index": 0, "message": message,
                 "logprobs": self._logprobs(_new_token_logprobs(out, True)),
-                "finish_reason": out.finish_reason}
+                "finish_reason": self._finish_reason(out)}
 
     def delta_choice(self, out: RequestOutput) -> dict | None:
         delta: dict = {}
         if not self.sent_role:
             delta["role"] = "assistant"
             self.sent_role = True
-        if out.delta_text:
-            delta["content"] = out.delta_text
+        text, calls = out.delta_text, []
+        if self.tool_parser is not None:
+            text, calls = self.tool_parser.feed(text, final=out.finished)
+        if text:
+            delta["content"] = text
+        if calls:
+            delta["tool_calls"] = [c.to_dict() for c in calls]
         if not delta and not out.finished and not out.delta_token_ids:
             return None
         return {"index": 0, "delta": delta, "logprobs": self._logprobs(_new_token_logprobs(out, False)),
-                "finish_reason": out.finish_reason}
+                "finish_reason": self._finish_reason(out)}

@@ -93,6 +93,32 @@ class StreamOptions(_Request):
     include_usage: bool = Field(False, description="end the stream with a chunk holding `usage`")
 
 
+class StructuredOutputsField(_Request):
+    """vLLM's `structured_outputs` (exactly one of json, regex, choice, grammar,
+    json_object, structural_tag)."""
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    json_: dict[str, Any] | bool | Text | None = Field(None, alias="json", description="a JSON schema")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = Field(None, description="EBNF (GBNF-style, as xgrammar reads it)")
+    json_object: bool | None = None
+    structural_tag: dict[str, Any] | Text | None = Field(None, description="an xgrammar structural tag")
+    disable_any_whitespace: bool = False
+
+
+class JSONSchemaSpec(_Request):
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    name: Text = Field(description="required by OpenAI; not used")
+    description: Text | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaSpec | None = Field(None, description='with type "json_schema"')
+
+
 class SamplingFields(_Request):
     """Fields both endpoints share (OpenAI's plus vLLM's extensions)."""
     model: Text | None = Field(None, description="the served model's id (GET /v1/models); optional")
@@ -114,6 +140,14 @@ class SamplingFields(_Request):
     include_stop_str_in_output: bool = False
     logit_bias: dict[Text, float] | None = Field(None, description="not supported: refused when set")
     user: Text | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = Field(
+        None, description="vLLM's constraint on the output (docs/server.md)")
+    # vLLM's fields before 0.12 (still sent by older clients)
+    guided_json: dict[str, Any] | bool | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -159,13 +193,35 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+class FunctionDef(_Request):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema; default: no arguments")
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ToolChoiceFunction(_Request):
+    name: Text
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(description="the conversation, oldest first; not empty")
     max_tokens: int | None = Field(None, ge=1, description="deprecated alias of max_completion_tokens")
     max_completion_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="needs logprobs")
-    tools: list[Any] | None = Field(None, description="not supported: refused when set")
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = Field(None, description='only {"type": "text"}')
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description='default "auto" with tools, else "none"')
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True

@@ -29,7 +29,7 @@ class Usage(BaseModel):
     total_tokens: int
 
 
-FinishReason = Literal["stop", "length", "abort"] | None
+FinishReason = Literal["stop", "length", "abort", "tool_calls"] | None
 
 
 class CompletionLogprobs(BaseModel):
@@ -70,9 +70,21 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="JSON text matching the function's parameters")
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None = Field(description="null when the turn is only tool calls")
+    tool_calls: list[ToolCall] | None = Field(None, description="with tools: the calls the model made")
 
 
 class ChatChoice(BaseModel):

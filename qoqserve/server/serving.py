@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from qoqserve.engine.admission import PreparedRequest
 from qoqserve.engine.output import RequestOutput
 from qoqserve.errors import InvalidRequestError
-from qoqserve.sampling_params import SamplingParams
+from qoqserve.sampling_params import SamplingParams, StructuredOutputs
 from qoqserve.server.async_engine import AsyncEngine
 from qoqserve.server.config import ServerConfig
 from qoqserve.server.formats import ChatFormat, CompletionFormat, Format
@@ -32,6 +32,13 @@ from qoqserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
+)
+from qoqserve.server.structured import requested_structure, spec_or_400
+from qoqserve.server.tools import (
+    ToolCallParser,
+    template_messages,
+    template_speaks_tools,
+    tool_structural_tag,
 )
 
 
@@ -66,9 +73,16 @@ class OpenAIServing:
         if req.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
 
-    def _prepare(self, req: SamplingFields, prompt: str | list[int], max_tokens: int | None,
-                 prompt_param: str, logprobs: bool = False, top_logprobs: int = 0) -> PreparedRequest:
-        """The engine's admission of this request; its errors as OpenAI 400s."""
+    async def _prepare(self, req: SamplingFields, prompt: str | list[int], max_tokens: int | None,
+                       prompt_param: str, logprobs: bool = False, top_logprobs: int = 0,
+                       structure: tuple[StructuredOutputs | None, str | None] = (None, None)
+                       ) -> PreparedRequest:
+        """The engine's admission of this request; its errors as OpenAI 400s.
+        structure: (the output's constraint, the request field it came from).
+        A constrained request is admitted on a worker thread: compiling its
+        grammar (cached per spec) may take a while, and must stall neither
+        the event loop nor the engine."""
+        spec, spec_param = structure
         try:
             params = SamplingParams(
                 temperature=1.0 if req.temperature is None else req.temperature,
@@ -80,10 +94,14 @@ class OpenAIServing:
                 repetition_penalty=req.repetition_penalty or 1.0,
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
-                include_stop_str_in_output=req.include_stop_str_in_output)
-            return self.engine.prepare_request(prompt, params, max_tokens_must_fit=True)
+                include_stop_str_in_output=req.include_stop_str_in_output, structured_outputs=spec)
+            if spec is None:
+                return self.engine.prepare_request(prompt, params, max_tokens_must_fit=True)
+            return await asyncio.to_thread(self.engine.prepare_request, prompt, params, True)
         except InvalidRequestError as e:
             param = prompt_param if e.param == "prompt" else e.param
+            if param and param.startswith("structured_outputs") and spec_param:
+                param = spec_param
             raise APIError(400, str(e), param=param, code=e.code) from None
 
     # ---- endpoints --------------------------------------------------------------
@@ -104,8 +122,9 @@ class OpenAIServing:
             raise APIError(400, f"logprobs must be in [0, 20], got {req.logprobs}", param="logprobs")
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo together with logprobs is not supported", param="echo")
-        prepared = self._prepare(req, prompt, req.max_tokens, "prompt",
-                                 logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0)
+        prepared = await self._prepare(req, prompt, req.max_tokens, "prompt",
+                                       logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0,
+                                       structure=requested_structure(req))
         ids = prepared.prompt_token_ids
         echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)) if req.echo else ""
         fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", self.model_name, self.tokenizer, len(ids),
@@ -116,25 +135,60 @@ class OpenAIServing:
         self._check_common(req)
         if not req.messages:
             raise APIError(400, "messages must not be empty", param="messages")
-        if req.tools:
-            raise APIError(400, "tools are not supported", param="tools")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise APIError(400, "only response_format {\"type\": \"text\"} is supported",
-                           param="response_format")
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        structure = requested_structure(req)
+        tools, choice = self._tool_choice(req)
+        calls = bool(tools) and choice != "none"  # constrained to, and parsed for, tool calls
+        if calls and structure[0] is not None:
+            raise APIError(400, f"{structure[1]} cannot be combined with tool calls (send tool_choice "
+                                '"none" to constrain the text instead)', param=structure[1])
+        if calls:
+            tag = tool_structural_tag(tools, choice, req.parallel_tool_calls)
+            structure = spec_or_400({"structural_tag": tag}, "tools"), "tools"
+        native = template_speaks_tools(self.tokenizer.chat_template)
+        messages = template_messages([self._message(m) for m in req.messages], tools, native)
+        extra = {"tools": [{"type": "function", "function": f} for f in tools]} if tools and native else {}
         try:
-            text = self.tokenizer.apply_chat_template(messages, req.add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(messages, req.add_generation_prompt, **extra)
         except Exception as e:  # templates raise on e.g. roles out of order
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
         # the template already carries BOS where the model wants one
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        prepared = self._prepare(req, ids, max_tokens, "messages", logprobs=req.logprobs,
-                                 top_logprobs=req.top_logprobs or 0)
-        fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, self.tokenizer, len(ids))
+        prepared = await self._prepare(req, ids, max_tokens, "messages", logprobs=req.logprobs,
+                                       top_logprobs=req.top_logprobs or 0, structure=structure)
+        fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, self.tokenizer, len(ids),
+                         tool_parser=ToolCallParser() if calls else None)
         return await self._respond(fmt, prepared, req, raw)
+
+    @staticmethod
+    def _tool_choice(req: ChatCompletionRequest) -> tuple[list[dict], str | dict]:
+        """(the functions, tool_choice). With "none" the tools are still in the
+        prompt, as vLLM does, but the output is neither constrained nor parsed."""
+        tools = [t.function.model_dump(exclude_none=True) for t in req.tools or []]
+        choice = req.tool_choice or ("auto" if tools else "none")
+        if choice == "none":
+            return tools, choice
+        if not tools:
+            raise APIError(400, f"tool_choice {choice!r} needs tools", param="tool_choice")
+        if not isinstance(choice, str):
+            choice = choice.model_dump()
+            if choice["function"]["name"] not in {f["name"] for f in tools}:
+                raise APIError(400, f"tool_choice names {choice['function']['name']!r}, which is not in tools",
+                               param="tool_choice")
+        return tools, choice
+
+    @staticmethod
+    def _message(m) -> dict:
+        d = {"role": m.role, "content": m.text()}
+        if m.tool_calls:
+            d["tool_calls"] = m.tool_calls
+        for key in ("tool_call_id", "name"):
+            v = getattr(m, key, None) or (m.model_extra or {}).get(key)
+            if isinstance(v, str):
+                d[key] = v
+        return d
 
     # ---- running ----------------------------------------------------------------
 

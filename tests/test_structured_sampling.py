@@ -1,0 +1,102 @@
+"""Constraint masks in the sampler: the C bitmask kernel against a torch
+reference, and every sampling mode drawing only what a constraint allows
+while the unconstrained rows of the batch draw what they would alone."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qoqserve.engine.sequence import Sequence
+from qoqserve.kernels.cpu import token_mask as cpu_token_mask
+from qoqserve.layers.sampler import Sampler
+from qoqserve.layers.token_mask import apply_token_bitmask, apply_token_bitmask_reference, bitmask_words
+from qoqserve.sampling_params import InvalidSamplingParams, SamplingParams, StructuredOutputs
+
+
+def random_bitmask(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    """Random words, with whole words of ones and of zeros mixed in (the kernel's fast cases)."""
+    g = torch.Generator().manual_seed(seed)
+    words = bitmask_words(vocab)
+    mask = torch.randint(-2**31, 2**31 - 1, (rows, words), dtype=torch.int32, generator=g)
+    kind = torch.randint(0, 3, (rows, words), generator=g)
+    mask[kind == 0] = -1
+    mask[kind == 1] = 0
+    return mask
+
+
+def allowed_of(mask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The plain meaning of a bitmask, bit by bit in Python (the reference's reference)."""
+    return torch.tensor([[bool((int(w) >> (t % 32)) & 1) for t in range(vocab) for w in [row[t // 32]]]
+                         for row in mask.tolist()])
+
+
+@pytest.mark.parametrize("vocab", [64, 1000, 49152])
+def test_bitmask_kernel_masks_exactly_the_disallowed_tokens(vocab):
+    assert cpu_token_mask.available(), "the C kernel must build here (the torch path is the fallback)"
+    logits = torch.randn(6, vocab)
+    rows = [0, 2, 3, 5]
+    mask = random_bitmask(len(rows), vocab, seed=vocab)
+    got, ref = logits.clone(), logits.clone()
+    apply_token_bitmask(got, mask, rows)
+    apply_token_bitmask_reference(ref, mask, rows)
+    assert torch.equal(got, ref)
+    # -inf exactly where a listed row's bit is 0; everything else untouched, bit for bit
+    expect = logits.clone()
+    if vocab <= 1000:
+        allowed = allowed_of(mask, vocab)
+        for j, r in enumerate(rows):
+            expect[r, ~allowed[j]] = float("-inf")
+        assert torch.equal(got, expect)
+    assert torch.equal(got[[1, 4]], logits[[1, 4]])
+    assert torch.isneginf(got[rows]).sum() > 0 and torch.isfinite(got[rows]).sum() > 0
+
+
+class FixedConstraint:
+    """A TokenConstraint allowing a fixed set of tokens."""
+
+    def __init__(self, allowed: list[int]):
+        self.allowed = allowed
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row] = 0
+        for t in self.allowed:
+            w = int(bitmask[row, t // 32]) & 0xFFFFFFFF | (1 << (t % 32))
+            bitmask[row, t // 32] = w - (1 << 32) if w >= 2**31 else w
+
+
+MODES = [dict(temperature=0), dict(temperature=0, repetition_penalty=1.3), dict(temperature=1.0, seed=1),
+         dict(temperature=0.7, top_k=3, seed=2), dict(temperature=1.2, top_p=0.5, seed=3),
+         dict(temperature=1.0, presence_penalty=1.0, frequency_penalty=0.5, seed=4),
+         dict(temperature=1e-30, seed=5), dict(temperature=0, logprobs=True, top_logprobs=3)]
+
+
+@pytest.mark.parametrize("mode", MODES, ids=[",".join(f"{k}={v}" for k, v in m.items()) for m in MODES])
+def test_every_sampling_mode_draws_only_allowed_tokens_and_free_rows_are_unchanged(mode):
+    torch.manual_seed(0)
+    vocab, allowed = 300, [5, 37, 64, 65, 299]
+    logits = torch.randn(4, vocab) * 3
+    logits[:, 7] = 50.0  # the model's favourite is disallowed
+    free = SamplingParams(temperature=1.0, seed=9)
+    batch = [Sequence(f"c{i}", [1, 7, 5], SamplingParams(**mode), constraint=FixedConstraint(allowed))
+             for i in range(2)]
+    batch.insert(1, Sequence("free", [1, 7], free))
+    batch.append(Sequence("greedy", [1], SamplingParams(temperature=0)))
+    for _ in range(5):
+        toks, lps, top = Sampler(seed=0)(logits, batch)
+        assert toks[0] in allowed and toks[2] in allowed
+        if mode.get("logprobs"):
+            assert all(t in allowed for t, _ in top[0]) and lps[0] > float("-inf")
+    alone = Sampler(seed=0)(logits[[1, 3]], [batch[1], batch[3]])[0]
+    assert [toks[1], toks[3]] == alone == [Sampler(seed=0)(logits[[1]], [batch[1]])[0][0], 7]
+
+
+def test_structured_outputs_spec_is_checked_and_normalized():
+    a = StructuredOutputs(json='{"type": "object"}')
+    assert a.key() == StructuredOutputs(json={"type": "object"}).key() and a.kind == "json"
+    assert StructuredOutputs(choice=["a", "b"]).choice == ("a", "b")
+    for bad in [dict(), dict(regex="a", choice=["b"]), dict(json="{not json"), dict(json=[1]),
+                dict(choice=[]), dict(grammar=""), dict(structural_tag="[1]")]:
+        with pytest.raises(InvalidSamplingParams):
+            StructuredOutputs(**bad)
+    with pytest.raises(InvalidSamplingParams):
+        SamplingParams(structured_outputs={"regex": "a"})
