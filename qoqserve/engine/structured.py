@@ -15,12 +15,16 @@ import re
 import threading
 from collections import OrderedDict
 
+from typing import TYPE_CHECKING
+
 import torch
-import xgrammar as xgr
 
 from qoqserve.errors import InvalidRequestError
 from qoqserve.model_loader.tokenizer import Tokenizer
 from qoqserve.sampling_params import StructuredOutputs
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 # xgrammar's errors start with "[time] /path/file.cc:line: "
 _LOCATION = re.compile(r"^\s*\[[^\]]*\]\s*\S+:\d+:\s*")
@@ -40,6 +44,8 @@ class GrammarConstraint:
     """One request's matcher: what the sampler's TokenConstraint asks of it."""
 
     def __init__(self, compiled: xgr.CompiledGrammar):
+        import xgrammar as xgr
+
         self.matcher = xgr.GrammarMatcher(compiled)
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
@@ -57,7 +63,7 @@ class GrammarConstraint:
 
 class GrammarCompiler:
     """Compiles StructuredOutputs for one tokenizer; thread-safe. The tokenizer
-    view xgrammar needs (~0.3 s for a 49k vocabulary) is built on first use,
+    view xgrammar needs (a walk over the whole vocabulary) is built on first use,
     so an engine that never sees a structured request never pays it."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int],
@@ -73,7 +79,9 @@ class GrammarCompiler:
     def _xgr(self) -> xgr.GrammarCompiler:
         with self._lock:
             if self._compiler is None:
-                # lazy: transformers is heavy, and only needed to hand xgrammar the vocabulary
+                # lazy: xgrammar and transformers (only needed to hand xgrammar the
+                # vocabulary) are slow to import: the first constrained request pays it
+                import xgrammar as xgr
                 from transformers import PreTrainedTokenizerFast
 
                 hf = PreTrainedTokenizerFast(tokenizer_object=self.tokenizer.backend)
