@@ -14,7 +14,6 @@ from __future__ import annotations
 import re
 import threading
 from collections import OrderedDict
-
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,7 +43,7 @@ class GrammarConstraint:
     """One request's matcher: what the sampler's TokenConstraint asks of it."""
 
     def __init__(self, compiled: xgr.CompiledGrammar):
-        import xgrammar as xgr
+        import xgrammar as xgr  # lazy: see GrammarCompiler._xgr
 
         self.matcher = xgr.GrammarMatcher(compiled)
 
