@@ -10,7 +10,8 @@ from qoqserve.eval import agreement, format_following, kl, retrieval
 from qoqserve.eval.filler import filler_text
 from qoqserve.eval.generate import greedy_generate
 from qoqserve.eval.perplexity import perplexity
-from qoqserve.eval.subject import model_subject
+from qoqserve.eval.subject import engine_subject, model_subject
+from qoqserve.llm import LLM
 from qoqserve.model_loader.synthetic import load_synthetic
 from qoqserve.quant.calibration import DEFAULT_CALIB_FILE
 from qoqserve.quant.config import get_preset
@@ -140,3 +141,19 @@ def test_fp_embedded_model_finds_the_pass_key_at_the_shortest_length(default_sou
     hits = [retrieval.found(fp.logits, c) for c in cases]
     print(f"FP pass-key accuracy at {cases[0].length} tokens: {sum(hits)}/{len(hits)}")
     assert all(hits)
+
+
+def test_engine_subject_scores_as_it_decodes(qoq_tiny):
+    """The runtime engine (INT8 GEMMs, KV4 pages): its logits give its own
+    perplexity numbers, and teacher-forced agreement with its own greedy
+    decoding is 1 (the equivalence the agreement metric rests on)."""
+    llm = LLM(qoq_tiny, quantized_prefill=True, num_blocks=64, enforce_eager=True)
+    subject = engine_subject("engine", llm)
+    ids = torch.randint(3, 512, (90,), generator=torch.Generator().manual_seed(5)).tolist()
+    lp = torch.log_softmax(subject.logits(ids, None), -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    torch.testing.assert_close(lp.cpu(), llm.engine.prompt_logprobs(ids), atol=1e-4, rtol=0)
+    prompts = [[11 + i, 200 - i, 37, 5 * i + 3] for i in range(4)]
+    refs = subject.generate(prompts, 8)
+    assert all(len(r) == 8 for r in refs)
+    res = agreement.greedy_agreement(subject.logits, prompts, refs, 8)
+    assert res.rate == 1.0

@@ -40,6 +40,9 @@ class QualityOptions:
     keys_per_depth: int = 2
     greedy_tokens: int = 32
     seed: int = 0
+    # False: FP is only the reference (its own pass-key and JSON rows are not
+    # measured), for splitting one table over several processes
+    fp_row: bool = True
 
 
 @dataclass
@@ -118,7 +121,8 @@ def run_quality(model: str | None, configs, engines=(), opts: QualityOptions = Q
         tasks.rows.append(row)
         if on_row:
             on_row(table)
-    add(measure(fp, tasks, opts, tok, progress))
+    if opts.fp_row:
+        add(measure(fp, tasks, opts, tok, progress))
     for cfg in configs:
         calib = load_calibration(tok, None, cfg.calib_samples, cfg.calib_seq_len)
         result = quantize_model(source, cfg, calib, progress=progress, max_positions=longest)
@@ -163,15 +167,21 @@ def register_args(p) -> None:
                         "model takes up to 8192, ~4x slower per doubling on CPU)")
     p.add_argument("--keys-per-depth", type=int, default=2,
                    help=f"pass keys per length and depth (depths {retrieval.DEFAULT_DEPTHS})")
-    p.add_argument("--window", type=int, default=512, help="perplexity / KL window (disjoint)")
+    p.add_argument("--window", type=int, default=512, help="perplexity / KL window")
+    p.add_argument("--stride", type=int, default=None,
+                   help="window step (default: = window, disjoint; window/2 scores each token "
+                        "with at least window/2 of context, as llama.cpp's perplexity does)")
     p.add_argument("--greedy-tokens", type=int, default=32, help="K of greedy agreement")
+    p.add_argument("--no-fp-row", dest="fp_row", action="store_false",
+                   help="measure FP only as the reference, not as a row of its own")
     p.add_argument("--out", default=None, help="write the markdown table here")
     p.add_argument("--json", default=None, help="write the whole table (and every JSON reply) here")
 
 
 def run_cmd(args) -> int:
-    opts = QualityOptions(window=args.window, stride=args.window, lengths=tuple(args.lengths),
-                          keys_per_depth=args.keys_per_depth, greedy_tokens=args.greedy_tokens)
+    opts = QualityOptions(window=args.window, stride=args.stride or args.window, lengths=tuple(args.lengths),
+                          keys_per_depth=args.keys_per_depth, greedy_tokens=args.greedy_tokens,
+                          fp_row=args.fp_row)
 
     def write(table):
         if args.out:
