@@ -157,3 +157,17 @@ def test_engine_subject_scores_as_it_decodes(qoq_tiny):
     assert all(len(r) == 8 for r in refs)
     res = agreement.greedy_agreement(subject.logits, prompts, refs, 8)
     assert res.rate == 1.0
+
+
+def test_table_renders_the_same_after_a_json_round_trip():
+    import json
+
+    from qoqserve.eval.quality import to_markdown
+    row = dict(ppl=21.0, ppl_delta=0.0, kl_mean=0.0, kl_p99=0.0, same_top=1.0, greedy_agreement=1.0,
+               passkey={1024: 0.9, 2048: 0.5}, json_rate=0.75)
+    table = {"options": {"lengths": [1024, 2048]},
+             "rows": [dict(row, config="FP32"),
+                      dict(row, config="g64", ppl=25.2, ppl_delta=0.2, kl_mean=0.19, quantize_seconds=264.0)]}
+    md = to_markdown(table)
+    assert md == to_markdown(json.loads(json.dumps(table)))
+    assert "| g64 | 25.200 | +20.0% | 0.1900 |" in md and "| 90% | 50% | 75% | 264 |" in md

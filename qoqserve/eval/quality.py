@@ -149,7 +149,8 @@ def to_markdown(table: dict) -> str:
         cells = [r["config"], f"{r['ppl']:.3f}", "—" if is_fp else f"{100 * r['ppl_delta']:+.1f}%",
                  "—" if is_fp else f"{r['kl_mean']:.4f}", "—" if is_fp else f"{r['kl_p99']:.3f}",
                  "—" if is_fp else f"{100 * r['same_top']:.1f}%", f"{100 * r['greedy_agreement']:.0f}%"]
-        cells += [f"{100 * r['passkey'][n]:.0f}%" for n in lengths]
+        passkey = {int(k): v for k, v in r["passkey"].items()}  # str keys once through JSON
+        cells += [f"{100 * passkey[n]:.0f}%" for n in lengths]
         cells += [f"{100 * r['json_rate']:.0f}%",
                   f"{r['quantize_seconds']:.0f}" if "quantize_seconds" in r else "—"]
         lines.append("| " + " | ".join(cells) + " |")
