@@ -163,7 +163,7 @@ def test_table_renders_the_same_after_a_json_round_trip():
     import json
 
     from qoqserve.eval.quality import to_markdown
-    row = dict(ppl=21.0, ppl_delta=0.0, kl_mean=0.0, kl_p99=0.0, same_top=1.0, greedy_agreement=1.0,
+    row = dict(ppl=21.0, ppl_delta=0.0, kl_mean=0.0, kl_p99=0.0, same_top=1.0, greedy_agreement=1.0, greedy_prefix=1.0,
                passkey={1024: 0.9, 2048: 0.5}, json_rate=0.75)
     table = {"options": {"lengths": [1024, 2048]},
              "rows": [dict(row, config="FP32"),

@@ -140,7 +140,7 @@ def run_quality(model: str | None, configs, engines=(), opts: QualityOptions = Q
 
 def to_markdown(table: dict) -> str:
     lengths = table["options"]["lengths"]
-    head = ["configuration", "PPL", "vs FP", "KL mean", "KL p99", "same top", "greedy agree"]
+    head = ["configuration", "PPL", "vs FP", "KL mean", "KL p99", "same top", "greedy agree (mean prefix)"]
     head += [f"pass key {n // 1024}k" if n % 1024 == 0 else f"pass key {n}" for n in lengths]
     head += ["JSON keys", "quantize s"]
     lines = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
@@ -148,7 +148,8 @@ def to_markdown(table: dict) -> str:
         is_fp = r["config"] == "FP32"
         cells = [r["config"], f"{r['ppl']:.3f}", "—" if is_fp else f"{100 * r['ppl_delta']:+.1f}%",
                  "—" if is_fp else f"{r['kl_mean']:.4f}", "—" if is_fp else f"{r['kl_p99']:.3f}",
-                 "—" if is_fp else f"{100 * r['same_top']:.1f}%", f"{100 * r['greedy_agreement']:.0f}%"]
+                 "—" if is_fp else f"{100 * r['same_top']:.1f}%",
+                 f"{100 * r['greedy_agreement']:.0f}% ({100 * r['greedy_prefix']:.0f}%)"]
         passkey = {int(k): v for k, v in r["passkey"].items()}  # str keys once through JSON
         cells += [f"{100 * passkey[n]:.0f}%" for n in lengths]
         cells += [f"{100 * r['json_rate']:.0f}%",
