@@ -45,19 +45,6 @@ class QualityOptions:
     fp_row: bool = True
 
 
-@dataclass
-class Tasks:
-    """Everything every subject is measured on, built once."""
-    ids: list[int]
-    chat: list[list[int]]
-    references: list[list[int]]      # FP's greedy continuations of chat
-    cases: list[retrieval.PasskeyCase]
-    fp: Subject
-    fp_ppl: float
-    fp_kl: Memo
-    rows: list[dict] = field(default_factory=list)
-
-
 class Memo:
     """A subject's logits, kept after the first call per (ids, rows): the FP
     scores of the KL text are computed once for every configuration
@@ -71,6 +58,19 @@ class Memo:
         if key not in self.seen:
             self.seen[key] = self.fn(ids, rows)
         return self.seen[key]
+
+
+@dataclass
+class Tasks:
+    """Everything every subject is measured on, built once."""
+    ids: list[int]
+    chat: list[list[int]]
+    references: list[list[int]]      # FP's greedy continuations of chat
+    cases: list[retrieval.PasskeyCase]
+    fp: Subject
+    fp_ppl: float
+    fp_kl: Memo
+    rows: list[dict] = field(default_factory=list)
 
 
 def measure(subject: Subject, tasks: Tasks, opts: QualityOptions, tokenizer, progress: bool) -> dict:
