@@ -1,10 +1,10 @@
-"""`qoqserve eval ppl`: perplexity of text files."""
+"""`qoqserve eval ppl | accuracy | quality`: perplexity of text files, the accuracy and quality tables."""
 from __future__ import annotations
 
 import json
 
 from qoqserve.cli.engine_args import add_engine_args, make_engine
-from qoqserve.eval import accuracy
+from qoqserve.eval import accuracy, quality
 
 
 def register(sub) -> None:
@@ -21,6 +21,10 @@ def register(sub) -> None:
     acc = esub.add_parser("accuracy", help="perplexity of every quantization config (docs/accuracy.md)")
     accuracy.register_args(acc)
     acc.set_defaults(func=accuracy.run_cmd)
+    qual = esub.add_parser("quality", help="perplexity, KL vs FP, greedy agreement, pass-key retrieval "
+                                           "and JSON format following of configurations (docs/quality.md)")
+    quality.register_args(qual)
+    qual.set_defaults(func=quality.run_cmd)
 
 
 def run_ppl(args) -> int:

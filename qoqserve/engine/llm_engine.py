@@ -139,9 +139,17 @@ class LLMEngine:
         """log p(token i+1 | tokens <= i) of a scored text window, for
         perplexity: through the pages and the prefill kernel on scratch pages
         when enough are free, else an uncached pass (the same numbers)."""
+        return self._on_scratch(token_ids, lambda pages: self.runner.prompt_logprobs(token_ids, pages))
+
+    def prompt_logits(self, token_ids: list[int], rows: list[int] | None = None) -> torch.Tensor:
+        """Next-token logits at rows (default: every position but the last) of
+        one scored pass, as prompt_logprobs runs it (KL divergence, retrieval)."""
+        return self._on_scratch(token_ids, lambda pages: self.runner.prompt_logits(token_ids, rows, pages))
+
+    def _on_scratch(self, token_ids: list[int], fn):
         pages = self.block_manager.take_scratch(-(-len(token_ids) // self.block_manager.block_size))
         try:
-            return self.runner.prompt_logprobs(token_ids, pages)
+            return fn(pages)
         finally:
             if pages is not None:
                 self.block_manager.release_scratch(pages)

@@ -199,3 +199,8 @@ class ModelRunner:
         """Scored pass (perplexity); pages: free pages to write K/V into, so
         attention runs the paged prefill kernel (else an uncached pass)."""
         return self.model.prompt_logprobs(token_ids, pages, self.kv_caches, self.block_size)
+
+    def prompt_logits(self, token_ids: list[int], rows: list[int] | None,
+                      pages: list[int] | None = None) -> torch.Tensor:
+        """Scored pass returning next-token logits at rows (quality metrics)."""
+        return self.model.prompt_logits(token_ids, rows, pages, self.kv_caches, self.block_size)

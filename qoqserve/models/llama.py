@@ -121,12 +121,14 @@ class LlamaForCausalLM(nn.Module):
         return self.logits_head(hidden, self.lm_head)
 
     @torch.inference_mode()
-    def prompt_logprobs(self, token_ids: list[int], pages: list[int] | None = None,
-                        kv_caches: list[torch.Tensor] | None = None, block_size: int = 0) -> torch.Tensor:
-        """log p(token i+1 | tokens <= i) for each i ([len-1], fp32, CPU): one
-        causal pass, for perplexity. With pages (ids of enough free pages of
-        kv_caches), K/V are written there and attention runs the prefill
-        kernel over them; without, an uncached pass."""
+    def prompt_logits(self, token_ids: list[int], rows: list[int] | None = None,
+                      pages: list[int] | None = None, kv_caches: list[torch.Tensor] | None = None,
+                      block_size: int = 0) -> torch.Tensor:
+        """fp32 logits of the next token after each position in rows (default:
+        all but the last) from one causal pass ([len(rows), vocab], on the
+        model's device). With pages (ids of enough free pages of kv_caches),
+        K/V are written there and attention runs the prefill kernel over them;
+        without, an uncached pass."""
         device = self.embed_tokens.device
         ids = torch.tensor(token_ids, dtype=torch.long, device=device)
         n = len(token_ids)
@@ -138,8 +140,18 @@ class LlamaForCausalLM(nn.Module):
         meta = AttentionMetadata(is_prefill=True, slot_mapping=slots, block_tables=tables,
                                  context_lens=None, query_starts=[0, n], cached_lens=[0])
         hidden = self(ids, torch.arange(n, device=device), meta, kv_caches if pages is not None else None)
-        logprobs = torch.log_softmax(self.compute_logits(hidden[:-1]), dim=-1)
-        return logprobs.gather(1, ids[1:, None])[:, 0].cpu()
+        # only the rows asked for reach the LM head: a long prompt scored at a few
+        # answer positions never holds [len, vocab] logits
+        hidden = hidden[:-1] if rows is None else hidden[torch.tensor(rows, device=device)]
+        return self.compute_logits(hidden).float()
+
+    def prompt_logprobs(self, token_ids: list[int], pages: list[int] | None = None,
+                        kv_caches: list[torch.Tensor] | None = None, block_size: int = 0) -> torch.Tensor:
+        """log p(token i+1 | tokens <= i) for each i ([len-1], fp32, CPU): one
+        causal pass, for perplexity (pages: as in prompt_logits)."""
+        logprobs = torch.log_softmax(self.prompt_logits(token_ids, None, pages, kv_caches, block_size), dim=-1)
+        targets = torch.tensor(token_ids[1:], device=logprobs.device)
+        return logprobs.gather(1, targets[:, None])[:, 0].cpu()
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (HF names) into the pre-allocated parameters."""

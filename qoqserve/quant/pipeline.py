@@ -52,15 +52,16 @@ class QuantResult:
     seconds: float = 0.0
 
 
-def build_fp_model(source, cfg: QuantConfig, device: str) -> LlamaForCausalLM:
-    """fp32 model; with KV4 every layer attends to fake-quantized K/V, prefill included."""
+def build_fp_model(source, cfg: QuantConfig, device: str, max_positions: int = 4096) -> LlamaForCausalLM:
+    """fp32 model; with KV4 every layer attends to fake-quantized K/V, prefill
+    included. max_positions: the longest sequence it will run."""
     a = dataclasses.replace(source.arch)  # rotation unties lm_head: never mutate the source's arch
     if cfg.kv_bits == 4:
         attention = AttentionBackend(Int4KVCacheLayout(a.num_kv_heads, a.head_dim, 16), quantized_prefill=True)
     else:
         attention = AttentionBackend(DenseKVCacheLayout(a.num_kv_heads, a.head_dim, 16, torch.float32))
     with torch.device(device):
-        model = LlamaForCausalLM(a, attention, torch.float32, max_positions=max(cfg.calib_seq_len, 4096),
+        model = LlamaForCausalLM(a, attention, torch.float32, max_positions=max(cfg.calib_seq_len, max_positions),
                                  key_transform=cfg.uses_key_transform)
     # an FP source has no key transform: it starts as the identity it was built as
     identity = [(f"model.layers.{i}.self_attn.key_transform.{n}", p.detach().clone())
@@ -213,10 +214,10 @@ def _round_to_storage(model, qoq: QoQConfig) -> None:
 
 
 def quantize_model(source, cfg: QuantConfig, calib: CalibrationSet, device: str = "cpu",
-                   progress: bool = True) -> QuantResult:
+                   progress: bool = True, max_positions: int = 4096) -> QuantResult:
     start = time.perf_counter()
     torch.manual_seed(cfg.seed)
-    model = build_fp_model(source, cfg, device)
+    model = build_fp_model(source, cfg, device, max_positions)
     arch = model.cfg
     steps = []
     with torch.no_grad():

@@ -1,0 +1,173 @@
+"""The quality metrics (qoqserve eval quality) on models whose answer is known:
+a model against itself, against a copy with noise on its weights, and the
+embedded FP model on the shortest pass-key task. Task data never overlaps
+the calibration text."""
+import pytest
+import torch
+from test_calibration import NGRAM, _ngrams
+
+from qoqserve.eval import agreement, format_following, kl, retrieval
+from qoqserve.eval.filler import filler_text
+from qoqserve.eval.generate import greedy_generate
+from qoqserve.eval.perplexity import perplexity
+from qoqserve.eval.subject import engine_subject, model_subject
+from qoqserve.llm import LLM
+from qoqserve.model_loader.synthetic import load_synthetic
+from qoqserve.quant.calibration import DEFAULT_CALIB_FILE
+from qoqserve.quant.config import get_preset
+from qoqserve.quant.pipeline import build_fp_model
+
+EOS = [2]
+
+
+def _noisy(model, scale: float, seed: int = 0):
+    """A copy of the model with Gaussian noise (scale x each weight's std) on every matrix."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "embed" not in name:
+                p.add_(torch.randn(p.shape, generator=g) * p.std() * scale)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A tiny random Llama as FP, a second FP copy, and two noisy copies (KV4 off)."""
+    source = load_synthetic("synthetic:tiny")
+    cfg = get_preset("rtn-kv4", kv_bits=16)
+    return {name: _noisy(build_fp_model(source, cfg, "cpu"), scale)
+            for name, scale in (("fp", 0.0), ("copy", 0.0), ("noisy", 0.05), ("noisier", 0.3))}
+
+
+@pytest.fixture(scope="module")
+def text_ids():
+    return torch.randint(3, 512, (700,), generator=torch.Generator().manual_seed(3)).tolist()
+
+
+def test_kl_of_identical_models_is_zero_and_noise_makes_it_worse(tiny, text_ids):
+    ref = tiny["fp"].prompt_logits
+    same = kl.compare(ref, tiny["copy"].prompt_logits, text_ids, 256, 256)
+    assert same.kl_mean == pytest.approx(0.0, abs=1e-6) and same.kl_p99 == pytest.approx(0.0, abs=1e-6)
+    assert same.same_top == 1.0 and same.ppl == pytest.approx(same.ref_ppl, rel=1e-6)
+    noisy = kl.compare(ref, tiny["noisy"].prompt_logits, text_ids, 256, 256)
+    noisier = kl.compare(ref, tiny["noisier"].prompt_logits, text_ids, 256, 256)
+    assert 0 < noisy.kl_mean < noisier.kl_mean and noisy.kl_p99 < noisier.kl_p99
+    assert noisier.same_top < noisy.same_top <= 1.0 and noisier.same_top < 0.95
+    assert noisy.kl_median <= noisy.kl_p99 <= noisy.kl_max
+    # the perplexities come from the windows and numbers of eval/perplexity.py
+    assert noisy.ref_ppl == pytest.approx(perplexity(tiny["fp"].prompt_logprobs, text_ids, 256, 256).ppl,
+                                          rel=1e-5)
+    assert noisy.num_tokens == len(text_ids) - 3  # one unscored token per disjoint window
+
+
+def test_kl_matches_a_direct_computation():
+    g = torch.Generator().manual_seed(0)
+    p, q = torch.randn(5, 11, generator=g), torch.randn(5, 11, generator=g)
+    want = (p.softmax(-1) * (p.log_softmax(-1) - q.log_softmax(-1))).sum(-1)
+    assert torch.allclose(kl.token_kl(p, q), want, atol=1e-6)
+
+
+def test_greedy_generate_equals_recomputing_the_whole_prefix(tiny):
+    """The cached batched decode loop gives the tokens a full recompute picks."""
+    model = tiny["noisy"]
+    prompts = [[5, 17, 99, 3, 250], [7, 8, 9], list(range(40, 70))]
+    outs = greedy_generate(model, prompts, 8, EOS)
+    for prompt, out in zip(prompts, outs):
+        ids = list(prompt)
+        for _ in range(len(out)):
+            ids.append(int(model.prompt_logits(ids, [len(ids) - 1]).argmax()))
+        assert out == ids[len(prompt):]
+
+
+def test_greedy_agreement_is_one_for_itself_and_equals_real_decoding(tiny):
+    prompts = [[11 + i, 200 - i, 37, 5 * i + 3] for i in range(6)]
+    k = 10
+    refs = greedy_generate(tiny["fp"], prompts, k, EOS)
+    same = agreement.greedy_agreement(tiny["copy"].prompt_logits, prompts, refs, k)
+    assert same.rate == 1.0 and same.mean_prefix == 1.0
+    for name in ("noisy", "noisier"):
+        # teacher-forced agreement == what the tested model's own greedy decoding shares with FP
+        own = greedy_generate(tiny[name], prompts, k, EOS)
+        res = agreement.greedy_agreement(tiny[name].prompt_logits, prompts, refs, k)
+        shared = []
+        for o, r in zip(own, refs):
+            n = 0
+            while n < min(len(o), len(r)) and o[n] == r[n]:
+                n += 1
+            shared.append(n / len(r))
+        assert res.mean_prefix == pytest.approx(sum(shared) / len(shared))
+    assert res.rate < 1.0  # the noisier copy diverges somewhere
+
+
+def test_json_replies_are_scored_by_parsing():
+    tasks = (("x", ("a", "b")),) * 5
+    replies = ['{"a": 1, "b": [2]}', 'Sure!\n```json\n{"b": "x", "a": null}\n```', '{"a": 1}',
+               '{"a": 1, "b": 2', "no json here {"]
+    res = format_following.score_replies(replies, tasks)
+    assert res.rate == pytest.approx(2 / 5) and res.parsed == pytest.approx(3 / 5)
+    assert format_following.first_json_object('x {bad} {"k": {"n": 1}}') == {"k": {"n": 1}}
+
+
+def test_task_text_never_overlaps_the_calibration_text(default_source):
+    tok = default_source.tokenizer
+    with open(DEFAULT_CALIB_FILE, encoding="utf-8") as f:
+        calib = _ngrams(tok.encode(f.read(), add_special_tokens=False), NGRAM)
+    texts = [filler_text(tok, 8192, seed) for seed in range(3)]
+    texts += [tok.decode(c.ids) for c in retrieval.build_cases(tok, (512,), (0.5,), 2)]
+    texts += [tok.decode(p) for p in agreement.chat_prompt_ids(tok)]
+    texts += [tok.decode(p) for p in format_following.prompt_ids(tok)]
+    for text in texts:
+        shared = _ngrams(tok.encode(text, add_special_tokens=False), NGRAM) & calib
+        assert not shared, [tok.decode(list(s)) for s in list(shared)[:3]]
+
+
+def test_pass_key_cases_hit_their_length_and_hide_the_key(default_source):
+    tok = default_source.tokenizer
+    cases = retrieval.build_cases(tok, (1024, 2048), (0.1, 0.9), 1)
+    for c in cases:
+        assert c.length - 32 <= len(c.ids) <= c.length
+        text = tok.decode(c.ids[:c.key_rows[0] + 1])
+        assert text.count(c.key) == 2 and text.endswith(retrieval.REPLY_PREFIX)
+        assert [tok.decode([t]) for t in c.key_ids] == list(c.key)
+    shallow, deep = tok.decode(cases[0].ids), tok.decode(cases[1].ids)
+    assert shallow.index(cases[0].key) < len(shallow) * 0.3 < len(deep) * 0.7 < deep.index(cases[1].key)
+
+
+def test_fp_embedded_model_finds_the_pass_key_at_the_shortest_length(default_source):
+    """Otherwise the task measures nothing (chance would pick all 5 digits 1e-5 of the time)."""
+    fp = model_subject("FP32", build_fp_model(default_source, get_preset("rtn-kv4", kv_bits=16), "cpu"),
+                       default_source.arch.eos_token_ids)
+    cases = retrieval.build_cases(default_source.tokenizer, (retrieval.DEFAULT_LENGTHS[0],), (0.2, 0.8), 1)
+    hits = [retrieval.found(fp.logits, c) for c in cases]
+    print(f"FP pass-key accuracy at {cases[0].length} tokens: {sum(hits)}/{len(hits)}")
+    assert all(hits)
+
+
+def test_engine_subject_scores_as_it_decodes(qoq_tiny):
+    """The runtime engine (INT8 GEMMs, KV4 pages): its logits give its own
+    perplexity numbers, and teacher-forced agreement with its own greedy
+    decoding is 1 (the equivalence the agreement metric rests on)."""
+    llm = LLM(qoq_tiny, quantized_prefill=True, num_blocks=64, enforce_eager=True)
+    subject = engine_subject("engine", llm)
+    ids = torch.randint(3, 512, (90,), generator=torch.Generator().manual_seed(5)).tolist()
+    lp = torch.log_softmax(subject.logits(ids, None), -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    torch.testing.assert_close(lp.cpu(), llm.engine.prompt_logprobs(ids), atol=1e-4, rtol=0)
+    prompts = [[11 + i, 200 - i, 37, 5 * i + 3] for i in range(4)]
+    refs = subject.generate(prompts, 8)
+    assert all(len(r) == 8 for r in refs)
+    res = agreement.greedy_agreement(subject.logits, prompts, refs, 8)
+    assert res.rate == 1.0
+
+
+def test_table_renders_the_same_after_a_json_round_trip():
+    import json
+
+    from qoqserve.eval.quality import to_markdown
+    row = dict(ppl=21.0, ppl_delta=0.0, kl_mean=0.0, kl_p99=0.0, same_top=1.0, greedy_agreement=1.0, greedy_prefix=1.0,
+               passkey={1024: 0.9, 2048: 0.5}, json_rate=0.75)
+    table = {"options": {"lengths": [1024, 2048]},
+             "rows": [dict(row, config="FP32"),
+                      dict(row, config="g64", ppl=25.2, ppl_delta=0.2, kl_mean=0.19, quantize_seconds=264.0)]}
+    md = to_markdown(table)
+    assert md == to_markdown(json.loads(json.dumps(table)))
+    assert "| g64 | 25.200 | +20.0% | 0.1900 |" in md and "| 90% | 50% | 75% | 264 |" in md
