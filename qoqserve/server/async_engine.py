@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from qoqserve.engine.llm_engine import LLMEngine, PreparedRequest
 from qoqserve.engine.output import RequestOutput
-from qoqserve.errors import QueueFullError
+from qoqserve.errors import QueueFullError, WorkerFailedError
 from qoqserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -230,6 +230,12 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except WorkerFailedError as e:
+            # a tensor-parallel rank is gone: nothing can run any more; end the
+            # streams and the loop (the server answers 503 from now on)
+            log.error("engine failed: %s", e)
+            self._abort_all(e)
+            raise
         except Exception as e:
             # the engine isolates failures of the model step itself; this is a
             # failure outside it (scheduling, bookkeeping), which no request can be
