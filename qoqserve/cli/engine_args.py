@@ -66,6 +66,13 @@ def make_engine(args: argparse.Namespace, model: str | None):
     engine (quantizing the embedded model on first use)."""
     # lazy: CLI start-up (`qoqserve --help` must not load the engine stack)
     from qoqserve.engine.llm_engine import LLMEngine
+    from qoqserve.engine.parallel_world import launched_by_torchrun, torchrun_rank
+    from qoqserve.engine.worker import run_worker
     from qoqserve.quant.default_checkpoint import resolve_model
 
-    return LLMEngine(engine_config(args, resolve_model(model)))
+    config = engine_config(args, resolve_model(model))
+    if config.parallel.tensor_parallel_size > 1 and launched_by_torchrun() and torchrun_rank() != 0:
+        # a torchrun rank > 0: it runs rank 0's steps, rank 0 does the command
+        run_worker(config, torchrun_rank())
+        raise SystemExit(0)
+    return LLMEngine(config)

@@ -15,6 +15,7 @@ at once: the ranks may be mid-step, so nothing can be trusted to continue.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import queue
 import socket
@@ -38,7 +39,6 @@ def _free_port() -> int:
 
 def _worker_config(config: EngineConfig, rank: int) -> EngineConfig:
     if config.device.startswith("cuda"):
-        import dataclasses  # lazy: only CUDA workers change their config
         return dataclasses.replace(config, device=f"cuda:{rank}")
     return config
 

@@ -50,10 +50,11 @@ def expected_tensors(arch: ModelArchConfig,
     return meta_model(arch, quant).checkpoint_schema(quant.stores_fused_linears)
 
 
-def linear_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, int]]:
-    """Each (fused) linear of the model -> (out_features, in_features)."""
+def linear_shapes(arch: ModelArchConfig, tp: TensorParallel | None = None) -> dict[str, tuple[int, int]]:
+    """Each (fused) linear of the model -> (out_features, in_features) (tp: of
+    rank tp.rank's shard)."""
     return {f"model.{name}": (m.out_features, m.in_features)
-            for name, m in meta_model(arch).named_modules() if isinstance(m, Linear)}
+            for name, m in meta_model(arch, tp=tp).named_modules() if isinstance(m, Linear)}
 
 
 def check_inventory(arch: ModelArchConfig, quant: QuantizationConfig | None,
