@@ -41,7 +41,8 @@ class LLMEngine:
             check_parallel_fit(self.arch, source.quant_config, tp)
             self.executor = TensorParallelExecutor(config)
         try:
-            self.runner = ModelRunner(config, self.arch, source.iter_tensors(), max_positions=context,
+            self.runner = ModelRunner(config, self.arch, source.iter_tensors(lazy=tp != 1),
+                                      max_positions=context,
                                       quant=source.quant_config, executor=self.executor,
                                       world=self.executor.world if self.executor else None)
         except Exception:

@@ -93,7 +93,9 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, arch: ModelArchConfig, tensors, max_positions: int,
                  quant: QuantizationConfig | None = None, world: ParallelWorld | None = None,
                  executor=None):
-        """quant: the checkpoint's scheme (ModelSource.quant_config; None: full precision).
+        """tensors: (name, tensor) pairs of the checkpoint (LazyTensors let a
+        tensor-parallel rank read only its slices).
+        quant: the checkpoint's scheme (ModelSource.quant_config; None: full precision).
         world: this rank of a tensor-parallel engine (None: one process);
         executor: on rank 0 of one, what broadcasts each step to the others."""
         self.config = config

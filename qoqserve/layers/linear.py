@@ -89,11 +89,16 @@ class LinearShard:
     add_bias: bool = True  # row parallel: one rank adds the bias to the sum
 
 
+def materialize(t) -> torch.Tensor:
+    """A checkpoint tensor's values: t itself, or a lazily read one's (model_loader/lazy.py)."""
+    return t if isinstance(t, torch.Tensor) else t.materialize()
+
+
 def _copy(dst: torch.Tensor, loaded) -> None:
     if tuple(dst.shape) != tuple(loaded.shape):
         raise ValueError(f"shape mismatch: parameter slice {tuple(dst.shape)}, "
                          f"checkpoint tensor {tuple(loaded.shape)}")
-    dst.copy_(loaded if isinstance(loaded, torch.Tensor) else loaded.materialize())
+    dst.copy_(materialize(loaded))
 
 
 class UnquantizedLinearMethod(LinearMethod):

@@ -19,6 +19,7 @@ from qoqserve.layers.linear import (
     LinearMethod,
     LinearShard,
     UnquantizedLinearMethod,
+    materialize,
 )
 from qoqserve.layers.logits import LogitsHead
 from qoqserve.layers.norm import RMSNorm
@@ -186,7 +187,7 @@ class LlamaForCausalLM(nn.Module):
                     elif tuple(param.shape) != tuple(tensor.shape):
                         raise ValueError(f"shape {tuple(tensor.shape)} != expected {tuple(param.shape)}")
                     else:
-                        param.copy_(tensor)
+                        param.copy_(materialize(tensor))
                 except ValueError as e:
                     raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
             seen.add(f"{target}#{shard}")
