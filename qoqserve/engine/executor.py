@@ -21,6 +21,7 @@ import queue
 import socket
 import time
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from qoqserve.config import EngineConfig
@@ -51,6 +52,9 @@ class TensorParallelExecutor:
         self.failed: str | None = None
         self._early_errors: list[str] = []
         timeout = config.parallel.distributed_timeout_s
+        if dist.is_initialized():
+            raise RuntimeError("this process already runs a tensor-parallel engine: one per process "
+                               "(shut the other down first)")
         if launched_by_torchrun():
             self.world = join_world(0, size, config.device, timeout)
         else:

@@ -59,6 +59,9 @@ def join_world(rank: int, size: int, device: str, timeout_s: float,
                init_method: str | None = None) -> ParallelWorld:
     """Join (or with rank 0, form) the world of `size` ranks; init_method None:
     env:// (torchrun sets MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)."""
+    if dist.is_initialized():  # torch.distributed has one default group per process
+        raise RuntimeError("this process already runs a tensor-parallel engine: one per process "
+                           "(shut the other down first)")
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
