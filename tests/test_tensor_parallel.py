@@ -20,8 +20,11 @@ import pytest
 import torch
 from conftest import in_process_server
 
+from qoqserve.bench.memory import plan_memory
+from qoqserve.bench.precisions import get_precision
 from qoqserve.errors import ModelLoadError, WorkerFailedError
 from qoqserve.llm import LLM
+from qoqserve.model_loader import load_model_source
 from qoqserve.sampling_params import SamplingParams
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42], [300, 301, 302, 303, 304]]
@@ -67,9 +70,22 @@ def tiny_split() -> LLM:
     return LLM(TINY, dtype="float32", tensor_parallel_size=2, **SMALL)
 
 
+def plan_matches(split: LLM, precision: str, full: bool) -> None:
+    """`bench memory -tp` says what each rank holds (rank 0 measured)."""
+    plan = plan_memory(split.engine.arch, get_precision(precision), "cpu", seq_len=100, budget_bytes=2**20,
+                       group_size=getattr(split.engine.quant_config, "group_size", 128),
+                       max_positions=split.engine.max_model_len, tp=2)
+    stats = split.engine.stats()
+    assert plan.linear_weight_bytes == stats["linear_weight_bytes"]
+    assert plan.kv_bytes_per_token == stats["kv_bytes_per_token"]
+    if full:  # same activation dtype: embeddings, norms, RoPE tables too
+        assert plan.weight_bytes == stats["weight_bytes"]
+
+
 def test_two_ranks_match_one_fp32(tiny_ref):
     with tiny_split() as split:
         compare(tiny_ref, split, 1e-4)
+        plan_matches(split, "fp32", full=True)
         with pytest.raises(RuntimeError, match="one per process"):
             tiny_split()
 
@@ -83,6 +99,8 @@ def test_two_ranks_match_one_quantized(fmt, request):
     ref = LLM(model, **SMALL, **kw)
     with LLM(model, tensor_parallel_size=2, **SMALL, **kw) as split:
         compare(ref, split, 0.05)
+        if fmt == "w4a8kv4":
+            plan_matches(split, "w4a8kv4", full=False)
 
 
 def test_embedded_model_on_three_ranks_matches_one(reference_llm, default_gguf_path):
@@ -106,6 +124,15 @@ def test_groups_that_straddle_a_shard_boundary_are_refused():
     # g128 over o_proj's 128 inputs: 2 ranks would each get half a group
     with pytest.raises(ModelLoadError, match="quantization group"):
         LLM("synthetic:tiny:qoq-g128", tensor_parallel_size=2, **SMALL)
+
+
+def test_bench_memory_plans_a_70b_model_per_rank():
+    arch = load_model_source("synthetic:llama-3-70b").arch  # 64 query heads, 8 KV heads
+    one, eight = (plan_memory(arch, get_precision("w4a8kv4"), "cuda", seq_len=1536,
+                              memory_bytes=141 * 2**30, tp=tp) for tp in (1, 8))
+    assert eight.kv_bytes_per_token * 8 == one.kv_bytes_per_token  # one KV head per rank
+    assert abs(eight.linear_weight_bytes * 8 - one.linear_weight_bytes) < 0.001 * one.linear_weight_bytes
+    assert eight.max_concurrent_seqs > 8 * one.max_concurrent_seqs  # the weights left room too
 
 
 def test_two_torchrun_nodes_serve_the_openai_api(tiny_ref):

@@ -96,7 +96,7 @@ class AsyncEngine:
         self.stats: dict = engine.stats()  # snapshot, refreshed by the engine thread
         self._done = threading.Event()
         self._loop_started = False
-        self._thread = threading.Thread(target=self.run_loop, name="qoqserve-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run_thread, name="qoqserve-engine", daemon=True)
         if own_thread:
             self._thread.start()
 
@@ -186,6 +186,12 @@ class AsyncEngine:
             self._loop()
         finally:
             self._done.set()
+
+    def _run_thread(self) -> None:
+        try:
+            self.run_loop()
+        except WorkerFailedError:
+            pass  # logged by _step; the loop has ended, so requests get 503s
 
     def _loop(self) -> None:
         while True:
