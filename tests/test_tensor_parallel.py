@@ -181,6 +181,18 @@ def test_a_killed_worker_mid_request_fails_the_engine_and_the_server_answers_503
         killed_mid_request(llm)
 
 
+def test_a_stuck_worker_fails_the_engine_at_the_collective_timeout():
+    with LLM(TINY, dtype="float32", tensor_parallel_size=2, distributed_timeout_s=3, **SMALL) as llm:
+        (pid,) = llm.engine.executor.pids
+        os.kill(pid, signal.SIGSTOP)  # alive, never answering
+        start = time.monotonic()
+        with pytest.raises(WorkerFailedError, match="tensor-parallel engine failed"):
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))
+        assert time.monotonic() - start < 60  # the 3 s timeout, not a hang
+        with pytest.raises(WorkerFailedError):  # and from then on at once
+            llm.generate([[5, 6]], SamplingParams(max_tokens=2))
+
+
 def killed_mid_request(llm: LLM) -> None:
     (pid,) = llm.engine.executor.pids
     body = {"prompt": "t5 t6 t7", "max_tokens": 100, "temperature": 0, "ignore_eos": True}

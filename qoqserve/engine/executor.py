@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from qoqserve.config import EngineConfig
-from qoqserve.engine.parallel_world import join_world, launched_by_torchrun
+from qoqserve.engine.parallel_world import START_TIMEOUT_S, join_world, launched_by_torchrun
 from qoqserve.engine.worker import run_worker
 from qoqserve.errors import WorkerFailedError
 
@@ -67,7 +67,7 @@ class TensorParallelExecutor:
                 p.start()
                 self.procs.append(p)
             try:
-                self._wait_started(timeout)
+                self._wait_started(START_TIMEOUT_S)
                 self.world = join_world(0, size, config.device, timeout, init)
             except Exception as e:
                 self._kill()

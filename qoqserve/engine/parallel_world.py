@@ -1,11 +1,12 @@
-"""The process group of a tensor-parallel engine (torch.distributed).
+"""The process groups of a tensor-parallel engine (torch.distributed).
 
-Two groups over the same ranks: the default one (NCCL on CUDA, gloo on CPU)
-carries the all-reduces inside a step, with the short `timeout_s` so a dead
-or stuck rank turns into an error instead of a hang; a gloo group carries
-rank 0's step broadcasts, with a long timeout, because workers wait on it
-while the engine is idle. A rank that dies closes its sockets, so the others
-see an error at their next collective well before either timeout.
+Over the same ranks: the step group (NCCL on CUDA, gloo on CPU) carries the
+all-reduces inside a step, with the short `timeout_s`, so a dead or stuck
+rank turns into an error instead of a hang; a gloo group carries rank 0's
+step broadcasts, with the short timeout on rank 0 and a long one on the
+workers, which wait on it while the engine is idle. The default group only forms the world (ranks may take
+minutes to load their shards). A rank that dies closes its sockets, so the
+others see an error at their next collective well before any timeout.
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from qoqserve.layers.parallel import TensorParallel
 
 # workers sit in the control broadcast between requests: an idle server is not a failure
 _IDLE_TIMEOUT = datetime.timedelta(days=7)
+# how long the ranks of a world may take to show up (torchrun: other nodes starting)
+START_TIMEOUT_S = 600.0
 
 
 @dataclass
@@ -65,11 +68,15 @@ def join_world(rank: int, size: int, device: str, timeout_s: float,
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method or "env://",
-                            rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    backend = "nccl" if cuda else "gloo"
+    dist.init_process_group(backend, init_method=init_method or "env://", rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=max(timeout_s, START_TIMEOUT_S)))
     if dist.get_world_size() != size:
         raise ValueError(f"the torchrun world has {dist.get_world_size()} ranks, but "
                          f"--tensor-parallel-size is {size}")
-    control = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
-    return ParallelWorld(rank, size, TensorParallel(rank, size), control)
+    step = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    # the timeout is each rank's own: rank 0 must not wait long on a worker that
+    # stopped answering, a worker may wait as long as the server stays idle
+    control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)
+                             if rank == 0 else _IDLE_TIMEOUT)
+    return ParallelWorld(rank, size, TensorParallel(rank, size, step), control)
