@@ -116,6 +116,8 @@ class TensorParallelExecutor:
         """The error that ends the engine, naming what is known of the cause;
         the surviving workers are stopped (they may sit in a collective)."""
         if self.failed is None:
+            for p in self.procs:  # a rank killed a moment ago may not be reaped yet: say which
+                p.join(1.0)
             why = [f"rank {i + 1} (pid {p.pid}) exited with code {p.exitcode}"
                    for i, p in enumerate(self.procs) if not p.is_alive()]
             why += self._early_errors + self._reported()
