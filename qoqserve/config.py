@@ -75,6 +75,16 @@ class SchedulerConfig:
 
 
 @dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = opt(1, "split every layer over N ranks (tensor parallelism, "
+                                       "docs/parallel.md): N-1 worker processes are started here, "
+                                       "or under torchrun every rank is one of its processes",
+                                    short=("-tp",))
+    distributed_timeout_s: float = opt(120.0, "a collective of a step that takes longer (a stuck "
+                                              "rank) fails the engine instead of hanging it")
+
+
+@dataclass
 class EngineConfig:
     model: str | None = opt(None, "HF checkpoint dir or .gguf file (default: embedded "
                                   "SmolLM2-135M-Instruct)")
@@ -109,6 +119,7 @@ class EngineConfig:
     seed: int = opt(0, "seed of the sampler for requests without their own")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def capture_size_list(self) -> list[int] | None:
         """The decode batch sizes to capture (None: the default set)."""
@@ -133,7 +144,9 @@ class EngineConfig:
         """From flat keyword arguments, as LLM(...) takes them (vLLM's style)."""
         cache = {k: kwargs.pop(k) for k in list(kwargs) if k in CacheConfig.__dataclass_fields__}
         sched = {k: kwargs.pop(k) for k in list(kwargs) if k in SchedulerConfig.__dataclass_fields__}
+        par = {k: kwargs.pop(k) for k in list(kwargs) if k in ParallelConfig.__dataclass_fields__}
         unknown = set(kwargs) - set(cls.__dataclass_fields__)
         if unknown:
             raise TypeError(f"unknown engine options: {sorted(unknown)}")
-        return cls(model=model, cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched), **kwargs)
+        return cls(model=model, cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched),
+                   parallel=ParallelConfig(**par), **kwargs)

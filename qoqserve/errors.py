@@ -31,3 +31,9 @@ class QueueFullError(RuntimeError):
     def __init__(self, message: str, retry_after_s: int = 1):
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class WorkerFailedError(RuntimeError):
+    """A tensor-parallel rank died, or a collective of a step failed or timed
+    out: the ranks no longer agree on what they computed, so the engine stops
+    (every later call fails at once; the server answers 503)."""

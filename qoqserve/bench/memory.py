@@ -5,9 +5,15 @@ linear method (the tests check them against what the engine really holds);
 KV bytes per token come from the KV layout classes themselves. Under a total
 memory budget, the KV pool is what the weights and a reserve leave, and the
 concurrent-sequence count follows from the pages one sequence needs.
+
+With tensor parallelism (`-tp N`) every number is per rank: each rank holds
+its slice of every linear and the KV pages of its own KV heads, and the
+embeddings, norms and LM head whole (docs/parallel.md); the budget is one
+device's.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass
 
@@ -16,6 +22,7 @@ import torch
 from qoqserve.bench.precisions import Precision
 from qoqserve.config import CacheConfig, EngineConfig, parse_dtype
 from qoqserve.engine.backends import kernel_choice, kv_layout
+from qoqserve.layers.parallel import TensorParallel
 from qoqserve.model_loader.schema import linear_shapes
 from qoqserve.models.arch import ModelArchConfig
 
@@ -31,6 +38,7 @@ class MemoryPlan:
     block_size: int
     seq_len: int
     max_concurrent_seqs: int
+    tensor_parallel_size: int = 1
 
 
 def linear_bytes(n: int, k: int, weights: str, group_size: int, storage: str, elem: int) -> int:
@@ -73,16 +81,19 @@ def linear_storage(device: str) -> str:
 def plan_memory(arch: ModelArchConfig, p: Precision, device: str, seq_len: int,
                 budget_bytes: int | None = None, memory_bytes: int | None = None,
                 reserve_bytes: int = 0, group_size: int = 128, block_size: int = 16,
-                max_positions: int | None = None) -> MemoryPlan:
+                max_positions: int | None = None, tp: int = 1) -> MemoryPlan:
 
     dtype = parse_dtype(p.dtype, device)
     elem = torch.empty((), dtype=dtype).element_size()
     storage = linear_storage(device)
+    rank = TensorParallel(0, tp)
     lin = sum(linear_bytes(n, k, p.weights, group_size, storage, elem)
-              for n, k in linear_shapes(arch).values())
+              for n, k in linear_shapes(arch, rank).values())
+    local = dataclasses.replace(arch, num_heads=arch.num_heads // tp,
+                                num_kv_heads=rank.kv_heads(arch.num_kv_heads, arch.num_heads)[1])
     if arch.attention_bias:  # the fused kernel keeps its own fp32 copy instead
         bias_elem = 4 if storage in ("vnni", "w4vnni") and p.weights != "fp" else elem
-        lin += arch.num_layers * (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim * bias_elem
+        lin += arch.num_layers * (local.num_heads + 2 * local.num_kv_heads) * arch.head_dim * bias_elem
     embed = arch.vocab_size * arch.hidden_size * elem * (1 if arch.tie_word_embeddings else 2)
     norms = (2 * arch.num_layers + 1) * arch.hidden_size * elem
     # the fp32 RoPE cos/sin tables of every position the engine allows
@@ -90,7 +101,7 @@ def plan_memory(arch: ModelArchConfig, p: Precision, device: str, seq_len: int,
     weights = lin + embed + norms + rope
     kv_kind = {"16bit": "float16" if device.startswith("cuda") else "bfloat16", "auto": "auto"}.get(p.kv, p.kv)
     kv_format = "int4" if (p.weights == "qoq" and kv_kind == "auto") else None
-    layout = kv_layout(arch, CacheConfig(block_size=block_size, kv_cache_dtype=kv_kind), dtype,
+    layout = kv_layout(local, CacheConfig(block_size=block_size, kv_cache_dtype=kv_kind), dtype,
                        device, kv_format)
     per_token = layout.bytes_per_token() * arch.num_layers
     if budget_bytes is None:
@@ -99,7 +110,7 @@ def plan_memory(arch: ModelArchConfig, p: Precision, device: str, seq_len: int,
         budget_bytes = max(memory_bytes - weights - reserve_bytes, 0)
     pages = budget_bytes // (per_token * block_size)
     return MemoryPlan(p.name, weights, lin, per_token, budget_bytes, pages, block_size, seq_len,
-                      pages // math.ceil(seq_len / block_size))
+                      pages // math.ceil(seq_len / block_size), tp)
 
 
 def as_dicts(plans) -> list[dict]:
@@ -107,9 +118,12 @@ def as_dicts(plans) -> list[dict]:
 
 
 def format_plans(plans: list[MemoryPlan]) -> str:
-    lines = ["| precision | weights GiB | KV bytes/token | KV budget GiB | pages | max seqs |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    per_rank = any(x.tensor_parallel_size > 1 for x in plans)
+    head = " (per rank)" if per_rank else ""
+    lines = [f"| precision | tp | weights GiB{head} | KV bytes/token{head} | KV budget GiB{head} | pages | "
+             "max seqs |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for x in plans:
-        lines.append(f"| {x.precision} | {x.weight_bytes / 2**30:.3f} | {x.kv_bytes_per_token} | "
-                     f"{x.kv_budget_bytes / 2**30:.2f} | {x.num_pages} | {x.max_concurrent_seqs} |")
+        lines.append(f"| {x.precision} | {x.tensor_parallel_size} | {x.weight_bytes / 2**30:.3f} | "
+                     f"{x.kv_bytes_per_token} | {x.kv_budget_bytes / 2**30:.2f} | {x.num_pages} | "
+                     f"{x.max_concurrent_seqs} |")
     return "\n".join(lines)

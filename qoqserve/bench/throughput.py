@@ -44,7 +44,9 @@ def _release(device: str) -> None:
 
 def bench_throughput(model: str | None, precisions: list[str], input_len: int = 1024,
                      output_len: int = 512, device: str = "cpu", memory_gb: float | None = None,
-                     reserve_gb: float = 0.0, max_batch: int = 256, seed: int = 0) -> list[ThroughputResult]:
+                     reserve_gb: float = 0.0, max_batch: int = 256, seed: int = 0,
+                     tp: int = 1) -> list[ThroughputResult]:
+    """tp: tensor-parallel ranks; memory_gb is then one rank's budget."""
 
     if memory_gb is None:
         if not device.startswith("cuda"):
@@ -59,7 +61,7 @@ def bench_throughput(model: str | None, precisions: list[str], input_len: int = 
         group = getattr(source.quant_config, "group_size", 128)
         plan = plan_memory(source.arch, p, device, seq_len, memory_bytes=int(memory_gb * 2**30),
                            reserve_bytes=int(reserve_gb * 2**30), group_size=group,
-                           max_positions=seq_len)
+                           max_positions=seq_len, tp=tp)
         batch = min(plan.max_concurrent_seqs, max_batch)
         if batch < 1:
             results.append(ThroughputResult(name, source.name, 0, input_len, output_len, 0.0, 0.0,
@@ -68,7 +70,7 @@ def bench_throughput(model: str | None, precisions: list[str], input_len: int = 
             print(f"{name:<14} does not fit in {memory_gb:.1f} GiB", flush=True)
             continue
         llm = LLM(path, kv_cache_gb=plan.kv_budget_bytes / 2**30, max_num_seqs=batch,
-                  max_model_len=seq_len, seed=seed, **engine_kwargs(p, device))
+                  max_model_len=seq_len, seed=seed, tensor_parallel_size=tp, **engine_kwargs(p, device))
         vocab = llm.engine.arch.vocab_size
         params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
         llm.generate(make_prompts(2, input_len, vocab, seed=seed + 999),
@@ -88,6 +90,7 @@ def bench_throughput(model: str | None, precisions: list[str], input_len: int = 
         results.append(r)
         print(f"{name:<14} batch {batch:>4}: {r.output_tok_per_s:9.1f} output tok/s  ({seconds:.1f}s; "
               f"weights {r.weight_bytes / 2**30:.2f} GiB, KV {r.kv_bytes_per_token} B/token)", flush=True)
+        llm.shutdown()
         del llm, outs
         _release(device)
     return results

@@ -70,6 +70,8 @@ def register(sub) -> None:
                      help="budget for weights + KV (default on CUDA: 90%% of the device)")
     thr.add_argument("--reserve-gb", type=float, default=0.0, help="kept for activations")
     thr.add_argument("--max-batch", type=int, default=256)
+    thr.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, dest="tp",
+                     help="ranks the model is split over (budget and sizes per rank)")
     thr.add_argument("--json-out", default=None)
     thr.set_defaults(func=run_throughput_cmd)
 
@@ -82,6 +84,8 @@ def register(sub) -> None:
     mem.add_argument("--reserve-gb", type=float, default=0.0)
     mem.add_argument("--seq-len", type=int, default=1536, help="tokens per sequence (input + output)")
     mem.add_argument("--group-size", type=int, default=128)
+    mem.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, dest="tp",
+                     help="ranks the model is split over: weights, KV and budget per rank")
     mem.add_argument("--json-out", default=None)
     mem.set_defaults(func=run_memory_cmd)
 
@@ -161,7 +165,7 @@ def run_throughput_cmd(args) -> int:
     print(f"# {args.device}, torch {torch.__version__}; input {args.input_len}, output "
           f"{args.output_len}, memory {args.memory_gb} GiB, EOS ignored")
     results = bench_throughput(args.model, args.precisions, args.input_len, args.output_len,
-                               args.device, args.memory_gb, args.reserve_gb, args.max_batch)
+                               args.device, args.memory_gb, args.reserve_gb, args.max_batch, tp=args.tp)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"device": args.device, "torch": torch.__version__, "results": as_dicts(results)},
@@ -187,7 +191,7 @@ def run_memory_cmd(args) -> int:
         arch = load_model_source(model_for(get_precision("fp16"), args.model)).arch
         plans.append(plan_memory(arch, p, args.device, args.seq_len, budget_bytes=gb(args.kv_budget_gb),
                                  memory_bytes=gb(args.memory_gb), reserve_bytes=gb(args.reserve_gb),
-                                 group_size=args.group_size))
+                                 group_size=args.group_size, tp=args.tp))
     print(format_plans(plans))
     if args.json_out:
         with open(args.json_out, "w") as f:

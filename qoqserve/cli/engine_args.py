@@ -8,10 +8,10 @@ import dataclasses
 import types
 import typing
 
-from qoqserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from qoqserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 
-_GROUPS = (EngineConfig, CacheConfig, SchedulerConfig)
-_NESTED = {"cache": CacheConfig, "scheduler": SchedulerConfig}
+_GROUPS = (EngineConfig, CacheConfig, SchedulerConfig, ParallelConfig)
+_NESTED = {"cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
 
 
 def _scalar_type(hint):
@@ -45,7 +45,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_flag: bool = True) -> None
             for alias in f.metadata.get("aliases", ()):  # older spellings of --no-FLAG
                 g.add_argument(alias, action="store_false", dest=f.name, help=argparse.SUPPRESS)
         else:
-            g.add_argument(flag, type=kind, choices=f.metadata.get("choices"), **kw)
+            g.add_argument(flag, *f.metadata.get("short", ()), type=kind,
+                           choices=f.metadata.get("choices"), **kw)
 
 
 def engine_config(args: argparse.Namespace, model: str | None) -> EngineConfig:
@@ -56,7 +57,8 @@ def engine_config(args: argparse.Namespace, model: str | None) -> EngineConfig:
     top = pick(EngineConfig)
     top["model"] = model
     return EngineConfig(**top, cache=CacheConfig(**pick(CacheConfig)),
-                        scheduler=SchedulerConfig(**pick(SchedulerConfig)))
+                        scheduler=SchedulerConfig(**pick(SchedulerConfig)),
+                        parallel=ParallelConfig(**pick(ParallelConfig)))
 
 
 def make_engine(args: argparse.Namespace, model: str | None):
@@ -64,6 +66,13 @@ def make_engine(args: argparse.Namespace, model: str | None):
     engine (quantizing the embedded model on first use)."""
     # lazy: CLI start-up (`qoqserve --help` must not load the engine stack)
     from qoqserve.engine.llm_engine import LLMEngine
+    from qoqserve.engine.parallel_world import launched_by_torchrun, torchrun_rank
+    from qoqserve.engine.worker import run_worker
     from qoqserve.quant.default_checkpoint import resolve_model
 
-    return LLMEngine(engine_config(args, resolve_model(model)))
+    config = engine_config(args, resolve_model(model))
+    if config.parallel.tensor_parallel_size > 1 and launched_by_torchrun() and torchrun_rank() != 0:
+        # a torchrun rank > 0: it runs rank 0's steps, rank 0 does the command
+        run_worker(config, torchrun_rank())
+        raise SystemExit(0)
+    return LLMEngine(config)

@@ -25,6 +25,7 @@ import logging
 from dataclasses import dataclass, field
 
 from qoqserve.engine.scheduler import ScheduledBatch
+from qoqserve.errors import WorkerFailedError
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,8 @@ class StepIsolation:
     def run(self, batch: ScheduledBatch) -> StepOutcome:
         try:
             return StepOutcome(batch, *self.runner.run(batch))
+        except WorkerFailedError:
+            raise  # the ranks disagree now: re-running anything could only hang or lie
         except Exception as e:
             self.runner.rollback()
             log.warning("step of %d requests failed (%s: %s); isolating the cause",
@@ -58,6 +61,8 @@ class StepIsolation:
         """Run a sub-batch; on success record its samples, else return the error."""
         try:
             tokens, logprobs, top = self.runner.run(batch)
+        except WorkerFailedError:
+            raise
         except Exception as e:
             self.runner.rollback()
             return e

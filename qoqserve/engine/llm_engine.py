@@ -8,14 +8,16 @@ import torch
 from qoqserve.config import EngineConfig
 from qoqserve.engine.admission import Admission, PreparedRequest
 from qoqserve.engine.block_manager import BlockManager
+from qoqserve.engine.executor import TensorParallelExecutor
 from qoqserve.engine.isolation import StepIsolation
-from qoqserve.engine.model_runner import ModelRunner
+from qoqserve.engine.model_runner import ModelRunner, context_len
 from qoqserve.engine.output import OutputTracker, RequestOutput
 from qoqserve.engine.scheduler import Scheduler
 from qoqserve.engine.sequence import Sequence
 from qoqserve.engine.structured import GrammarCompiler, GrammarConstraint
 from qoqserve.errors import InvalidRequestError
 from qoqserve.model_loader import load_model_source
+from qoqserve.model_loader.schema import check_parallel_fit
 from qoqserve.sampling_params import SamplingParams
 
 __all__ = ["InvalidRequestError", "LLMEngine", "PreparedRequest"]
@@ -30,10 +32,23 @@ class LLMEngine:
         self.model_name = source.name
         self.tokenizer = source.tokenizer
         self.arch = source.arch
-        context = config.scheduler.max_model_len or self.arch.max_position_embeddings
+        context = context_len(config, self.arch)
         self.quant_config = source.quant_config
-        self.runner = ModelRunner(config, self.arch, source.iter_tensors(), max_positions=context,
-                                  quant=source.quant_config)
+        self.executor = None
+        tp = config.parallel.tensor_parallel_size
+        if tp != 1:
+            # every rank's shapes are rank 0's: a size that cannot split this
+            # model fails here, before any worker starts
+            check_parallel_fit(self.arch, source.quant_config, tp)
+            self.executor = TensorParallelExecutor(config)
+        try:
+            self.runner = ModelRunner(config, self.arch, source.iter_tensors(lazy=tp != 1),
+                                      max_positions=context,
+                                      quant=source.quant_config, executor=self.executor,
+                                      world=self.executor.world if self.executor else None)
+        except Exception:
+            self.shutdown()
+            raise
         bs = config.cache.block_size
         # A sequence alone must always fit in the pool, or preemption could not make progress.
         self.max_model_len = min(context, self.runner.num_blocks * bs)
@@ -123,6 +138,11 @@ class LLMEngine:
                 del self.trackers[seq.request_id]
             outputs.append(tracker.make_output())
         return outputs
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent)."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     def _fail(self, request_id: str, error: BaseException) -> RequestOutput:
         """End a request because a step failed on it; its pages are freed, and

@@ -1,23 +1,26 @@
 """Owns the model and the KV page pool; turns scheduled sequences into tensors."""
 from __future__ import annotations
 
+import dataclasses
 import logging
+from dataclasses import dataclass
 
 import torch
 
 from qoqserve.config import CacheConfig, EngineConfig
 from qoqserve.engine.backends import select_backends
 from qoqserve.engine.captured_step import CapturedDecode, default_capture_sizes
+from qoqserve.engine.parallel_world import ParallelWorld
 from qoqserve.engine.scheduler import ScheduledBatch
-from qoqserve.engine.sequence import Sequence
 from qoqserve.engine.staging import HostStaging
 from qoqserve.layers.attention import AttentionMetadata
 from qoqserve.layers.kv_cache import KVCacheLayout
 from qoqserve.layers.linear import Linear
+from qoqserve.layers.parallel import SINGLE
 from qoqserve.layers.quantization import QuantizationConfig, UnquantizedConfig
 from qoqserve.layers.sampler import Sampler
 from qoqserve.models.arch import ModelArchConfig
-from qoqserve.models.llama import LlamaForCausalLM
+from qoqserve.models.llama import LlamaForCausalLM, next_token_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -66,15 +69,45 @@ def resident_bytes(module: torch.nn.Module) -> int:
     return total
 
 
+def context_len(config: EngineConfig, arch: ModelArchConfig) -> int:
+    """The positions a model must handle: the context window asked for, or the model's."""
+    return config.scheduler.max_model_len or arch.max_position_embeddings
+
+
+@dataclass
+class StepInputs:
+    """A step's model inputs as plain lists: what rank 0 broadcasts to the
+    tensor-parallel workers (engine/executor.py), and what every rank turns
+    into tensors."""
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    block_tables: list[list[int]]   # decodes first, then the prefill chunks
+    context_lens: list[int]         # of the decodes
+    query_starts: list[int] | None  # prefill chunks (cumulative, from the first prefill token)
+    cached_lens: list[int] | None
+    rows: list[int]                 # the rows whose logits are sampled
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, arch: ModelArchConfig, tensors, max_positions: int,
-                 quant: QuantizationConfig | None = None):
-        """quant: the checkpoint's scheme (ModelSource.quant_config; None: full precision)."""
+                 quant: QuantizationConfig | None = None, world: ParallelWorld | None = None,
+                 executor=None):
+        """tensors: (name, tensor) pairs of the checkpoint (LazyTensors let a
+        tensor-parallel rank read only its slices).
+        quant: the checkpoint's scheme (ModelSource.quant_config; None: full precision).
+        world: this rank of a tensor-parallel engine (None: one process);
+        executor: on rank 0 of one, what broadcasts each step to the others."""
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         self.block_size = config.cache.block_size
-        self.backends = select_backends(config, arch, quant or UnquantizedConfig())
+        self.world, self.executor = world, executor
+        tp = world.tp if world is not None else SINGLE
+        # this rank's pages hold only the KV heads it computes
+        _, local_kv = tp.kv_heads(arch.num_kv_heads, arch.num_heads)
+        self.backends = select_backends(config, dataclasses.replace(arch, num_kv_heads=local_kv),
+                                        quant or UnquantizedConfig())
         self.attention = self.backends.attention
         self.layout = self.attention.layout
         with torch.device(self.device):
@@ -83,10 +116,12 @@ class ModelRunner:
                                           max_positions=max_positions,
                                           key_transform=self.backends.quant.key_transform,
                                           logits_head=self.backends.logits_head,
-                                          token_ops=self.backends.token_ops)
+                                          token_ops=self.backends.token_ops, tp=tp)
         self.model.load_weights(tensors)
         self.model.eval()
         self.num_blocks = num_blocks_for_budget(config.cache, self.layout, arch.num_layers, self.device)
+        if world is not None:  # one block manager for all: the pool every rank can hold
+            self.num_blocks = world.min_int(self.num_blocks)
         # one page more than the block manager hands out: padding rows of a
         # captured step write their K/V there
         self.kv_caches = [self.layout.allocate(self.num_blocks + 1, self.device)
@@ -95,7 +130,8 @@ class ModelRunner:
         self.staging = HostStaging(self.device)
         self._log_load()
         self.captured: CapturedDecode | None = None
-        if self.device.type == "cpu" and not config.enforce_eager:
+        # a captured step replays C kernels only; the all-reduces are not among them
+        if self.device.type == "cpu" and not config.enforce_eager and world is None:
             sizes = config.capture_size_list() or default_capture_sizes(config.scheduler.max_num_seqs)
             width = -(-max_positions // self.block_size)
             self.captured = CapturedDecode(self.model, self.kv_caches, sizes, width, self.block_size,
@@ -119,7 +155,8 @@ class ModelRunner:
 
     def stats(self) -> dict:
         paths = sorted({m.method.describe(m) for m in self.model.modules() if isinstance(m, Linear)})
-        return {"weight_bytes": resident_bytes(self.model),
+        return {"tensor_parallel_size": self.world.size if self.world is not None else 1,
+                "weight_bytes": resident_bytes(self.model),
                 "linear_weight_bytes": sum(resident_bytes(m) for m in self.model.modules()
                                            if isinstance(m, Linear)),
                 "kv_layout": self.layout.name, "kv_kernel": self.attention.name,
@@ -131,12 +168,7 @@ class ModelRunner:
                 "linear_paths": paths, "dtype": str(self.dtype).replace("torch.", ""),
                 "captured_decode_sizes": self.captured.sizes if self.captured else []}
 
-    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
-        width = max(len(s.block_table) for s in seqs)
-        flat = [b for s in seqs for b in s.block_table + [0] * (width - len(s.block_table))]
-        return self.staging.put("block_tables", flat, (len(seqs), width))
-
-    def _prepare(self, batch: ScheduledBatch):
+    def _step_inputs(self, batch: ScheduledBatch) -> StepInputs:
         """Flattened inputs of a step: one token per decode, then each prefill chunk."""
         ids, positions, slots = [], [], []
         for seq in batch.decodes:
@@ -153,19 +185,46 @@ class ModelRunner:
             starts.append(starts[-1] + n)
             cached.append(start)
         seqs = batch.decodes + [s for s, _ in batch.prefills]
-        meta = AttentionMetadata(
-            is_prefill=bool(batch.prefills), slot_mapping=self.staging.put("slots", slots),
-            block_tables=self._block_tables(seqs),
-            context_lens=(self.staging.put("context_lens", [len(s) for s in batch.decodes])
-                          if batch.decodes else None),
-            query_starts=starts if batch.prefills else None,
-            cached_lens=cached if batch.prefills else None, num_decodes=len(batch.decodes))
         # the rows whose logits are sampled: every decode, and the last token of
         # each chunk that completes its sequence
         d = len(batch.decodes)
         rows = list(range(d)) + [d + starts[i + 1] - 1 for i, (seq, n) in enumerate(batch.prefills)
                                  if seq.num_computed_tokens + n == len(seq)]
-        return self.staging.put("ids", ids), self.staging.put("positions", positions), meta, rows
+        return StepInputs(ids, positions, slots, [s.block_table for s in seqs],
+                          [len(s) for s in batch.decodes], starts if batch.prefills else None,
+                          cached if batch.prefills else None, rows)
+
+    def _tensors(self, step: StepInputs):
+        put = self.staging.put
+        width = max(len(t) for t in step.block_tables)
+        tables = put("block_tables", [b for t in step.block_tables for b in t + [0] * (width - len(t))],
+                     (len(step.block_tables), width))
+        meta = AttentionMetadata(
+            is_prefill=step.query_starts is not None, slot_mapping=put("slots", step.slots),
+            block_tables=tables,
+            context_lens=put("context_lens", step.context_lens) if step.context_lens else None,
+            query_starts=step.query_starts, cached_lens=step.cached_lens,
+            num_decodes=len(step.context_lens))
+        return put("ids", step.ids), put("positions", step.positions), meta
+
+    @torch.inference_mode()
+    def execute(self, step: StepInputs) -> torch.Tensor:
+        """The forward of one step on this rank: hidden states of the sampled rows.
+        On rank 0 of a tensor-parallel engine the step goes to the workers first,
+        and a failure inside the forward ends the engine (the ranks may be
+        mid-collective: WorkerFailedError)."""
+        if self.executor is not None:
+            self.executor.send(("step", step))
+        try:
+            ids, positions, meta = self._tensors(step)
+            hidden = self.model(ids, positions, meta, self.kv_caches)
+        except Exception as e:
+            if self.executor is not None:
+                raise self.executor.failure(e) from e
+            raise
+        if len(step.rows) != hidden.shape[0]:
+            hidden = hidden[self.staging.put("sample_rows", step.rows)]
+        return hidden
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch):
@@ -179,12 +238,10 @@ class ModelRunner:
             hidden = self.captured.run(batch.decodes)
             if hidden is not None:
                 return self.sampler(self.model.compute_logits(hidden), batch.sampled)
-        ids, positions, meta, rows = self._prepare(batch)
-        hidden = self.model(ids, positions, meta, self.kv_caches)
-        if not rows:
+        step = self._step_inputs(batch)
+        hidden = self.execute(step)
+        if not step.rows:
             return [], None, None
-        if len(rows) != hidden.shape[0]:
-            hidden = hidden[self.staging.put("sample_rows", rows)]
         return self.sampler(self.model.compute_logits(hidden), batch.sampled)
 
     def rollback(self) -> None:
@@ -198,9 +255,17 @@ class ModelRunner:
     def prompt_logprobs(self, token_ids: list[int], pages: list[int] | None = None) -> torch.Tensor:
         """Scored pass (perplexity); pages: free pages to write K/V into, so
         attention runs the paged prefill kernel (else an uncached pass)."""
-        return self.model.prompt_logprobs(token_ids, pages, self.kv_caches, self.block_size)
+        return next_token_logprobs(self.prompt_logits(token_ids, None, pages), token_ids)
 
     def prompt_logits(self, token_ids: list[int], rows: list[int] | None,
                       pages: list[int] | None = None) -> torch.Tensor:
-        """Scored pass returning next-token logits at rows (quality metrics)."""
-        return self.model.prompt_logits(token_ids, rows, pages, self.kv_caches, self.block_size)
+        """Scored pass returning next-token logits at rows (all rows: None), in
+        fp32 (quality metrics); workers run the same pass for their shards."""
+        if self.executor is not None:
+            self.executor.send(("logits", token_ids, rows, pages))
+        try:
+            return self.model.prompt_logits(token_ids, rows, pages, self.kv_caches, self.block_size)
+        except Exception as e:
+            if self.executor is not None:
+                raise self.executor.failure(e) from e
+            raise

@@ -15,13 +15,21 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from qoqserve.layers.linear import materialize
+
 
 class KeyTransform(nn.Module):
-    def __init__(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype):
+    def __init__(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 kv_heads: tuple[int, int] | None = None):
+        """kv_heads: (first, count) of the checkpoint's KV heads this rank keeps
+        (tensor parallelism; None: all of them)."""
         super().__init__()
         # identity until a checkpoint (or the quantizer) fills them in
         self.shift = nn.Parameter(torch.zeros(num_kv_heads, head_dim, dtype=dtype), requires_grad=False)
         self.rotation = nn.Parameter(torch.eye(head_dim, dtype=dtype), requires_grad=False)
+        if kv_heads is not None:
+            self.shift.weight_loader = lambda param, loaded, _part: param.copy_(
+                materialize(loaded.narrow(0, *kv_heads)))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, H, D], k [T, Hkv, D] -> the transformed pair, same shapes and dtypes."""

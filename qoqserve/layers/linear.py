@@ -5,8 +5,12 @@ A quantization method plugs in here and nowhere else: the model builds
 A method has three hooks, as in vLLM:
 
 * ``create_weights`` registers the parameters the method's checkpoint format
-  holds, with a ``weight_loader`` on each that knows how to copy one shard of a
-  fused layer (q/k/v into qkv, gate/up into gate_up) into place;
+  holds (``add_param``: with the layer's one weight loader, which copies one
+  part of a fused layer, q/k/v into qkv or gate/up into gate_up, and under
+  tensor parallelism takes this rank's slice of it), and says of each which
+  dim indexes the layer's inputs and how many inputs one element covers (a
+  4-bit byte: 2, a group scale: the group), so a row-parallel layer can cut
+  every format's tensors at its input slice;
 * ``process_weights_after_loading`` turns what was loaded into what ``apply``
   wants (repacking, caching an expanded copy, ...), once;
 * ``apply`` computes ``x @ W.T (+ b)``.
@@ -18,6 +22,8 @@ preparation, e.g. INT8 quantization; ``apply`` then receives what they return.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +44,11 @@ class LinearMethod(ABC):
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         ...
 
+    def input_alignment(self) -> int:
+        """The inputs one stored element or group covers: a row-parallel
+        slice of the inputs must start and end on a multiple of it."""
+        return 1
+
     def describe(self, layer: "Linear") -> str:
         """Kernel path used by this layer, for the load-time log and stats."""
         return self.name
@@ -55,17 +66,39 @@ class LinearMethod(ABC):
         return silu_mul(gate_up)
 
 
-def _shard_loader(param: torch.Tensor, loaded: torch.Tensor, shard: int | None,
-                  offsets: list[int]) -> None:
-    """Copy a checkpoint tensor into its rows of a (possibly fused) parameter."""
-    if shard is None:
-        dst = param
-    else:
-        dst = param.narrow(0, offsets[shard], offsets[shard + 1] - offsets[shard])
+def add_param(layer: "Linear", name: str, shape: tuple[int, ...], dtype: torch.dtype,
+              input_dim: int | None = None, input_pack: int = 1) -> nn.Parameter:
+    """Register one checkpoint tensor of `layer` (dim 0 always indexes its output
+    channels). input_dim: the dim indexing its inputs (None: it has none, e.g. a
+    per-channel scale); input_pack: inputs per element along it."""
+    param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+    param.weight_loader = layer.load_shard
+    param.input_dim, param.input_pack = input_dim, input_pack
+    layer.register_parameter(name, param)
+    return param
+
+
+@dataclass(frozen=True)
+class LinearShard:
+    """This rank's part of a linear under tensor parallelism (layers/parallel.py)."""
+    # column parallel: (first row, rows) of each fused output part, in that part's rows
+    rows: tuple[tuple[int, int], ...] | None = None
+    # row parallel: (first input, inputs), and the all-reduce of the partial sums
+    cols: tuple[int, int] | None = None
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    add_bias: bool = True  # row parallel: one rank adds the bias to the sum
+
+
+def materialize(t) -> torch.Tensor:
+    """A checkpoint tensor's values: t itself, or a lazily read one's (model_loader/lazy.py)."""
+    return t if isinstance(t, torch.Tensor) else t.materialize()
+
+
+def _copy(dst: torch.Tensor, loaded) -> None:
     if tuple(dst.shape) != tuple(loaded.shape):
         raise ValueError(f"shape mismatch: parameter slice {tuple(dst.shape)}, "
                          f"checkpoint tensor {tuple(loaded.shape)}")
-    dst.copy_(loaded)
+    dst.copy_(materialize(loaded))
 
 
 class UnquantizedLinearMethod(LinearMethod):
@@ -74,13 +107,9 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def create_weights(self, layer: "Linear", dtype: torch.dtype) -> None:
         # torch.empty, not nn.Linear: no random init, the checkpoint overwrites it
-        layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, dtype=dtype),
-                                    requires_grad=False)
-        layer.weight.weight_loader = layer.load_shard
+        add_param(layer, "weight", (layer.out_features, layer.in_features), dtype, input_dim=1)
         if layer.has_bias:
-            layer.bias = nn.Parameter(torch.empty(layer.out_features, dtype=dtype),
-                                      requires_grad=False)
-            layer.bias.weight_loader = layer.load_shard
+            add_param(layer, "bias", (layer.out_features,), dtype)
 
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         return batch_invariant_linear(x, layer.weight, layer.bias if layer.has_bias else None)
@@ -106,28 +135,63 @@ def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor,
 class Linear(nn.Module):
     """y = x W^T (+ b), possibly several checkpoint matrices fused along the output.
 
-    ``output_sizes`` lists the fused parts (e.g. [q, k, v]); checkpoint tensors
-    are loaded one part at a time by index.
+    ``output_sizes`` lists the fused parts (e.g. [q, k, v]) and ``in_features``
+    the inputs, whole; with a ``shard`` the layer holds and computes only this
+    rank's slice of them, and checkpoint tensors (whole, or one part at a
+    time by index) are cut to it as they load.
     """
 
     def __init__(self, in_features: int, output_sizes: list[int] | int, bias: bool,
-                 method: LinearMethod, dtype: torch.dtype):
+                 method: LinearMethod, dtype: torch.dtype, shard: LinearShard | None = None):
         super().__init__()
-        self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
-        self.in_features = in_features
+        full = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
+        self.shard = shard = shard or LinearShard()
+        self.full_offsets = _offsets(full)
+        self.output_sizes = [n for _, n in shard.rows] if shard.rows else full
+        self.full_in_features = in_features
+        self.in_features = shard.cols[1] if shard.cols else in_features
         self.out_features = sum(self.output_sizes)
         self.has_bias = bias
         self.method = method
-        self.offsets = [0]
-        for size in self.output_sizes:
-            self.offsets.append(self.offsets[-1] + size)
+        self.offsets = _offsets(self.output_sizes)
+        if shard.cols:
+            align, (first, n) = method.input_alignment(), shard.cols
+            if first % align or n % align:
+                raise ValueError(
+                    f"tensor parallel: this rank's inputs {first}..{first + n} of {in_features} do not "
+                    f"start and end on a multiple of {align} (the weights' quantization group): "
+                    "choose a tensor-parallel size whose input slices hold whole groups")
         method.create_weights(self, dtype)
 
-    def load_shard(self, param: torch.Tensor, loaded: torch.Tensor, shard: int | None) -> None:
-        _shard_loader(param, loaded, shard, self.offsets)
+    def load_shard(self, param: torch.Tensor, loaded, part: int | None) -> None:
+        """Copy a checkpoint tensor (the whole layer, or fused part `part`) into
+        `param`, taking this rank's rows and inputs of it."""
+        cols, rows = self.shard.cols, self.shard.rows
+        dim = getattr(param, "input_dim", None)
+        whole = list(param.shape)  # what the checkpoint holds: every row and input
+        whole[0] = self.full_offsets[-1] if part is None else self.full_offsets[part + 1] - self.full_offsets[part]
+        if dim is not None:
+            whole[dim] = self.full_in_features // param.input_pack
+        if tuple(loaded.shape) != tuple(whole):
+            raise ValueError(f"shape mismatch: checkpoint tensor {tuple(loaded.shape)}, "
+                             f"expected {tuple(whole)}")
+        if cols and dim is not None:
+            pack = param.input_pack
+            loaded = _narrow(loaded, dim, cols[0] // pack, cols[1] // pack)
+        if cols and dim is None and param is getattr(self, "bias", None) and not self.shard.add_bias:
+            loaded = torch.zeros(tuple(loaded.shape), dtype=param.dtype)
+        parts = range(len(self.output_sizes)) if part is None else [part]
+        if rows is None and part is None:
+            return _copy(param, loaded)
+        for i in parts:
+            first, n = rows[i] if rows else (0, self.output_sizes[i])
+            # a whole fused tensor holds every part; a part's tensor only its own rows
+            src = first + (self.full_offsets[i] if part is None else 0)
+            _copy(param.narrow(0, self.offsets[i], n), _narrow(loaded, 0, src, n))
 
     def forward(self, x) -> torch.Tensor:
-        return self.method.apply(self, x)
+        y = self.method.apply(self, x)
+        return self.shard.reduce(y) if self.shard.reduce is not None else y
 
     def input_from_norm(self, norm: nn.Module, h: torch.Tensor, delta: torch.Tensor | None = None):
         return self.method.input_from_norm(norm, h, delta)
@@ -138,3 +202,15 @@ class Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.output_sizes}, bias={self.has_bias}, "
                 f"method={self.method.describe(self)}")
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    out = [0]
+    for n in sizes:
+        out.append(out[-1] + n)
+    return out
+
+
+def _narrow(t, dim: int, start: int, length: int):
+    """t.narrow; a lazily read tensor (model_loader) reads only that slice later."""
+    return t if (start, length) == (0, t.shape[dim]) else t.narrow(dim, start, length)

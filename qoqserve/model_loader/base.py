@@ -26,7 +26,13 @@ class ModelSource:
                                                           default=lambda: iter(()))
     # the checkpoint's quantization scheme (from its quant_config.json, docs/format.md)
     quant_config: QuantizationConfig = field(default_factory=UnquantizedConfig)
+    # the same tensors as LazyTensors (model_loader/lazy.py), where the format can read a slice
+    lazy_iter_factory: Callable[[], TensorIter] | None = field(repr=False, compare=False, default=None)
 
-    def iter_tensors(self) -> TensorIter:
-        """Yield (HF name, tensor) pairs, one tensor materialized at a time."""
+    def iter_tensors(self, lazy: bool = False) -> TensorIter:
+        """Yield (HF name, tensor) pairs, one tensor materialized at a time;
+        lazy: LazyTensors where the format supports it (tensor-parallel ranks
+        then read only their slices), plain tensors elsewhere."""
+        if lazy and self.lazy_iter_factory is not None:
+            return self.lazy_iter_factory()
         return self.tensor_iter_factory()

@@ -1,6 +1,7 @@
 """Hugging Face model directories: config.json + (sharded) safetensors."""
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -14,6 +15,7 @@ from qoqserve.layers.quantization import config_from_file
 from qoqserve.models.arch import ModelArchConfig
 
 from .base import ModelSource, TensorIter
+from .lazy import LazyTensor
 from .schema import check_inventory
 from .tokenizer import tokenizer_from_hf_dir
 
@@ -164,17 +166,23 @@ def load_hf_dir(path: str) -> ModelSource:
     if arch.bos_token_id is None:
         arch.bos_token_id = tokenizer.bos_token_id
 
-    def iter_tensors() -> TensorIter:
-
+    def iter_tensors(lazy: bool = False) -> TensorIter:
+        """lazy: LazyTensors, read when (and where) the loader materializes them;
+        each stays readable until the next one is yielded."""
         for file in files:
             # data-offset order keeps reads sequential on disk
             names = sorted((n for n, (f, _) in located.items() if f == file),
                            key=lambda n: located[n][1])
             with safe_open(file, framework="pt") as handle:
                 for name in names:
+                    if lazy:
+                        yield name, LazyTensor(handle.get_slice(name), shapes[name],
+                                               functools.partial(quant.check_tensor, name, where=file))
+                        continue
                     tensor = handle.get_tensor(name)
                     quant.check_tensor(name, tensor, file)
                     yield name, tensor
 
     return ModelSource(path=path, name=_display_name(path), arch=arch, tokenizer=tokenizer,
-                       tensor_iter_factory=iter_tensors, quant_config=quant)
+                       tensor_iter_factory=iter_tensors, quant_config=quant,
+                       lazy_iter_factory=functools.partial(iter_tensors, lazy=True))

@@ -12,6 +12,7 @@ import torch
 
 from qoqserve.errors import ModelLoadError
 from qoqserve.layers.linear import Linear
+from qoqserve.layers.parallel import TensorParallel
 from qoqserve.layers.quantization import QuantizationConfig, UnquantizedConfig
 from qoqserve.models.arch import ModelArchConfig
 from qoqserve.models.llama import LlamaForCausalLM, TensorSpec
@@ -21,15 +22,26 @@ ST_DTYPES = {torch.uint8: "U8", torch.int8: "I8", torch.float16: "F16", torch.bf
 FLOAT_ST_DTYPES = {"F64", "F32", "F16", "BF16"}
 
 
-def meta_model(arch: ModelArchConfig, quant: QuantizationConfig | None = None) -> LlamaForCausalLM:
-    """The model with `quant`'s parameters, on the meta device: shapes, no data."""
+def meta_model(arch: ModelArchConfig, quant: QuantizationConfig | None = None,
+               tp: TensorParallel | None = None) -> LlamaForCausalLM:
+    """The model with `quant`'s parameters, on the meta device: shapes, no data
+    (tp: rank tp.rank's shard of it)."""
     quant = quant or UnquantizedConfig()
     try:
         with torch.device("meta"):
             return LlamaForCausalLM(arch, None, torch.float16, linear_method=quant.get_linear_method(),
-                                    max_positions=1, key_transform=quant.key_transform)
+                                    max_positions=1, key_transform=quant.key_transform, tp=tp)
     except ValueError as e:  # e.g. a group size that does not divide a linear's input
         raise ModelLoadError(f"{quant.name} checkpoint does not fit this model: {e}") from None
+
+
+def check_parallel_fit(arch: ModelArchConfig, quant: QuantizationConfig, size: int) -> None:
+    """Raise ModelLoadError when tensor parallelism of `size` cannot split this
+    model (heads, KV heads, MLP channels, quantization groups); every rank's
+    shapes are rank 0's, so one meta build checks them all."""
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
+    meta_model(arch, quant, TensorParallel(0, size))
 
 
 def expected_tensors(arch: ModelArchConfig,
@@ -38,10 +50,11 @@ def expected_tensors(arch: ModelArchConfig,
     return meta_model(arch, quant).checkpoint_schema(quant.stores_fused_linears)
 
 
-def linear_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, int]]:
-    """Each (fused) linear of the model -> (out_features, in_features)."""
+def linear_shapes(arch: ModelArchConfig, tp: TensorParallel | None = None) -> dict[str, tuple[int, int]]:
+    """Each (fused) linear of the model -> (out_features, in_features) (tp: of
+    rank tp.rank's shard)."""
     return {f"model.{name}": (m.out_features, m.in_features)
-            for name, m in meta_model(arch).named_modules() if isinstance(m, Linear)}
+            for name, m in meta_model(arch, tp=tp).named_modules() if isinstance(m, Linear)}
 
 
 def check_inventory(arch: ModelArchConfig, quant: QuantizationConfig | None,

@@ -17,10 +17,13 @@ from qoqserve.layers.key_transform import KeyTransform
 from qoqserve.layers.linear import (
     Linear,
     LinearMethod,
+    LinearShard,
     UnquantizedLinearMethod,
+    materialize,
 )
 from qoqserve.layers.logits import LogitsHead
 from qoqserve.layers.norm import RMSNorm
+from qoqserve.layers.parallel import SINGLE, TensorParallel
 from qoqserve.layers.rotary import RotaryEmbedding
 from qoqserve.layers.token_ops import TorchTokenOps
 from qoqserve.models.arch import ModelArchConfig
@@ -28,16 +31,24 @@ from qoqserve.models.arch import ModelArchConfig
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelArchConfig, method: LinearMethod, attention: AttentionBackend | None,
-                 rope: RotaryEmbedding, dtype: torch.dtype, key_transform: bool, ops: TorchTokenOps):
+                 rope: RotaryEmbedding, dtype: torch.dtype, key_transform: bool, ops: TorchTokenOps,
+                 tp: TensorParallel):
         super().__init__()
         self.ops = ops
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, [q_size, kv_size, kv_size], cfg.attention_bias, method, dtype)
-        self.o_proj = Linear(q_size, cfg.hidden_size, False, method, dtype)
+        d = self.head_dim = cfg.head_dim
+        # this rank's query heads and the KV heads they read (layers/parallel.py)
+        q0, self.num_heads = tp.split(cfg.num_heads, "attention heads")
+        kv0, self.num_kv_heads = tp.kv_heads(cfg.num_kv_heads, cfg.num_heads)
+        q_size, kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
+        rows = ((q0 * d, self.num_heads * d), (kv0 * d, self.num_kv_heads * d),
+                (kv0 * d, self.num_kv_heads * d))
+        self.qkv_proj = Linear(cfg.hidden_size, [q_size, kv_size, kv_size], cfg.attention_bias, method,
+                               dtype, LinearShard(rows=rows) if tp.size > 1 else None)
+        self.o_proj = Linear(q_size, cfg.hidden_size, False, method, dtype, _row_shard(tp, rows[0]))
         self.rope = rope
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, attention)
-        self.key_transform = (KeyTransform(self.num_kv_heads, self.head_dim, dtype)
+        self.key_transform = (KeyTransform(self.num_kv_heads, self.head_dim, dtype,
+                                           (kv0, self.num_kv_heads) if tp.size > 1 else None)
                               if key_transform else None)
 
     def forward(self, positions, x, meta: AttentionMetadata, cache):
@@ -46,24 +57,37 @@ class Attention(nn.Module):
         return self.o_proj(self.attn(q, k, v, meta, cache))
 
 
+def _row_shard(tp: TensorParallel, cols: tuple[int, int]) -> LinearShard | None:
+    """A row-parallel linear over input slice `cols`: partial sums all-reduced,
+    the bias added once."""
+    if tp.size == 1:
+        return None
+    return LinearShard(cols=cols, reduce=tp.all_reduce, add_bias=tp.rank == 0)
+
+
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, method: LinearMethod, dtype: torch.dtype, ops: TorchTokenOps):
+    def __init__(self, cfg: ModelArchConfig, method: LinearMethod, dtype: torch.dtype, ops: TorchTokenOps,
+                 tp: TensorParallel):
         super().__init__()
         self.ops = ops
-        self.gate_up_proj = Linear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, method, dtype)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, method, dtype)
+        inter = cfg.intermediate_size
+        cols = tp.split(inter, "MLP intermediate channels")
+        self.gate_up_proj = Linear(cfg.hidden_size, [inter] * 2, False, method, dtype,
+                                   LinearShard(rows=(cols, cols)) if tp.size > 1 else None)
+        self.down_proj = Linear(inter, cfg.hidden_size, False, method, dtype, _row_shard(tp, cols))
 
     def forward(self, x):
         return self.down_proj(self.down_proj.input_from_silu_mul(self.gate_up_proj(x), self.ops.silu_mul))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, method, attention, rope, dtype, key_transform: bool, ops: TorchTokenOps):
+    def __init__(self, cfg, method, attention, rope, dtype, key_transform: bool, ops: TorchTokenOps,
+                 tp: TensorParallel):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
-        self.self_attn = Attention(cfg, method, attention, rope, dtype, key_transform, ops)
+        self.self_attn = Attention(cfg, method, attention, rope, dtype, key_transform, ops, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
-        self.mlp = MLP(cfg, method, dtype, ops)
+        self.mlp = MLP(cfg, method, dtype, ops, tp)
 
     def forward(self, positions, h, meta, cache, delta=None):
         """The residual stream h and the previous layer's output delta (not yet
@@ -89,11 +113,14 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelArchConfig, attention: AttentionBackend | None, dtype: torch.dtype,
                  linear_method: LinearMethod | None = None, max_positions: int | None = None,
                  key_transform: bool = False, logits_head: LogitsHead | None = None,
-                 token_ops: TorchTokenOps | None = None):
+                 token_ops: TorchTokenOps | None = None, tp: TensorParallel | None = None):
         """key_transform: attention has a KeyTransform (QoQ checkpoints for KV4 carry one).
-        logits_head, token_ops: the LM head's kernel and the per-token ops (default: torch)."""
+        logits_head, token_ops: the LM head's kernel and the per-token ops (default: torch).
+        tp: this rank's slice under tensor parallelism (default: the whole model);
+        embeddings, norms and the LM head stay whole on every rank."""
         super().__init__()
         self.cfg = cfg
+        self.tp = tp = tp or SINGLE
         self.logits_head = logits_head or LogitsHead()
         self.token_ops = ops = token_ops or TorchTokenOps()
         method = linear_method or UnquantizedLinearMethod()
@@ -101,7 +128,7 @@ class LlamaForCausalLM(nn.Module):
                                          requires_grad=False)
         rope = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
                                cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, method, attention, rope, dtype, key_transform, ops)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, method, attention, rope, dtype, key_transform, ops, tp)
                                     for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         # lm_head and embeddings stay high precision (QoQ keeps them unquantized)
@@ -149,9 +176,7 @@ class LlamaForCausalLM(nn.Module):
                         kv_caches: list[torch.Tensor] | None = None, block_size: int = 0) -> torch.Tensor:
         """log p(token i+1 | tokens <= i) for each i ([len-1], fp32, CPU): one
         causal pass, for perplexity (pages: as in prompt_logits)."""
-        logprobs = torch.log_softmax(self.prompt_logits(token_ids, None, pages, kv_caches, block_size), dim=-1)
-        targets = torch.tensor(token_ids[1:], device=logprobs.device)
-        return logprobs.gather(1, targets[:, None])[:, 0].cpu()
+        return next_token_logprobs(self.prompt_logits(token_ids, None, pages, kv_caches, block_size), token_ids)
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (HF names) into the pre-allocated parameters."""
@@ -172,7 +197,7 @@ class LlamaForCausalLM(nn.Module):
                     elif tuple(param.shape) != tuple(tensor.shape):
                         raise ValueError(f"shape {tuple(tensor.shape)} != expected {tuple(param.shape)}")
                     else:
-                        param.copy_(tensor)
+                        param.copy_(materialize(tensor))
                 except ValueError as e:
                     raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
             seen.add(f"{target}#{shard}")
@@ -241,3 +266,11 @@ class LlamaForCausalLM(nn.Module):
                     missing.append(key)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def next_token_logprobs(logits: torch.Tensor, token_ids: list[int]) -> torch.Tensor:
+    """From the logits after every position but the last: log p of each next
+    token ([len-1], fp32, CPU)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    targets = torch.tensor(token_ids[1:], device=logprobs.device)
+    return logprobs.gather(1, targets[:, None])[:, 0].cpu()

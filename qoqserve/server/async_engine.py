@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from qoqserve.engine.llm_engine import LLMEngine, PreparedRequest
 from qoqserve.engine.output import RequestOutput
-from qoqserve.errors import QueueFullError
+from qoqserve.errors import QueueFullError, WorkerFailedError
 from qoqserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ class AsyncEngine:
         self.stats: dict = engine.stats()  # snapshot, refreshed by the engine thread
         self._done = threading.Event()
         self._loop_started = False
-        self._thread = threading.Thread(target=self.run_loop, name="qoqserve-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run_thread, name="qoqserve-engine", daemon=True)
         if own_thread:
             self._thread.start()
 
@@ -187,6 +187,12 @@ class AsyncEngine:
         finally:
             self._done.set()
 
+    def _run_thread(self) -> None:
+        try:
+            self.run_loop()
+        except WorkerFailedError:
+            pass  # logged by _step; the loop has ended, so requests get 503s
+
     def _loop(self) -> None:
         while True:
             # block only when there is nothing to compute (with a timeout, so a
@@ -230,6 +236,12 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except WorkerFailedError as e:
+            # a tensor-parallel rank is gone: nothing can run any more; end the
+            # streams and the loop (the server answers 503 from now on)
+            log.error("engine failed: %s", e)
+            self._abort_all(e)
+            raise
         except Exception as e:
             # the engine isolates failures of the model step itself; this is a
             # failure outside it (scheduling, bookkeeping), which no request can be

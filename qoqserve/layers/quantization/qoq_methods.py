@@ -24,12 +24,11 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from torch import nn
 
 from qoqserve.kernels import qoq_ref
 from qoqserve.kernels.cpu import w4a8_gemm
 from qoqserve.kernels.cpu.w4a8_gemm import PackedW4A8Gemm
-from qoqserve.layers.linear import Linear, LinearMethod
+from qoqserve.layers.linear import Linear, LinearMethod, add_param
 from qoqserve.layers.quantization.int8_gemm import install_packed_gemm, int8_linear
 
 
@@ -42,14 +41,15 @@ class QuantizedActivation(NamedTuple):
 
 
 def qoq_param_shapes(out_features: int, in_features: int, group_size: int) -> dict:
-    """name -> (shape, dtype) of one quantized linear's checkpoint tensors."""
-    n, k = out_features, in_features
-    shapes = {"qweight": ((n, k // 2), torch.uint8), "s1": ((n,), torch.float16)}
-    if group_size:
-        shapes["s2"] = ((n, k // group_size), torch.uint8)
-        shapes["zeros"] = ((n, k // group_size), torch.uint8)
+    """name -> (shape, dtype, inputs per element along dim 1 or None) of one
+    quantized linear's checkpoint tensors."""
+    n, k, g = out_features, in_features, group_size
+    shapes = {"qweight": ((n, k // 2), torch.uint8, 2), "s1": ((n,), torch.float16, None)}
+    if g:
+        shapes["s2"] = ((n, k // g), torch.uint8, g)
+        shapes["zeros"] = ((n, k // g), torch.uint8, g)
     else:
-        shapes["zeros"] = ((n,), torch.uint8)
+        shapes["zeros"] = ((n,), torch.uint8, None)
     return shapes
 
 
@@ -76,14 +76,15 @@ class QoQLinearMethod(LinearMethod):
         k = layer.in_features
         if k % 2 or (self.group_size and k % self.group_size):
             raise ValueError(f"in_features {k} is not a multiple of the group size {self.group_size}")
-        for name, (shape, pdtype) in qoq_param_shapes(layer.out_features, k, self.group_size).items():
-            param = nn.Parameter(torch.empty(shape, dtype=pdtype), requires_grad=False)
-            param.weight_loader = layer.load_shard  # every tensor is row-indexed by output channel
+        for name, (shape, pdtype, pack) in qoq_param_shapes(layer.out_features, k, self.group_size).items():
+            param = add_param(layer, name, shape, pdtype, input_dim=None if pack is None else 1,
+                              input_pack=pack or 1)
             param.exact_dtype = True  # stored as is: the kernels read these bytes
-            layer.register_parameter(name, param)
         if layer.has_bias:
-            layer.bias = nn.Parameter(torch.empty(layer.out_features, dtype=dtype), requires_grad=False)
-            layer.bias.weight_loader = layer.load_shard
+            add_param(layer, "bias", (layer.out_features,), dtype)
+
+    def input_alignment(self) -> int:
+        return self.group_size or 2  # a byte holds two inputs' codes
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         if self.group_size:

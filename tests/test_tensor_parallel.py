@@ -1,0 +1,218 @@
+"""Tensor parallelism on CPU over gloo (docs/parallel.md): a split engine must
+give what the whole one gives, refuse what it cannot split, and fail loudly,
+never hang, when a worker dies.
+
+Engines run 2 ranks over tiny models (a spawned worker costs seconds here);
+the embedded model has 9 query heads, so its split is 3 ranks.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+from conftest import in_process_server
+
+from qoqserve.bench.memory import plan_memory
+from qoqserve.bench.precisions import get_precision
+from qoqserve.errors import ModelLoadError, WorkerFailedError
+from qoqserve.llm import LLM
+from qoqserve.model_loader import load_model_source
+from qoqserve.sampling_params import SamplingParams
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42], [300, 301, 302, 303, 304]]
+N_TOKENS = 6
+SMALL = dict(num_blocks=48, max_model_len=128, enforce_eager=True)
+TINY = "synthetic:tiny"
+
+
+def greedy(llm: LLM, prompts=PROMPTS, n=N_TOKENS):
+    """(tokens, their logprobs) of each prompt, greedy, all in one batch."""
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=True)
+    outs = llm.generate(prompts, params)
+    return [o.token_ids for o in outs], [o.logprobs for o in outs]
+
+
+def compare(ref: LLM, split: LLM, logprob_tol: float) -> None:
+    """Greedy tokens of the split engine == the whole one's (ref), token for
+    token; logprobs of the generated and of every prompt token within logprob_tol."""
+    assert split.engine.stats()["tensor_parallel_size"] > 1
+    want_tokens, want_lp = greedy(ref)
+    tokens, lp = greedy(split)
+    assert tokens == want_tokens
+    diff = max(abs(a - b) for x, y in zip(lp, want_lp) for a, b in zip(x, y))
+    assert diff <= logprob_tol, diff
+    torch.testing.assert_close(split.engine.prompt_logprobs(PROMPTS[0]),  # the scored (perplexity) path
+                               ref.engine.prompt_logprobs(PROMPTS[0]), atol=logprob_tol, rtol=0)
+
+
+# fp32: the all-reduce sums two fp32 partials where one GEMM summed all K:
+# rounding-level differences. W8A8 and W4A8: each rank quantizes its slice of
+# a row-parallel input with its own per-token scale (docs/parallel.md), a
+# different (finer) rounding of the same activations; W8A8's per-channel
+# weight scales are per slice too. KV4/KV8 pages: each rank's hold its heads.
+@pytest.fixture(scope="module")
+def tiny_ref():
+    """The whole (one-process) engine of the tiny fp32 model."""
+    return LLM(TINY, dtype="float32", **SMALL)
+
+
+def tiny_split() -> LLM:
+    # one tensor-parallel engine per process (torch.distributed's one default
+    # group): each test makes and ends its own
+    return LLM(TINY, dtype="float32", tensor_parallel_size=2, **SMALL)
+
+
+def plan_matches(split: LLM, precision: str, full: bool) -> None:
+    """`bench memory -tp` says what each rank holds (rank 0 measured)."""
+    plan = plan_memory(split.engine.arch, get_precision(precision), "cpu", seq_len=100, budget_bytes=2**20,
+                       group_size=getattr(split.engine.quant_config, "group_size", 128),
+                       max_positions=split.engine.max_model_len, tp=2)
+    stats = split.engine.stats()
+    assert plan.linear_weight_bytes == stats["linear_weight_bytes"]
+    assert plan.kv_bytes_per_token == stats["kv_bytes_per_token"]
+    if full:  # same activation dtype: embeddings, norms, RoPE tables too
+        assert plan.weight_bytes == stats["weight_bytes"]
+
+
+def test_two_ranks_match_one_fp32(tiny_ref):
+    with tiny_split() as split:
+        compare(tiny_ref, split, 1e-4)
+        plan_matches(split, "fp32", full=True)
+        with pytest.raises(RuntimeError, match="one per process"):
+            tiny_split()
+
+
+@pytest.mark.parametrize("fmt", ["w8a8kv8", "w4a8kv4"])
+def test_two_ranks_match_one_quantized(fmt, request):
+    if fmt == "w8a8kv8":
+        model, kw = TINY, dict(dtype="float32", quantization="w8a8", kv_cache_dtype="int8")
+    else:
+        model, kw = request.getfixturevalue("qoq_tiny"), dict(dtype="float32")
+    ref = LLM(model, **SMALL, **kw)
+    with LLM(model, tensor_parallel_size=2, **SMALL, **kw) as split:
+        compare(ref, split, 0.05)
+        if fmt == "w4a8kv4":
+            plan_matches(split, "w4a8kv4", full=False)
+
+
+def test_embedded_model_on_three_ranks_matches_one(reference_llm, default_gguf_path):
+    # 9 query heads, 3 KV heads: 3 ranks of 3 query heads and 1 KV head each
+    with LLM(default_gguf_path, tensor_parallel_size=3, dtype="float32", kv_cache_gb=0.1,
+             max_model_len=512) as split:
+        compare(reference_llm, split, 1e-3)
+
+
+def test_a_size_that_does_not_divide_the_heads_is_refused_before_any_worker_starts():
+    before = set(multiprocessing.active_children())
+    # the embedded model's shapes (9 query heads, 3 KV heads), random weights
+    with pytest.raises(ModelLoadError, match="does not divide the 9 attention heads"):
+        LLM("synthetic:smollm2-135m", tensor_parallel_size=2, **SMALL)
+    with pytest.raises(ValueError, match="positive integer"):
+        LLM("synthetic:tiny", tensor_parallel_size=0, **SMALL)
+    assert set(multiprocessing.active_children()) == before  # refused before spawning anyone
+
+
+def test_groups_that_straddle_a_shard_boundary_are_refused():
+    # g128 over o_proj's 128 inputs: 2 ranks would each get half a group
+    with pytest.raises(ModelLoadError, match="quantization group"):
+        LLM("synthetic:tiny:qoq-g128", tensor_parallel_size=2, **SMALL)
+
+
+def test_bench_memory_plans_a_70b_model_per_rank():
+    arch = load_model_source("synthetic:llama-3-70b").arch  # 64 query heads, 8 KV heads
+    one, eight = (plan_memory(arch, get_precision("w4a8kv4"), "cuda", seq_len=1536,
+                              memory_bytes=141 * 2**30, tp=tp) for tp in (1, 8))
+    assert eight.kv_bytes_per_token * 8 == one.kv_bytes_per_token  # one KV head per rank
+    assert abs(eight.linear_weight_bytes * 8 - one.linear_weight_bytes) < 0.001 * one.linear_weight_bytes
+    assert eight.max_concurrent_seqs > 8 * one.max_concurrent_seqs  # the weights left room too
+
+
+def test_two_torchrun_nodes_serve_the_openai_api(tiny_ref):
+    """Two torchrun "nodes" (one rank each) over loopback: rank 0 serves, rank 1
+    computes; the completion is the single-process engine's."""
+    ref = tiny_ref
+    with socket.socket() as s1, socket.socket() as s2:
+        s1.bind(("127.0.0.1", 0))
+        s2.bind(("127.0.0.1", 0))
+        master, port = s1.getsockname()[1], s2.getsockname()[1]
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+         "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(master),
+         "-m", "qoqserve.cli.main", "serve", TINY, "-tp", "2", "--dtype", "float32", "--port", str(port),
+         "--max-model-len", "128", "--kv-cache-gb", "0.01"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for rank in (0, 1)]
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in nodes), "no server"
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        r = httpx.post(base + "/v1/completions", timeout=60,
+                       json={"prompt": "t5 t6 t7", "max_tokens": N_TOKENS, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        want = ref.generate("t5 t6 t7", SamplingParams(temperature=0, max_tokens=N_TOKENS, ignore_eos=True))
+        assert r.json()["choices"][0]["text"] == want[0].text
+        # torchrun's agent passes SIGTERM on to rank 0, which stops its worker as
+        # it exits; both nodes end (the agents' exit codes are torchrun's own)
+        nodes[0].send_signal(signal.SIGTERM)
+        for p in nodes:
+            p.wait(60)
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_a_killed_worker_mid_request_fails_the_engine_and_the_server_answers_503():
+    with tiny_split() as llm:
+        killed_mid_request(llm)
+
+
+def test_a_stuck_worker_fails_the_engine_at_the_collective_timeout():
+    with LLM(TINY, dtype="float32", tensor_parallel_size=2, distributed_timeout_s=3, **SMALL) as llm:
+        (pid,) = llm.engine.executor.pids
+        os.kill(pid, signal.SIGSTOP)  # alive, never answering
+        start = time.monotonic()
+        with pytest.raises(WorkerFailedError, match="tensor-parallel engine failed"):
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))
+        assert time.monotonic() - start < 60  # the 3 s timeout, not a hang
+        with pytest.raises(WorkerFailedError):  # and from then on at once
+            llm.generate([[5, 6]], SamplingParams(max_tokens=2))
+
+
+def killed_mid_request(llm: LLM) -> None:
+    (pid,) = llm.engine.executor.pids
+    body = {"prompt": "t5 t6 t7", "max_tokens": 100, "temperature": 0, "ignore_eos": True}
+    with in_process_server(llm.engine) as (base, async_engine), httpx.Client(timeout=60) as client:
+        events = []
+        with client.stream("POST", base + "/v1/completions", json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: ") and not events:
+                    os.kill(pid, signal.SIGKILL)  # the request is running
+                    killed = time.monotonic()
+                events.append(line)
+        assert time.monotonic() - killed < 30
+        assert any('"error"' in e for e in events), events[-3:]  # told, not cut off silently
+        deadline = time.monotonic() + 30
+        while async_engine.is_alive:
+            assert time.monotonic() < deadline, "the engine loop did not stop"
+            time.sleep(0.05)
+        assert client.get(base + "/health").status_code == 503
+        r = client.post(base + "/v1/completions", json=body)
+        assert r.status_code == 503, r.text
+    with pytest.raises(WorkerFailedError, match=r"rank 1 \(pid \d+\) exited with code -9"):
+        llm.generate([[5, 6]], SamplingParams(max_tokens=2))
