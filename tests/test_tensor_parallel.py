@@ -25,7 +25,7 @@ from qoqserve.bench.precisions import get_precision
 from qoqserve.errors import ModelLoadError, WorkerFailedError
 from qoqserve.llm import LLM
 from qoqserve.model_loader import load_model_source
-from qoqserve.sampling_params import SamplingParams
+from qoqserve.sampling_params import SamplingParams, StructuredOutputs
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42], [300, 301, 302, 303, 304]]
 N_TOKENS = 6
@@ -108,6 +108,15 @@ def test_embedded_model_on_three_ranks_matches_one(reference_llm, default_gguf_p
     with LLM(default_gguf_path, tensor_parallel_size=3, dtype="float32", kv_cache_gb=0.1,
              max_model_len=512) as split:
         compare(reference_llm, split, 1e-3)
+        # structured outputs: rank 0 samples, so its masks are all a constraint needs
+        params = SamplingParams(temperature=0, max_tokens=16, structured_outputs=StructuredOutputs(
+            choice=("red", "green", "blue sky")))
+        prompt = "Name a color:"
+        want = reference_llm.generate([prompt], params)[0]
+        got = split.generate([prompt, "The capital of France is"],
+                             [params, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)])
+        assert got[0].text == want.text and got[0].text in params.structured_outputs.choice
+        assert got[0].finish_reason == "stop"
 
 
 def test_a_size_that_does_not_divide_the_heads_is_refused_before_any_worker_starts():
