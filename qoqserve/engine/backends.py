@@ -6,6 +6,7 @@ tests all ask here; nothing else decides.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -39,7 +40,7 @@ from qoqserve.models.arch import ModelArchConfig
 class Backends:
     quant: QuantizationConfig      # the scheme that runs (checkpoint's, or applied at load)
     choice: KernelChoice
-    linear_method: LinearMethod
+    linear_method: Callable[[str], LinearMethod]  # a linear's method by its name
     attention: AttentionBackend    # page format (attention.layout) + kernels
     logits_head: LogitsHead
     token_ops: TorchTokenOps
@@ -115,7 +116,7 @@ def select_backends(config: EngineConfig, arch: ModelArchConfig,
                                   config.compile)
     on_cpu = choice.kernels == "cpu" and config.device == "cpu"
     dtype = config.torch_dtype
-    return Backends(quant, choice, quant.get_linear_method(choice), attention,
+    return Backends(quant, choice, quant.linear_methods(choice), attention,
                     logits_head(config.lm_head_dtype, choice, on_cpu, dtype),
                     CpuTokenOps() if on_cpu and CpuTokenOps.supports(dtype) else TorchTokenOps())
 

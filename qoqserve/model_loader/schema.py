@@ -29,7 +29,7 @@ def meta_model(arch: ModelArchConfig, quant: QuantizationConfig | None = None,
     quant = quant or UnquantizedConfig()
     try:
         with torch.device("meta"):
-            return LlamaForCausalLM(arch, None, torch.float16, linear_method=quant.get_linear_method(),
+            return LlamaForCausalLM(arch, None, torch.float16, linear_method=quant.linear_methods(),
                                     max_positions=1, key_transform=quant.key_transform, tp=tp)
     except ValueError as e:  # e.g. a group size that does not divide a linear's input
         raise ModelLoadError(f"{quant.name} checkpoint does not fit this model: {e}") from None

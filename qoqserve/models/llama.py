@@ -6,7 +6,7 @@ one sequence ends (AttentionMetadata).
 """
 from __future__ import annotations
 
-from typing import Iterable, NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 import torch
 from torch import nn
@@ -28,9 +28,12 @@ from qoqserve.layers.rotary import RotaryEmbedding
 from qoqserve.layers.token_ops import TorchTokenOps
 from qoqserve.models.arch import ModelArchConfig
 
+# a linear's method by its name inside its decoder layer ("self_attn.qkv_proj")
+MethodFor = Callable[[str], LinearMethod]
+
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, method: LinearMethod, attention: AttentionBackend | None,
+    def __init__(self, cfg: ModelArchConfig, method_for: MethodFor, attention: AttentionBackend | None,
                  rope: RotaryEmbedding, dtype: torch.dtype, key_transform: bool, ops: TorchTokenOps,
                  tp: TensorParallel):
         super().__init__()
@@ -42,9 +45,11 @@ class Attention(nn.Module):
         q_size, kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
         rows = ((q0 * d, self.num_heads * d), (kv0 * d, self.num_kv_heads * d),
                 (kv0 * d, self.num_kv_heads * d))
-        self.qkv_proj = Linear(cfg.hidden_size, [q_size, kv_size, kv_size], cfg.attention_bias, method,
-                               dtype, LinearShard(rows=rows) if tp.size > 1 else None)
-        self.o_proj = Linear(q_size, cfg.hidden_size, False, method, dtype, _row_shard(tp, rows[0]))
+        self.qkv_proj = Linear(cfg.hidden_size, [q_size, kv_size, kv_size], cfg.attention_bias,
+                               method_for("self_attn.qkv_proj"), dtype,
+                               LinearShard(rows=rows) if tp.size > 1 else None)
+        self.o_proj = Linear(q_size, cfg.hidden_size, False, method_for("self_attn.o_proj"), dtype,
+                             _row_shard(tp, rows[0]))
         self.rope = rope
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, attention)
         self.key_transform = (KeyTransform(self.num_kv_heads, self.head_dim, dtype,
@@ -66,28 +71,29 @@ def _row_shard(tp: TensorParallel, cols: tuple[int, int]) -> LinearShard | None:
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, method: LinearMethod, dtype: torch.dtype, ops: TorchTokenOps,
+    def __init__(self, cfg: ModelArchConfig, method_for: MethodFor, dtype: torch.dtype, ops: TorchTokenOps,
                  tp: TensorParallel):
         super().__init__()
         self.ops = ops
         inter = cfg.intermediate_size
         cols = tp.split(inter, "MLP intermediate channels")
-        self.gate_up_proj = Linear(cfg.hidden_size, [inter] * 2, False, method, dtype,
+        self.gate_up_proj = Linear(cfg.hidden_size, [inter] * 2, False, method_for("mlp.gate_up_proj"), dtype,
                                    LinearShard(rows=(cols, cols)) if tp.size > 1 else None)
-        self.down_proj = Linear(inter, cfg.hidden_size, False, method, dtype, _row_shard(tp, cols))
+        self.down_proj = Linear(inter, cfg.hidden_size, False, method_for("mlp.down_proj"), dtype,
+                                _row_shard(tp, cols))
 
     def forward(self, x):
         return self.down_proj(self.down_proj.input_from_silu_mul(self.gate_up_proj(x), self.ops.silu_mul))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, method, attention, rope, dtype, key_transform: bool, ops: TorchTokenOps,
-                 tp: TensorParallel):
+    def __init__(self, cfg, method_for: MethodFor, attention, rope, dtype, key_transform: bool,
+                 ops: TorchTokenOps, tp: TensorParallel):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
-        self.self_attn = Attention(cfg, method, attention, rope, dtype, key_transform, ops, tp)
+        self.self_attn = Attention(cfg, method_for, attention, rope, dtype, key_transform, ops, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
-        self.mlp = MLP(cfg, method, dtype, ops, tp)
+        self.mlp = MLP(cfg, method_for, dtype, ops, tp)
 
     def forward(self, positions, h, meta, cache, delta=None):
         """The residual stream h and the previous layer's output delta (not yet
@@ -111,10 +117,13 @@ class LlamaForCausalLM(nn.Module):
                               "gate_up_proj": ("gate_proj", "up_proj")}
 
     def __init__(self, cfg: ModelArchConfig, attention: AttentionBackend | None, dtype: torch.dtype,
-                 linear_method: LinearMethod | None = None, max_positions: int | None = None,
+                 linear_method: LinearMethod | Callable[[str], LinearMethod] | None = None,
+                 max_positions: int | None = None,
                  key_transform: bool = False, logits_head: LogitsHead | None = None,
                  token_ops: TorchTokenOps | None = None, tp: TensorParallel | None = None):
-        """key_transform: attention has a KeyTransform (QoQ checkpoints for KV4 carry one).
+        """linear_method: one method for every linear, or a linear's method by its
+        name ("layers.{i}.mlp.down_proj": a checkpoint that mixes schemes).
+        key_transform: attention has a KeyTransform (QoQ checkpoints for KV4 carry one).
         logits_head, token_ops: the LM head's kernel and the per-token ops (default: torch).
         tp: this rank's slice under tensor parallelism (default: the whole model);
         embeddings, norms and the LM head stay whole on every rank."""
@@ -123,13 +132,17 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp = tp or SINGLE
         self.logits_head = logits_head or LogitsHead()
         self.token_ops = ops = token_ops or TorchTokenOps()
-        method = linear_method or UnquantizedLinearMethod()
+        linear_method = linear_method or UnquantizedLinearMethod()
+        method_for = ((lambda name: linear_method) if isinstance(linear_method, LinearMethod)
+                      else linear_method)
         self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype),
                                          requires_grad=False)
         rope = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
                                cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, method, attention, rope, dtype, key_transform, ops, tp)
-                                    for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, lambda name, i=i: method_for(f"layers.{i}.{name}"), attention, rope, dtype,
+                         key_transform, ops, tp)
+            for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         # lm_head and embeddings stay high precision (QoQ keeps them unquantized)
         self.lm_head = (self.embed_tokens if cfg.tie_word_embeddings else

@@ -15,16 +15,17 @@ from qoqserve.quant.pipeline import QuantResult
 from qoqserve.version import __version__
 
 
-def runtime_config(cfg: QuantConfig) -> QoQConfig:
+def runtime_config(cfg: QuantConfig, num_layers: int) -> QoQConfig:
     """The runtime scheme a recipe's checkpoint is read with."""
-    return QoQConfig(cfg.group_size, cfg.kv_bits, cfg.uses_key_transform)
+    return QoQConfig(cfg.group_size, cfg.kv_bits, cfg.uses_key_transform, cfg.w8a8_names(num_layers))
 
 
 def export_tensors(result: QuantResult) -> dict[str, torch.Tensor]:
     """Every tensor the runtime's schema asks for, taken from the quantized
     model by the name load_weights maps it to: the writer cannot write a name
     the loader does not expect, nor leave one out."""
-    model, qoq = result.model, runtime_config(result.config)
+    model = result.model
+    qoq = runtime_config(result.config, model.cfg.num_layers)
     params = dict(model.named_parameters(remove_duplicate=False))
     out = {}
     for name, spec in expected_tensors(model.cfg, qoq).items():
@@ -48,7 +49,7 @@ def save_checkpoint(result: QuantResult, source, calib: CalibrationSet, out_dir:
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(result.model.cfg.to_hf_config("float16"), f, indent=2)
     quant = {
-        **runtime_config(cfg).to_config(),
+        **runtime_config(cfg, result.model.cfg.num_layers).to_config(),
         "steps": result.steps, "config": cfg.to_dict(),
         "calibration": {"sha256": calib.sha256, "file": os.path.basename(calib.source),
                         "samples": len(calib.samples), "seq_len": len(calib.samples[0])},

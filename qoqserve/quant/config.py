@@ -1,7 +1,11 @@
 """What to quantize and how: one dataclass, plus the named presets."""
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import asdict, dataclass, replace
+
+# the linears of one decoder layer, in the order the pipeline quantizes them
+LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,12 @@ class QuantConfig:
     clip: bool = False            # weight clipping ratio search
     gptq: bool = True             # error-compensating rounding
     group_search: bool = True     # level-2 (s2, z) by weighted error search, not by range
+    # inside a layer, each linear's GPTQ Hessian (and clip samples) from the
+    # inputs that the already-quantized linears before it produce
+    true_sequential: bool = False
+    # linears kept at W8A8 (per-channel INT8 weights, per-token INT8 activations):
+    # fnmatch patterns over "layers.{i}.{linear}", e.g. "layers.0.*", "*.mlp.down_proj"
+    w8a8_linears: tuple[str, ...] = ()
     # 128 x 512 asks for more than the shipped text holds: all of it is used
     # (fewer windows cost accuracy: docs/accuracy.md)
     calib_samples: int = 128
@@ -50,6 +60,15 @@ class QuantConfig:
         """True when the result is a W4A8 checkpoint the runtime kernels execute."""
         return self.w_bits == 4 and self.a_bits == 8 and (self.progressive or self.group_size == 0)
 
+    def keeps_w8a8(self, key: str) -> bool:
+        """Is linear "layers.{i}.{linear}" one of the w8a8_linears?"""
+        return any(fnmatch.fnmatchcase(key, p) for p in self.w8a8_linears)
+
+    def w8a8_names(self, num_layers: int) -> tuple[str, ...]:
+        """The w8a8_linears patterns expanded over a model of num_layers layers."""
+        return tuple(key for i in range(num_layers) for name in LINEARS
+                     if self.keeps_w8a8(key := f"layers.{i}.{name}"))
+
     @property
     def uses_key_transform(self) -> bool:
         return self.key_transform and self.kv_bits == 4
@@ -58,6 +77,7 @@ class QuantConfig:
         d = asdict(self)
         d["smooth_alpha_grid"] = list(self.smooth_alpha_grid)
         d["smooth_attention_grid"] = list(self.smooth_attention_grid)
+        d["w8a8_linears"] = list(self.w8a8_linears)
         return d
 
 

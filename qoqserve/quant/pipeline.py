@@ -25,7 +25,7 @@ from qoqserve.models.llama import LlamaForCausalLM
 from qoqserve.quant import sim
 from qoqserve.quant.calibration import CalibrationSet
 from qoqserve.quant.clip import search_clip_ratios
-from qoqserve.quant.config import QuantConfig
+from qoqserve.quant.config import LINEARS, QuantConfig
 from qoqserve.quant.gptq import gptq_quantize
 from qoqserve.quant.group_search import search_group_params
 from qoqserve.quant.layer_stats import LayerCapture, search_alpha, search_key_alpha
@@ -39,8 +39,6 @@ from qoqserve.quant.transforms.smooth import (
     smooth_out_proj,
     smooth_scales,
 )
-
-LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
 @dataclass
@@ -75,21 +73,45 @@ def _meta(num: int, length: int) -> AttentionMetadata:
     return AttentionMetadata(True, None, None, None, [i * length for i in range(num + 1)], [0] * num)
 
 
-def _run_layer(layer, hidden: torch.Tensor, seq_len: int, chunk: int = 8) -> torch.Tensor:
-    """hidden [S*L, h] through one decoder layer, a few samples at a time."""
-    out = torch.empty_like(hidden)
+class _StopForward(Exception):
+    """Raised by a pre-hook once the linear whose inputs were wanted has them."""
+
+
+def _run_layer(layer, hidden: torch.Tensor, seq_len: int, chunk: int = 8,
+               stop_at: str | None = None) -> torch.Tensor | None:
+    """hidden [S*L, h] through one decoder layer, a few samples at a time.
+    stop_at: a linear's name: each chunk's forward ends when it reaches that
+    linear (its inputs go to the hooks registered before this call), and
+    nothing is returned."""
+    out = None if stop_at else torch.empty_like(hidden)
     positions = torch.arange(seq_len, device=hidden.device)
     n = hidden.shape[0] // seq_len
-    for s in range(0, n, chunk):
-        c = min(chunk, n - s)
-        rows = slice(s * seq_len, (s + c) * seq_len)
-        h, delta = layer(positions.repeat(c), hidden[rows], _meta(c, seq_len), None)
-        out[rows] = h + delta
+    handle = None
+    if stop_at:
+        def stop(module, args):
+            raise _StopForward
+        handle = layer.get_submodule(stop_at).register_forward_pre_hook(stop)
+    try:
+        for s in range(0, n, chunk):
+            c = min(chunk, n - s)
+            rows = slice(s * seq_len, (s + c) * seq_len)
+            try:
+                h, delta = layer(positions.repeat(c), hidden[rows], _meta(c, seq_len), None)
+            except _StopForward:
+                continue
+            out[rows] = h + delta
+    finally:
+        if handle is not None:
+            handle.remove()
     return out
 
 
-def _quantize_linear(linear, cap, cfg: QuantConfig, info: dict, name: str) -> None:
+def _quantize_linear(linear, cap, cfg: QuantConfig, info: dict, name: str, key: str) -> None:
     w = linear.weight.detach().float()
+    if cfg.keeps_w8a8(key):
+        sim.convert_to_w8a8(linear, w)
+        info[f"{name}.scheme"] = "w8a8"
+        return
     if cfg.w_bits == 16:
         sim.convert_to_fake(linear, w, cfg.a_bits == 8, "fake-a8" if cfg.a_bits == 8 else "fp")
         return
@@ -200,6 +222,7 @@ def _layer_steps(cfg: QuantConfig) -> list[str]:
     """The per-layer steps that ran: switched on and meaningful for this format."""
     applies = {"smooth_attention": cfg.kv_bits == 4, "key_transform": cfg.kv_bits == 4,
                "reorder": cfg.group_size > 0, "smooth_out": True, "clip": True, "gptq": True,
+               "true_sequential": True,
                "group_search": cfg.group_size > 0 and cfg.w_bits == 4}
     return [step for step, ok in applies.items() if ok and getattr(cfg, step)]
 
@@ -214,7 +237,10 @@ def _round_to_storage(model, qoq: QoQConfig) -> None:
 
 
 def quantize_model(source, cfg: QuantConfig, calib: CalibrationSet, device: str = "cpu",
-                   progress: bool = True, max_positions: int = 4096) -> QuantResult:
+                   progress: bool = True, max_positions: int = 4096,
+                   float_weights: dict | None = None) -> QuantResult:
+    """float_weights: when a dict, it receives each linear's weight as it is just
+    before quantization (rotated, smoothed, reordered), by "layers.{i}.{linear}"."""
     start = time.perf_counter()
     torch.manual_seed(cfg.seed)
     model = build_fp_model(source, cfg, device, max_positions)
@@ -232,7 +258,7 @@ def quantize_model(source, cfg: QuantConfig, calib: CalibrationSet, device: str 
         hidden = torch.nn.functional.embedding(ids, model.embed_tokens)
         layers = tqdm(model.layers, desc=f"quantize {cfg.name}", unit="layer", disable=not progress)
         infos = []
-        for layer in layers:
+        for index, layer in enumerate(layers):
             info: dict = {}
             # one measuring pass: the transforms below only permute and rescale the
             # o_proj / down_proj inputs, so their Hessians and samples follow exactly
@@ -241,9 +267,17 @@ def quantize_model(source, cfg: QuantConfig, calib: CalibrationSet, device: str 
                 with cap:
                     _run_layer(layer, hidden, seq_len)
                 _transform_layer(layer, cap, cfg, arch, info)
-            for name in LINEARS:
+            for i, name in enumerate(LINEARS):
                 layers.set_postfix_str(name.split(".")[-1])
-                _quantize_linear(layer.get_submodule(name), cap, cfg, info, name)
+                key = f"layers.{index}.{name}"
+                if float_weights is not None:
+                    float_weights[key] = layer.get_submodule(name).weight.detach().clone()
+                if i and cfg.true_sequential and _needs_statistics(cfg) and not cfg.keeps_w8a8(key):
+                    # this linear's inputs again, now from the quantized linears before it
+                    cap = LayerCapture(layer, [name], arch, hessians=cfg.gptq and cfg.w_bits != 16)
+                    with cap:
+                        _run_layer(layer, hidden, seq_len, stop_at=name)
+                _quantize_linear(layer.get_submodule(name), cap, cfg, info, name, key)
             hidden = _run_layer(layer, hidden, seq_len)
             infos.append(info)
         if cfg.is_qoq_format:

@@ -13,6 +13,7 @@ from torch import nn
 from qoqserve.kernels import qoq_ref
 from qoqserve.layers.linear import Linear, LinearMethod
 from qoqserve.layers.quantization.qoq_methods import QoQSimMethod
+from qoqserve.layers.quantization.w8a8 import quantize_weight_per_channel
 
 
 def fake_quant_act_int8(x: torch.Tensor) -> torch.Tensor:
@@ -54,6 +55,27 @@ class FakeQuantLinearMethod(LinearMethod):
         return F.linear(x, layer.weight, layer.bias if layer.has_bias else None)
 
 
+class SimW8A8Method(FakeQuantLinearMethod):
+    """A linear kept at W8A8 in a QoQ model: holds the float weight the checkpoint
+    stores (W8A8LinearMethod quantizes it at load), runs the per-channel INT8
+    codes it will get with per-token INT8 activations, summed in fp32 as the
+    QoQ simulation does."""
+
+    def __init__(self):
+        super().__init__(True, "sim-w8a8")
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        codes, scale = quantize_weight_per_channel(layer.weight.detach())
+        layer.register_buffer("w_codes", codes.float(), persistent=False)
+        layer.register_buffer("w_scale", scale, persistent=False)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        y = qoq_ref.w4a8_group_linear_sim(x, layer.w_codes, layer.w_scale)
+        if layer.has_bias:
+            y = y + layer.bias.float()
+        return y.to(x.dtype)
+
+
 def _swap_method(layer: Linear, method: LinearMethod) -> torch.Tensor | None:
     bias = layer.bias.detach().clone() if layer.has_bias else None
     for name in list(layer._parameters):
@@ -73,6 +95,13 @@ def convert_to_qoq(layer: Linear, q, group_size: int) -> None:
     layer.zeros.data.copy_(q.z)
     if group_size:
         layer.s2.data.copy_(q.s2)
+    layer.method.process_weights_after_loading(layer)
+
+
+def convert_to_w8a8(layer: Linear, w: torch.Tensor) -> None:
+    """Keep layer at W8A8 (SimW8A8Method); w is rounded to its fp16 storage."""
+    _swap_method(layer, SimW8A8Method())
+    layer.weight.data.copy_(w.half().float())
     layer.method.process_weights_after_loading(layer)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -46,6 +47,12 @@ class QuantizationConfig(ABC):
     @abstractmethod
     def get_linear_method(self, choice: KernelChoice | None = None) -> LinearMethod:
         """The method the model's linears run; choice None: any (schema only)."""
+
+    def linear_methods(self, choice: KernelChoice | None = None) -> Callable[[str], LinearMethod]:
+        """A linear's method by its name ("layers.{i}.mlp.down_proj"): the one
+        method of get_linear_method unless the checkpoint mixes schemes."""
+        method = self.get_linear_method(choice)
+        return lambda name: method
 
     def get_kv_format(self) -> str | None:
         return self.kv_format
