@@ -6,7 +6,7 @@ import sys
 
 # QuantConfig switches that get --STEP / --no-STEP flags
 STEP_FLAGS = ("rotate", "smooth_attention", "key_transform", "smooth_out", "reorder", "clip", "gptq",
-              "group_search")
+              "group_search", "true_sequential")
 
 
 def add_quant_args(p) -> None:
@@ -17,6 +17,10 @@ def add_quant_args(p) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--kv-bits", type=int, choices=[4, 16], default=None)
     p.add_argument("--smooth-alpha", type=float, default=None, help="fixed migration strength")
+    p.add_argument("--w8a8-linears", nargs="+", default=None, metavar="PATTERN",
+                   help="keep these linears at W8A8 (mixed recipe): fnmatch patterns over "
+                        "layers.{i}.{self_attn.qkv_proj|self_attn.o_proj|mlp.gate_up_proj|mlp.down_proj}, "
+                        "e.g. 'layers.0.*' '*.mlp.down_proj'")
     for flag in STEP_FLAGS:
         step = flag.replace("_", "-")
         p.add_argument(f"--{step}", dest=flag, action="store_true", default=None,
@@ -29,10 +33,10 @@ def quant_config_from_args(args):
     from qoqserve.quant.config import get_preset
 
     over = {}
-    for field in STEP_FLAGS + ("kv_bits", "smooth_alpha", "calib_samples", "calib_seq_len"):
+    for field in STEP_FLAGS + ("kv_bits", "smooth_alpha", "calib_samples", "calib_seq_len", "w8a8_linears"):
         value = getattr(args, field, None)
         if value is not None:
-            over[field] = value
+            over[field] = tuple(value) if isinstance(value, list) else value
     return get_preset(args.config, **over)
 
 

@@ -8,6 +8,7 @@ top of the model and the calibration hidden states.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import time
@@ -260,11 +261,16 @@ def quantize_model(source, cfg: QuantConfig, calib: CalibrationSet, device: str 
         infos = []
         for index, layer in enumerate(layers):
             info: dict = {}
+            hessians = cfg.gptq and cfg.w_bits != 16
+            sequential = cfg.true_sequential and _needs_statistics(cfg)
             # one measuring pass: the transforms below only permute and rescale the
-            # o_proj / down_proj inputs, so their Hessians and samples follow exactly
-            cap = LayerCapture(layer, LINEARS, arch, hessians=cfg.gptq and cfg.w_bits != 16)
+            # o_proj / down_proj inputs, so their Hessians and samples follow exactly.
+            # True-sequential: only the first linear's Hessian comes from it, the
+            # others' from passes through the quantized linears before them
+            cap = LayerCapture(layer, LINEARS, arch, hessians=hessians and not sequential)
+            first = LayerCapture(layer, LINEARS[:1], arch, hessians=hessians) if sequential else cap
             if _needs_statistics(cfg):
-                with cap:
+                with cap, first if sequential else contextlib.nullcontext():
                     _run_layer(layer, hidden, seq_len)
                 _transform_layer(layer, cap, cfg, arch, info)
             for i, name in enumerate(LINEARS):
@@ -272,12 +278,13 @@ def quantize_model(source, cfg: QuantConfig, calib: CalibrationSet, device: str 
                 key = f"layers.{index}.{name}"
                 if float_weights is not None:
                     float_weights[key] = layer.get_submodule(name).weight.detach().clone()
-                if i and cfg.true_sequential and _needs_statistics(cfg) and not cfg.keeps_w8a8(key):
+                linear_cap = first if i == 0 else cap
+                if i and sequential and not cfg.keeps_w8a8(key):
                     # this linear's inputs again, now from the quantized linears before it
-                    cap = LayerCapture(layer, [name], arch, hessians=cfg.gptq and cfg.w_bits != 16)
-                    with cap:
+                    linear_cap = LayerCapture(layer, [name], arch, hessians=hessians)
+                    with linear_cap:
                         _run_layer(layer, hidden, seq_len, stop_at=name)
-                _quantize_linear(layer.get_submodule(name), cap, cfg, info, name, key)
+                _quantize_linear(layer.get_submodule(name), linear_cap, cfg, info, name, key)
             hidden = _run_layer(layer, hidden, seq_len)
             infos.append(info)
         if cfg.is_qoq_format:
