@@ -7,7 +7,8 @@ on the first windows of the license texts. docs/accuracy.md ("Where the W4
 loss is") lists the runs made with it.
 
     OMP_NUM_THREADS=1 python scripts/sensitivity.py --windows 4 --out /tmp/sens.jsonl
-    python scripts/sensitivity.py --set true_sequential=True --cache /tmp/ts.pt
+    python scripts/sensitivity.py --set true_sequential=True --cache /tmp/ts.pt --windows 0 --groups base
+    python scripts/sensitivity.py --groups base --keep 'layers.0.*,*.mlp.down_proj'
 
 Groups: each linear type over all layers ("type:mlp.down_proj"), each
 layer's four linears ("layer:7"), and --pairs: each (layer, linear) of the
@@ -18,6 +19,7 @@ upstream GPTQ was calibrated on the W4 version: an estimate, not a re-run).
 import argparse
 import ast
 import copy
+import fnmatch
 import json
 import math
 import os
@@ -40,7 +42,11 @@ def parse_args():
     p.add_argument("--set", nargs="*", default=[], help="QuantConfig overrides, e.g. true_sequential=True")
     p.add_argument("--windows", type=int, default=4,
                    help="512-token windows of the license texts scored (0: all)")
-    p.add_argument("--only-base", action="store_true", help="measure the quantized model only")
+    p.add_argument("--groups", default="base,types,layers,all",
+                   help="comma-separated, in order: base, types, layers, all (every linear W8A8)")
+    p.add_argument("--keep", nargs="*", default=[], metavar="PATTERNS",
+                   help="extra groups: each a comma-separated list of fnmatch patterns over "
+                        "layers.{i}.{linear} (a mixed recipe, estimated on this model)")
     p.add_argument("--cache", default="/tmp/qoq_sensitivity_g64.pt",
                    help="quantized model + pre-quantization weights, reused when present")
     p.add_argument("--pairs", action="store_true", help="also each linear of the --top costliest layers")
@@ -100,6 +106,22 @@ def keep_w8a8(model, weights: dict, names: list[str]) -> list:
     return saved
 
 
+def linear_bytes(model, keys: set[str], group: int) -> dict:
+    """Bytes of all linears, with `keys` at W8A8: in the checkpoint (fp16 weight,
+    docs/format.md) and resident at run time (INT8 codes + fp32 scale)."""
+    ckpt = resident = 0
+    for i, layer in enumerate(model.layers):
+        for n in LINEARS:
+            lin = layer.get_submodule(n)
+            out, k = lin.out_features, lin.in_features
+            if f"layers.{i}.{n}" in keys:
+                ckpt, resident = ckpt + 2 * out * k, resident + out * k + 4 * out
+            else:  # packed codes, s2 + zero per group, fp16 s1
+                w4 = out * k // 2 + 2 * out * (k // group) + 2 * out
+                ckpt, resident = ckpt + w4, resident + w4
+    return {"linear_bytes_checkpoint": ckpt, "linear_bytes_resident": resident}
+
+
 def restore(saved: list) -> None:
     for parent, attr, module in saved:
         setattr(parent, attr, module)
@@ -115,26 +137,32 @@ def main() -> None:
     scorer = Scorer(build_fp_model(source, get_preset("rtn-kv4", kv_bits=16), "cpu"), ids, args.windows)
     model, weights, seconds = quantized(source, cfg, args.cache)
     num_layers = len(model.layers)
-    groups = [("all W4 (as quantized)", [])]
-    groups += [(f"type:{n}", [f"layers.{i}.{n}" for i in range(num_layers)]) for n in LINEARS]
-    groups += [(f"layer:{i}", [f"layers.{i}.{n}" for n in LINEARS]) for i in range(num_layers)]
-    groups.append(("all W8A8", [f"layers.{i}.{n}" for i in range(num_layers) for n in LINEARS]))
+    every = [f"layers.{i}.{n}" for i in range(num_layers) for n in LINEARS]
+    kinds = {"base": [("all W4 (as quantized)", [])],
+             "types": [(f"type:{n}", [f"layers.{i}.{n}" for i in range(num_layers)]) for n in LINEARS],
+             "layers": [(f"layer:{i}", [f"layers.{i}.{n}" for n in LINEARS]) for i in range(num_layers)],
+             "all": [("all W8A8", every)]}
+    groups = [g for kind in args.groups.split(",") for g in kinds[kind]]
+    for keep in args.keep:
+        patterns = keep.split(",")
+        groups.append((f"keep:{keep}", [k for k in every if any(fnmatch.fnmatchcase(k, p) for p in patterns)]))
     results = []
 
     def run(name, names):
         saved = keep_w8a8(model, weights, names)
         r = {"group": name, "linears": len(names), **scorer(model), "config": cfg.name, "set": args.set,
-             "quantize_s": round(seconds)}
+             "quantize_s": round(seconds), **linear_bytes(model, set(names), cfg.group_size)}
         restore(saved)
         results.append(r)
         print(f"{name:28s} KL {r['kl_mean']:.4f}  top1 {100 * r['same_top']:.1f}%  "
-              f"ppl {r['ppl']:.3f} ({100 * (r['ppl'] / r['fp_ppl'] - 1):+.1f}%)", flush=True)
+              f"ppl {r['ppl']:.3f} ({100 * (r['ppl'] / r['fp_ppl'] - 1):+.1f}%)  "
+              f"linears {r['linear_bytes_checkpoint'] / 2**20:.1f} MiB", flush=True)
         if args.out:
             with open(args.out, "a") as f:
                 f.write(json.dumps(r) + "\n")
 
     print(f"quantized in {seconds:.0f}s", flush=True)
-    for name, names in groups[:1] if args.only_base else groups:
+    for name, names in groups:
         run(name, names)
     if args.pairs:
         by_layer = sorted((r for r in results if r["group"].startswith("layer:")), key=lambda r: r["kl_mean"])

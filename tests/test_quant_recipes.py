@@ -44,13 +44,16 @@ def _quantize_recording(monkeypatch, source, true_sequential: bool):
     return result, seen, data
 
 
-def _first_layer_hessian(model, data, name: str) -> torch.Tensor:
-    """The Hessian of layer 0's `name` inputs as the finished (all-quantized) model makes them."""
+def _hessian(model, data, layer: int, name: str) -> torch.Tensor:
+    """The Hessian of layer `layer`'s `name` inputs as the finished (all-quantized) model makes them."""
     seq_len = len(data.samples[0])
     hidden = torch.nn.functional.embedding(torch.tensor(data.samples).reshape(-1), model.embed_tokens)
-    cap = LayerCapture(model.layers[0], [name], model.cfg, hessians=True)
-    with torch.no_grad(), cap:
-        pipeline._run_layer(model.layers[0], hidden, seq_len, stop_at=name)
+    with torch.no_grad():
+        for earlier in model.layers[:layer]:
+            hidden = pipeline._run_layer(earlier, hidden, seq_len)
+        cap = LayerCapture(model.layers[layer], [name], model.cfg, hessians=True)
+        with cap:
+            pipeline._run_layer(model.layers[layer], hidden, seq_len, stop_at=name)
     return cap.hessians[name].hessian()
 
 
@@ -60,13 +63,16 @@ def test_each_linear_sees_the_quantized_linears_before_it(monkeypatch, source):
     assert len(seen) == 2 * len(pipeline.LINEARS)  # one GPTQ call per linear per layer
     _, seen_plain, _ = _quantize_recording(monkeypatch, source, False)
     for i, name in enumerate(pipeline.LINEARS[1:], start=1):
-        want = _first_layer_hessian(result.model, data, name)
+        want = _hessian(result.model, data, 0, name)
         scale = want.abs().max()
         assert (seen[i] - want).abs().max() <= 1e-5 * scale, name
         # without it the Hessian is the FP layer's: measurably different
         assert (seen_plain[i] - want).abs().max() > 1e-3 * scale, name
     # the first linear's inputs have no quantized linear before them in the layer
     torch.testing.assert_close(seen[0], seen_plain[0])
+    # the staged layer's output is the quantized layer's: layer 1 sees it
+    want = _hessian(result.model, data, 1, pipeline.LINEARS[0])
+    assert (seen[len(pipeline.LINEARS)] - want).abs().max() <= 1e-5 * want.abs().max()
 
 
 KEPT = ("layers.0.mlp.down_proj", "layers.0.self_attn.o_proj", "layers.1.self_attn.o_proj")
