@@ -29,6 +29,7 @@ import torch
 
 from qoqserve.eval.kl import token_kl
 from qoqserve.eval.perplexity import LICENSE_TEXTS, read_texts, scored_windows
+from qoqserve.layers.attention import AttentionMetadata
 from qoqserve.model_loader import load_model_source
 from qoqserve.quant import sim
 from qoqserve.quant.calibration import load_calibration
@@ -78,10 +79,34 @@ class Scorer:
             ref = torch.log_softmax(fp_model.prompt_logits(chunk, rows), -1)
             self.chunks.append((chunk, rows, targets, ref))
 
-    def __call__(self, model) -> dict:
+        self.states = None  # per window, (h, delta) at each layer's input in the unchanged model
+
+    @torch.inference_mode()
+    def _logits(self, model, w: int, chunk: list[int], rows: list[int], start: int) -> torch.Tensor:
+        """prompt_logits, from layer `start` on when the layers before it are unchanged."""
+        n = len(chunk)
+        meta = AttentionMetadata(True, None, None, None, [0, n], [0])
+        positions = torch.arange(n)
+        if start:
+            h, delta = self.states[w][start]
+        else:
+            h, delta = model.token_ops.embed(torch.tensor(chunk), model.embed_tokens), None
+        record = self.states is not None and len(self.states[w]) == 0
+        for i in range(start, len(model.layers)):
+            if record:
+                self.states[w].append((h, delta))
+            h, delta = model.layers[i](positions, h, meta, None, delta)
+        hidden = model.norm(h, delta)[0]
+        return model.compute_logits(hidden[torch.tensor(rows)]).float()
+
+    def remember(self) -> None:
+        """The next call's model is the base: keep its per-layer states."""
+        self.states = [[] for _ in self.chunks]
+
+    def __call__(self, model, start: int = 0) -> dict:
         kls, same, nll, ref_nll, n = [], 0, 0.0, 0.0, 0
-        for chunk, rows, targets, ref in self.chunks:
-            logits = model.prompt_logits(chunk, rows)
+        for w, (chunk, rows, targets, ref) in enumerate(self.chunks):
+            logits = self._logits(model, w, chunk, rows, start)
             kls.append(token_kl(ref, logits))
             same += int((ref.argmax(-1) == logits.argmax(-1)).sum())
             nll -= float(torch.log_softmax(logits, -1).gather(1, targets).double().sum())
@@ -150,7 +175,11 @@ def main() -> None:
 
     def run(name, names):
         saved = keep_w8a8(model, weights, names)
-        r = {"group": name, "linears": len(names), **scorer(model), "config": cfg.name, "set": args.set,
+        # the layers before the first swapped one run as in the base model
+        start = min((int(k.split(".")[1]) for k in names), default=0) if scorer.states else 0
+        if not names:
+            scorer.remember()
+        r = {"group": name, "linears": len(names), **scorer(model, start), "config": cfg.name, "set": args.set,
              "quantize_s": round(seconds), **linear_bytes(model, set(names), cfg.group_size)}
         restore(saved)
         results.append(r)

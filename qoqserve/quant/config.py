@@ -36,10 +36,12 @@ class QuantConfig:
     gptq: bool = True             # error-compensating rounding
     group_search: bool = True     # level-2 (s2, z) by weighted error search, not by range
     # inside a layer, each linear's GPTQ Hessian (and clip samples) from the
-    # inputs that the already-quantized linears before it produce
+    # inputs that the already-quantized linears before it produce; off: it did
+    # not help on SmolLM2 (docs/accuracy.md)
     true_sequential: bool = False
-    # linears kept at W8A8 (per-channel INT8 weights, per-token INT8 activations):
-    # fnmatch patterns over "layers.{i}.{linear}", e.g. "layers.0.*", "*.mlp.down_proj"
+    # the mixed recipe: linears kept at W8A8 (per-channel INT8 weights, per-token
+    # INT8 activations), fnmatch patterns over "layers.{i}.{linear}", e.g.
+    # "layers.0.*", "*.mlp.down_proj" (bytes and accuracy: docs/accuracy.md)
     w8a8_linears: tuple[str, ...] = ()
     # 128 x 512 asks for more than the shipped text holds: all of it is used
     # (fewer windows cost accuracy: docs/accuracy.md)
