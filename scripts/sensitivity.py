@@ -163,7 +163,7 @@ def main() -> None:
     model, weights, seconds = quantized(source, cfg, args.cache)
     num_layers = len(model.layers)
     every = [f"layers.{i}.{n}" for i in range(num_layers) for n in LINEARS]
-    kinds = {"base": [("all W4 (as quantized)", [])],
+    kinds = {"base": [("as quantized", [])],
              "types": [(f"type:{n}", [f"layers.{i}.{n}" for i in range(num_layers)]) for n in LINEARS],
              "layers": [(f"layer:{i}", [f"layers.{i}.{n}" for n in LINEARS]) for i in range(num_layers)],
              "all": [("all W8A8", every)]}
@@ -179,8 +179,9 @@ def main() -> None:
         start = min((int(k.split(".")[1]) for k in names), default=0) if scorer.states else 0
         if not names:
             scorer.remember()
+        w8a8 = set(names) | set(cfg.w8a8_names(num_layers))
         r = {"group": name, "linears": len(names), **scorer(model, start), "config": cfg.name, "set": args.set,
-             "quantize_s": round(seconds), **linear_bytes(model, set(names), cfg.group_size)}
+             "quantize_s": round(seconds), **linear_bytes(model, w8a8, cfg.group_size)}
         restore(saved)
         results.append(r)
         print(f"{name:28s} KL {r['kl_mean']:.4f}  top1 {100 * r['same_top']:.1f}%  "
