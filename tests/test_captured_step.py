@@ -23,10 +23,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprob
 
 
 @needs_c
+@pytest.mark.parametrize("n", [300, 301])
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_float_linear_is_batch_invariant_and_isa_independent(wdtype):
+def test_float_linear_is_batch_invariant_and_isa_independent(wdtype, n):
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(300, 77, generator=g).to(wdtype)  # N, K not multiples of the tiles or lanes
+    w = torch.randn(n, 77, generator=g).to(wdtype)  # N, K not multiples of the tiles or lanes
     x = torch.randn(37, 77, generator=g)
     y = float_linear.float_linear(x, w)
     assert torch.equal(y, float_linear.float_linear(x, w, use_simd=False))  # same bits, any ISA
