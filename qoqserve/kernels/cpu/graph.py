@@ -111,7 +111,20 @@ class StepGraph:
                 self.output = fn(*args)
         finally:
             _recording = None
+        self._freeze()
         return self.output
+
+    def _freeze(self) -> None:
+        """Convert each recorded call's arguments to ctypes objects once: a
+        replay repeats them unchanged, and converting Python ints per call is
+        most of ctypes' ~2 us overhead for a 16-argument kernel."""
+        frozen = []
+        for fn, args in self.ops:
+            types = getattr(fn, "argtypes", None)
+            if types and len(types) == len(args):
+                args = tuple(a if a is None or isinstance(a, t) else t(a) for t, a in zip(types, args))
+            frozen.append((fn, args))
+        self.ops = frozen
 
     def replay(self):
         for fn, args in self.ops:
