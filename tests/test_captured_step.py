@@ -186,6 +186,33 @@ def test_a_kernel_refusing_its_arguments_at_capture_leaves_steps_op_by_op(qoq_ti
     assert outs == eager
 
 
+@needs_c
+def test_a_captured_graph_replays_natively_with_the_eager_results():
+    """Captured calls run as one native plan (replay.c) where it builds; its
+    outputs equal the eager calls', and a kernel returning nonzero is named."""
+    import ctypes
+
+    from qoqserve.kernels.cpu import replay
+    if replay.load() is None:
+        pytest.fail("replay.c must build where the other kernels do (libffi)")
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(64, 33, generator=g).bfloat16(), torch.randn(5, 33, generator=g)
+    sg = graph.StepGraph()
+    out = sg.capture(lambda: elementwise.silu_mul(float_linear.float_linear(x, w)))
+    assert sg._plan is not None  # the native plan, not the Python loop
+    out.zero_()  # recording computed nothing: the replay writes every value
+    assert torch.equal(sg.replay(), elementwise.silu_mul(float_linear.float_linear(x, w)))
+    libc_abs = ctypes.CDLL(None).abs
+    libc_abs.argtypes, libc_abs.restype = [ctypes.c_int], ctypes.c_int
+    bad = replay.NativePlan([(libc_abs, (0,)), (libc_abs, (-3,))])  # abs(-3) = 3: "failed"
+    with pytest.raises(RuntimeError, match="abs"):
+        bad.run()
+    odd = ctypes.CDLL(None).abs
+    odd.argtypes, odd.restype = [ctypes.c_char], ctypes.c_int
+    with pytest.raises(ValueError):  # an argument type it cannot encode: graph.py replays in Python
+        replay.NativePlan([(odd, (b"a",))])
+
+
 def test_capture_sizes_are_validated():
     from qoqserve.config import EngineConfig
     assert EngineConfig(capture_sizes="8, 1,4").capture_size_list() == [1, 4, 8]
