@@ -18,7 +18,7 @@ KV_CACHE_DTYPES = ("auto", "int4", "int8", "float16", "fp16", "bfloat16", "bf16"
 KERNELS = ("auto", "torch", "cpu", "triton")
 W4A8_BACKENDS = ("auto", "packed", "torch-int8", "torch-int8-percall", "sim", "triton")
 QUANTIZATIONS = ("w8a8",)
-LM_HEAD_DTYPES = ("auto", "int8")
+LM_HEAD_DTYPES = ("auto", "int8", "float")
 
 
 def opt(default, help: str, **extra):
@@ -106,10 +106,12 @@ class EngineConfig:
                                          "baseline); QoQ W4A8 needs a `qoqserve quantize` checkpoint",
                                    choices=QUANTIZATIONS)
     # the first step pays the compile (~30 s on 2 cores, cached on disk afterwards)
-    lm_head_dtype: str = opt("auto", "LM head weights: auto (the model's; on CPU a lossless bf16/fp16 "
-                                     "copy where one exists) or int8 (per-channel INT8 weights, INT8 "
-                                     "activations: half of bf16's bytes, at a perplexity cost: "
-                                     "docs/accuracy.md)", choices=LM_HEAD_DTYPES)
+    lm_head_dtype: str = opt("auto", "LM head weights: float (the model's; on CPU a lossless "
+                                     "bf16/fp16 copy where one exists), int8 (per-channel INT8 "
+                                     "weights, INT8 activations: half of bf16's bytes, at a small "
+                                     "perplexity cost: docs/accuracy.md), or auto: int8 for QoQ "
+                                     "checkpoints on the CPU kernels, float otherwise",
+                             choices=LM_HEAD_DTYPES)
     compile: bool = opt(False, "torch.compile the decode attention of the torch path")
     enforce_eager: bool = opt(False, "run every step op by op: no captured decode steps (CPU; "
                                      "docs/runtime.md)")

@@ -186,9 +186,9 @@ def main():
         m1 = verdict[1, "int8"][i] / verdict[1, "packed"][i]
         m32 = verdict[32, "int8"][i] / verdict[32, "packed"][i]
         ok = m1 >= 1.0 and m32 >= 1 / 1.1
-        verdict = "qualifies as the default" if ok else "does NOT qualify"
+        outcome = "qualifies as the default" if ok else "does NOT qualify"
         print(f"# decision rule (issue 17), {what}: packed/int8 speed {m1:.2f}x at M=1 (needs >= 1), "
-              f"{m32:.2f}x at M=32 (needs >= {1 / 1.1:.2f}): packed kernel {verdict}")
+              f"{m32:.2f}x at M=32 (needs >= {1 / 1.1:.2f}): packed kernel {outcome}")
 
 
 if __name__ == "__main__":

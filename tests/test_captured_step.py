@@ -23,10 +23,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprob
 
 
 @needs_c
+@pytest.mark.parametrize("n", [300, 301])
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_float_linear_is_batch_invariant_and_isa_independent(wdtype):
+def test_float_linear_is_batch_invariant_and_isa_independent(wdtype, n):
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(300, 77, generator=g).to(wdtype)  # N, K not multiples of the tiles or lanes
+    w = torch.randn(n, 77, generator=g).to(wdtype)  # N, K not multiples of the tiles or lanes
     x = torch.randn(37, 77, generator=g)
     y = float_linear.float_linear(x, w)
     assert torch.equal(y, float_linear.float_linear(x, w, use_simd=False))  # same bits, any ISA
@@ -183,6 +184,33 @@ def test_a_kernel_refusing_its_arguments_at_capture_leaves_steps_op_by_op(qoq_ti
     outs, stats = _outputs(qoq_tiny, prompts, dtype="float32", capture_sizes="1,2")
     assert stats["captured_decode_sizes"] == []
     assert outs == eager
+
+
+@needs_c
+def test_a_captured_graph_replays_natively_with_the_eager_results():
+    """Captured calls run as one native plan (replay.c) where it builds; its
+    outputs equal the eager calls', and a kernel returning nonzero is named."""
+    import ctypes
+
+    from qoqserve.kernels.cpu import replay
+    if replay.load() is None:
+        pytest.fail("replay.c must build where the other kernels do (libffi)")
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(64, 33, generator=g).bfloat16(), torch.randn(5, 33, generator=g)
+    sg = graph.StepGraph()
+    out = sg.capture(lambda: elementwise.silu_mul(float_linear.float_linear(x, w)))
+    assert sg._plan is not None  # the native plan, not the Python loop
+    out.zero_()  # recording computed nothing: the replay writes every value
+    assert torch.equal(sg.replay(), elementwise.silu_mul(float_linear.float_linear(x, w)))
+    libc_abs = ctypes.CDLL(None).abs
+    libc_abs.argtypes, libc_abs.restype = [ctypes.c_int], ctypes.c_int
+    bad = replay.NativePlan([(libc_abs, (0,)), (libc_abs, (-3,))])  # abs(-3) = 3: "failed"
+    with pytest.raises(RuntimeError, match="abs"):
+        bad.run()
+    odd = ctypes.CDLL(None).abs
+    odd.argtypes, odd.restype = [ctypes.c_char], ctypes.c_int
+    with pytest.raises(ValueError):  # an argument type it cannot encode: graph.py replays in Python
+        replay.NativePlan([(odd, (b"a",))])
 
 
 def test_capture_sizes_are_validated():

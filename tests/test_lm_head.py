@@ -66,7 +66,7 @@ def test_an_engine_with_the_int8_head_replays_its_captured_steps(tmp_path):
     runs = {}
     for name, kw in {"eager": {"enforce_eager": True}, "captured": {"capture_sizes": "1,2,4"},
                      "float": {}}.items():
-        llm = LLM(path, kv_cache_gb=0.05, dtype="float32", lm_head_dtype="auto" if name == "float" else "int8", **kw)
+        llm = LLM(path, kv_cache_gb=0.05, dtype="float32", lm_head_dtype=name if name == "float" else "int8", **kw)
         runs[name] = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, GREEDY)]
         runs[name + "_stats"] = llm.engine.stats()
         del llm
@@ -75,3 +75,20 @@ def test_an_engine_with_the_int8_head_replays_its_captured_steps(tmp_path):
     assert runs["captured_stats"]["captured_decode_sizes"] == [1, 2, 4]
     assert runs["captured"] == runs["eager"]
     assert runs["float"] != runs["eager"]  # the option changes the numbers: it ran
+
+
+def test_auto_gives_qoq_checkpoints_the_int8_head_on_cpu_and_others_the_float_one():
+    from qoqserve.engine.backends import logits_head
+    from qoqserve.layers.quantization import KernelChoice
+    from qoqserve.layers.quantization.fp import UnquantizedConfig
+    from qoqserve.layers.quantization.qoq import QoQConfig
+    from qoqserve.layers.quantization.w8a8 import W8A8Config
+    cpu = KernelChoice(kernels="cpu", w4a8="packed")
+    qoq, fp, w8a8 = QoQConfig(group_size=64, kv_bits=4), UnquantizedConfig(), W8A8Config()
+    assert isinstance(logits_head("auto", cpu, True, torch.float32, qoq), Int8LogitsHead)
+    for quant in (fp, w8a8):
+        assert isinstance(logits_head("auto", cpu, True, torch.float32, quant), CpuLogitsHead)
+    assert not isinstance(logits_head("float", cpu, True, torch.float32, qoq), Int8LogitsHead)
+    assert isinstance(logits_head("int8", cpu, True, torch.float32, fp), Int8LogitsHead)
+    with pytest.raises(ValueError, match="lm_head_dtype"):
+        logits_head("fp8", cpu, True, torch.float32, qoq)

@@ -329,3 +329,31 @@ def test_export_hf_dir_round_trips_the_embedded_model(tmp_path):
     assert ids["input_ids"][0].tolist() == ref.prompt_token_ids
     gen = hf.generate(**ids, max_new_tokens=12, do_sample=False)[0, len(ref.prompt_token_ids):]
     assert gen.tolist() == ref.token_ids
+
+
+def test_gguf_shards_read_only_their_rows_and_blocks(default_source, monkeypatch):
+    """Tensor-parallel ranks read GGUF tensors lazily: a narrowed tensor equals
+    the whole tensor narrowed (q/k un-permuted per head, unaligned cuts too),
+    and dequantization sees only the rows and blocks of the slice."""
+    names = ["model.layers.3.self_attn.q_proj.weight", "model.layers.3.self_attn.k_proj.weight",
+             "model.layers.3.self_attn.o_proj.weight", "model.layers.3.mlp.down_proj.weight",
+             "model.embed_tokens.weight", "model.layers.3.input_layernorm.weight"]
+    full = {n: w for n, w in default_source.iter_tensors() if n in names}
+    lazy = {n: w for n, w in default_source.iter_tensors(lazy=True) if n in names}
+    seen = []
+    real = gguf.quants.dequantize
+    monkeypatch.setattr(gguf.quants, "dequantize", lambda raw, qtype: seen.append(raw.nbytes) or real(raw, qtype))
+    cuts = {"q_proj": [(0, 64, 192), (0, 30, 70)], "k_proj": [(0, 64, 64)], "o_proj": [(1, 192, 192), (1, 5, 40)],
+            "down_proj": [(1, 768, 768), (0, 100, 1)], "embed_tokens": [(0, 16384, 16384)],
+            "input_layernorm": [(0, 100, 50)]}
+    for name in names:
+        for dim, start, length in cuts[name.split(".")[-2]]:
+            got = lazy[name].narrow(dim, start, length).materialize()
+            assert torch.equal(got, full[name].narrow(dim, start, length)), (name, dim, start, length)
+    # o_proj [576, 576] Q4_1, columns 192:384: 6 blocks of 20 bytes per row
+    seen.clear()
+    lazy["model.layers.3.self_attn.o_proj.weight"].narrow(1, 192, 192).materialize()
+    assert seen == [576 * 6 * 20]
+    seen.clear()
+    lazy["model.embed_tokens.weight"].narrow(0, 16384, 16384).materialize()  # a third of the Q8_0 rows
+    assert seen == [16384 * 18 * 34]

@@ -28,7 +28,8 @@ def test_runtime_perplexity_equals_simulation(quantized, default_source):
     result, path = quantized
     ids = default_source.tokenizer.encode(read_texts(LICENSE_TEXTS[1:]))[:1024]
     sim = perplexity(result.model.prompt_logprobs, ids, 512, 512)
-    llm = LLM(path, dtype="float32", kv_cache_gb=0.05, quantized_prefill=True)
+    # the float LM head: the simulation's (auto picks INT8 for QoQ, tests/test_lm_head.py)
+    llm = LLM(path, dtype="float32", kv_cache_gb=0.05, quantized_prefill=True, lm_head_dtype="float")
     assert "w4a8-g64/packed+vnni" in llm.engine.stats()["linear_paths"]  # the packed 4-bit C kernel
     runtime = perplexity(llm.engine.prompt_logprobs, ids, 512, 512)
     # the runtime's C norms and LM head sum in another order than torch's ops,

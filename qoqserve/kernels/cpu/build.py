@@ -55,7 +55,10 @@ def _build(source: str, flags: list[str]) -> str:
     os.makedirs(out_dir, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
-    subprocess.run([cc, *all_flags, "-o", tmp, source, "-lm"], check=True, capture_output=True)
+    # libraries (-l...) after the source, where the linker looks for what it needs
+    compile_flags = [f for f in all_flags if not f.startswith("-l")]
+    libs = [f for f in all_flags if f.startswith("-l")]
+    subprocess.run([cc, *compile_flags, "-o", tmp, source, *libs, "-lm"], check=True, capture_output=True)
     os.replace(tmp, path)  # atomic: a concurrent process never loads a half-written file
     return path
 

@@ -13,13 +13,14 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 #include "bf16.h"
 
-enum { LANES = 16 };
+enum { LANES = 16, PANEL_ROWS = 4 };  /* PANEL_ROWS: NR of the SIMD tiles */
 
 enum { W_FP32 = 0, W_BF16 = 1, W_FP16 = 2 };  /* w_kind: the weight dtype */
 
@@ -67,63 +68,94 @@ SIMD static inline __m512 load_w(const void *w, int w_kind, int64_t i, __mmask16
     return _mm512_maskz_loadu_ps(mask, (const float *)w + i);
 }
 
-/* the lane tree of lane_tree(), in registers */
-SIMD static inline float reduce(__m512 v) {
-    __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v),
-                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-    __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
-    __m128 d = _mm_add_ss(c, _mm_shuffle_ps(c, c, 1));
-    return _mm_cvtss_f32(d);
+/* The lane trees of up to 16 accumulators at once: v[j] -> lane j of the
+ * result is lane_tree(v[j]) (same pairs, l + 8, l + 4, l + 2, l + 1, so the
+ * same bits), in 15 adds and 30 shuffles instead of 16 separate reductions. */
+SIMD static inline __m512 reduce16(const __m512 *v) {
+    __m512 s[8], t[4], u[2];
+    for (int p = 0; p < 8; p++)  /* l + 8: 128-bit chunks {0,1} + {2,3} of each vector */
+        s[p] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0xEE));
+    for (int p = 0; p < 4; p++)  /* l + 4: chunks {0,2} + {1,3} */
+        t[p] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * p], s[2 * p + 1], 0x88),
+                             _mm512_shuffle_f32x4(s[2 * p], s[2 * p + 1], 0xDD));
+    for (int p = 0; p < 2; p++)  /* l + 2, within each chunk */
+        u[p] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * p], t[2 * p + 1], 0x44),
+                             _mm512_shuffle_ps(t[2 * p], t[2 * p + 1], 0xEE));
+    /* l + 1; lane 4c + e now holds the sum of vector 4e + c */
+    const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], 0x88), _mm512_shuffle_ps(u[0], u[1], 0xDD));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), f);
 }
 
-enum { MR = 4, NR = 4, NR_WIDE = 8 };  /* MR x NR, or 1-2 rows x NR_WIDE */
+enum { MR = 4, NR = PANEL_ROWS, NR_WIDE = 8 };  /* MR x NR, or 1-2 rows x NR_WIDE: at most 16 sums */
 
-/* an mr x nr tile (at most MR x NR); inlined with constant sizes, its
- * accumulators live in registers */
-SIMD static inline __attribute__((always_inline)) void tile(const float *x, int64_t K, const void *w, int w_kind, int64_t m0, int mr,
-                             int64_t n0, int nr, int64_t N, float *y) {
-    __m512 acc[MR][NR_WIDE];
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nr; j++) acc[i][j] = _mm512_setzero_ps();
+/* an mr x nr tile (mr * nr <= 16); inlined with constant sizes, its
+ * accumulators live in registers. wk: the weights' kind, or W_FP32 when w is
+ * an fp32 panel already converted (row stride wstride elements). */
+SIMD static inline __attribute__((always_inline)) void tile(const float *x, int64_t K, const void *w, int w_kind,
+                                                            int64_t wstride, int64_t m0, int mr, int64_t n0,
+                                                            int nr, int64_t N, float *y) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += LANES) {
         const __mmask16 mask = K - k >= LANES ? (__mmask16)0xffff : (__mmask16)((1u << (K - k)) - 1);
         __m512 wv[NR_WIDE], xv[MR];
         if (mr <= 2) {  /* a GEMV streams the weights: fetch two tiles ahead */
             const int es = w_kind == W_FP32 ? 4 : 2;
             for (int j = 0; j < nr; j++)
-                _mm_prefetch((const char *)w + ((n0 + 2 * nr + j) * K + k) * es, _MM_HINT_T0);
+                _mm_prefetch((const char *)w + ((n0 + 2 * nr + j) * wstride + k) * es, _MM_HINT_T0);
         }
-        for (int j = 0; j < nr; j++) wv[j] = load_w(w, w_kind, (n0 + j) * K + k, mask);
+        for (int j = 0; j < nr; j++) wv[j] = load_w(w, w_kind, (n0 + j) * wstride + k, mask);
         for (int i = 0; i < mr; i++) xv[i] = _mm512_maskz_loadu_ps(mask, x + (m0 + i) * K + k);
         for (int i = 0; i < mr; i++)
-            for (int j = 0; j < nr; j++) acc[i][j] = _mm512_fmadd_ps(xv[i], wv[j], acc[i][j]);
+            for (int j = 0; j < nr; j++) acc[i * nr + j] = _mm512_fmadd_ps(xv[i], wv[j], acc[i * nr + j]);
     }
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nr; j++) y[(m0 + i) * N + n0 + j] = reduce(acc[i][j]);
+    float out[16];
+    _mm512_storeu_ps(out, reduce16(acc));
+    for (int i = 0; i < mr; i++) memcpy(y + (m0 + i) * N + n0, out + i * nr, (size_t)nr * sizeof(float));
+}
+
+/* NR rows of W (n0..) as fp32, K zero-padded to kp: converted once, then read
+ * by every row tile of x */
+SIMD static void to_panel(const void *w, int w_kind, int64_t K, int64_t kp, int64_t n0, int nr, float *panel) {
+    for (int j = 0; j < nr; j++)
+        for (int64_t k = 0; k < kp; k += LANES) {
+            const __mmask16 mask = K - k >= LANES ? (__mmask16)0xffff
+                                 : K > k ? (__mmask16)((1u << (K - k)) - 1) : (__mmask16)0;
+            _mm512_storeu_ps(panel + j * kp + k, load_w(w, w_kind, (n0 + j) * K + k, mask));
+        }
 }
 
 SIMD static void rows_simd(const float *x, int64_t M, int64_t K, const void *w, int w_kind,
-                           int64_t n_lo, int64_t n_hi, int64_t N, float *y) {
+                           int64_t n_lo, int64_t n_hi, int64_t N, float *y, float *panel) {
     if (M <= 2) {  /* decode: a GEMV, more weight rows in flight */
         for (int64_t n0 = n_lo; n0 < n_hi; n0 += NR_WIDE) {
             const int nr = n_hi - n0 < NR_WIDE ? (int)(n_hi - n0) : NR_WIDE;
-            if (nr < NR_WIDE) tile(x, K, w, w_kind, 0, (int)M, n0, nr, N, y);
-            else if (M == 2) tile(x, K, w, w_kind, 0, 2, n0, NR_WIDE, N, y);
-            else tile(x, K, w, w_kind, 0, 1, n0, NR_WIDE, N, y);
+            if (nr < NR_WIDE) tile(x, K, w, w_kind, K, 0, (int)M, n0, nr, N, y);
+            else if (M == 2) tile(x, K, w, w_kind, K, 0, 2, n0, NR_WIDE, N, y);
+            else tile(x, K, w, w_kind, K, 0, 1, n0, NR_WIDE, N, y);
         }
         return;
     }
+    const int64_t kp = (K + LANES - 1) / LANES * LANES;
     for (int64_t n0 = n_lo; n0 < n_hi; n0 += NR) {
         const int nr = n_hi - n0 < NR ? (int)(n_hi - n0) : NR;
+        /* without a panel (fp32 weights) the tiles read W in place */
+        const void *wt = w;
+        int wk = w_kind;
+        int64_t ws = K, wn = n0;
+        if (panel) {
+            to_panel(w, w_kind, K, kp, n0, nr, panel);
+            wt = panel, wk = W_FP32, ws = kp, wn = 0;
+        }
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
             const int mr = M - m0 < MR ? (int)(M - m0) : MR;
-            if (nr < NR) { tile(x, K, w, w_kind, m0, mr, n0, nr, N, y); continue; }
+            if (nr < NR) { tile(x, K, wt, wk, ws, m0, mr, wn, nr, N, y + n0 - wn); continue; }
             switch (mr) {
-            case 4: tile(x, K, w, w_kind, m0, 4, n0, NR, N, y); break;
-            case 3: tile(x, K, w, w_kind, m0, 3, n0, NR, N, y); break;
-            case 2: tile(x, K, w, w_kind, m0, 2, n0, NR, N, y); break;
-            default: tile(x, K, w, w_kind, m0, 1, n0, NR, N, y);
+            case 4: tile(x, K, wt, wk, ws, m0, 4, wn, NR, N, y + n0 - wn); break;
+            case 3: tile(x, K, wt, wk, ws, m0, 3, wn, NR, N, y + n0 - wn); break;
+            case 2: tile(x, K, wt, wk, ws, m0, 2, wn, NR, N, y + n0 - wn); break;
+            default: tile(x, K, wt, wk, ws, m0, 1, wn, NR, N, y + n0 - wn);
             }
         }
     }
@@ -132,7 +164,8 @@ SIMD static void rows_simd(const float *x, int64_t M, int64_t K, const void *w, 
 #define HAVE_SIMD 0
 static int simd_supported(void) { return 0; }
 static void rows_simd(const float *x, int64_t M, int64_t K, const void *w, int w_kind,
-                      int64_t n_lo, int64_t n_hi, int64_t N, float *y) {
+                      int64_t n_lo, int64_t n_hi, int64_t N, float *y, float *panel) {
+    (void)panel;
     rows_scalar(x, M, K, w, w_kind, n_lo, n_hi, N, y);
 }
 #endif
@@ -141,7 +174,7 @@ static void rows_simd(const float *x, int64_t M, int64_t K, const void *w, int w
 int float_linear_simd(void) { return simd_supported(); }
 
 /* y = x W^T (+ bias, fp32 [N] or NULL). Returns 0, or -2 when simd is asked
- * for on a CPU without AVX-512. */
+ * for on a CPU without AVX-512, -3 when a panel could not be allocated. */
 int float_linear(const float *x, int64_t M, int64_t K, const void *w, int w_kind, int64_t N,
                  const float *bias, float *y, int simd, int threads) {
     if (simd && !simd_supported()) return -2;
@@ -149,14 +182,26 @@ int float_linear(const float *x, int64_t M, int64_t K, const void *w, int w_kind
     /* output columns in chunks of 64 (a multiple of NR): the chunking never
      * changes a result, only who computes it */
     const int64_t chunk = 64, chunks = (N + chunk - 1) / chunk;
-    #pragma omp parallel for num_threads(threads) schedule(static) if (M * N * K > (1 << 16))
-    for (int64_t c = 0; c < chunks; c++) {
-        const int64_t lo = c * chunk, hi = lo + chunk < N ? lo + chunk : N;
-        if (simd) rows_simd(x, M, K, w, w_kind, lo, hi, N, y);
-        else rows_scalar(x, M, K, w, w_kind, lo, hi, N, y);
-        if (bias)
-            for (int64_t m = 0; m < M; m++)
-                for (int64_t n = lo; n < hi; n++) y[m * N + n] += bias[n];
+    /* bf16/fp16 weights read by more than two row tiles are converted once per
+     * NR rows into a per-thread fp32 panel instead of once per row tile */
+    const int use_panel = simd && w_kind != W_FP32 && M > 8;
+    const int64_t kp = (K + LANES - 1) / LANES * LANES;
+    int failed = 0;
+    #pragma omp parallel num_threads(threads) if (M * N * K > (1 << 16)) reduction(|: failed)
+    {
+        float *panel = use_panel ? malloc((size_t)(PANEL_ROWS * kp) * sizeof(float)) : NULL;
+        if (use_panel && !panel) failed = 1;
+        #pragma omp for schedule(static)
+        for (int64_t c = 0; c < chunks; c++) {
+            const int64_t lo = c * chunk, hi = lo + chunk < N ? lo + chunk : N;
+            if (use_panel && !panel) continue;
+            if (simd) rows_simd(x, M, K, w, w_kind, lo, hi, N, y, panel);
+            else rows_scalar(x, M, K, w, w_kind, lo, hi, N, y);
+            if (bias)
+                for (int64_t m = 0; m < M; m++)
+                    for (int64_t n = lo; n < hi; n++) y[m * N + n] += bias[n];
+        }
+        free(panel);
     }
-    return 0;
+    return failed ? -3 : 0;
 }

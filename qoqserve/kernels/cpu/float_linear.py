@@ -71,6 +71,8 @@ def _float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     rc = graph.launch(load().float_linear, x.data_ptr(), m, k, weight.data_ptr(), WEIGHT_DTYPES[weight.dtype],
                       n, None if bias is None else bias.data_ptr(), y.data_ptr(),
                       int(simd() if use_simd is None else use_simd), torch.get_num_threads())
+    if rc == -3:
+        raise MemoryError("float_linear: could not allocate the per-thread weight panel")
     if rc != 0:
         raise RuntimeError("float_linear: AVX-512 is not available on this CPU")
     return y

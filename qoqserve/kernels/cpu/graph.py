@@ -89,6 +89,7 @@ class StepGraph:
         self.buffers: list[torch.Tensor] = []
         self._arena = arena.buffers if arena is not None else []
         self.output = None
+        self._plan = None
 
     def alloc(self, shape, dtype) -> torch.Tensor:
         i, numel = len(self.buffers), math.prod(shape)
@@ -111,9 +112,37 @@ class StepGraph:
                 self.output = fn(*args)
         finally:
             _recording = None
+        self._freeze()
+        self._native()
         return self.output
 
+    def _freeze(self) -> None:
+        """Convert each recorded call's arguments to ctypes objects once: a
+        replay repeats them unchanged, and converting Python ints per call is
+        most of ctypes' ~2 us overhead for a 16-argument kernel."""
+        frozen = []
+        for fn, args in self.ops:
+            types = getattr(fn, "argtypes", None)
+            if types and len(types) == len(args):
+                args = tuple(t(a) if isinstance(a, (int, float)) else a for t, a in zip(types, args))
+            frozen.append((fn, args))
+        self.ops = frozen
+
+    def _native(self) -> None:
+        """One native plan for every call (replay.c), where it builds and
+        every call's arguments can be encoded; else replay() stays in Python."""
+        # lazy: replay.py builds a C library on first use
+        from qoqserve.kernels.cpu.replay import NativePlan
+
+        try:
+            self._plan = NativePlan(self.ops)
+        except ValueError:
+            self._plan = None
+
     def replay(self):
+        if self._plan is not None:
+            self._plan.run()
+            return self.output
         for fn, args in self.ops:
             if fn(*args):  # every kernel returns 0 (or nothing) on success
                 raise RuntimeError(f"CPU kernel {fn.__name__} failed during a replayed step")

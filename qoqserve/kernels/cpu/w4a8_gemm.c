@@ -27,6 +27,11 @@
  * codes u are the unsigned operand as they are and the zero point is removed
  * in the epilogue: y = s_a*s1*(x_q . u) - (z*s1)*rowsum(x).
  *
+ * One or two rows (decode) take another loop for group layouts: the raw codes
+ * u are vpdpbusd's unsigned operand, and per group and channel the integer
+ * s2 * (x_q . u - z * sum(x_q)) joins the accumulator (tile_codes): the same
+ * INT32 as the expanded operand gives, for half the multiplies per code.
+ *
  * With more rows than one tile holds, the first row tile also stores the
  * expanded operand of its 64 columns to a per-thread panel (64*Kp bytes) that
  * the later row tiles read, so the codes are unpacked once per call.
@@ -125,11 +130,12 @@ static void blocks_scalar(const Job *j, int64_t nb_lo, int64_t nb_hi, int8_t *ro
 #define AVX512_FN SIMD
 #include "int8_act_avx512.h"
 
-/* epilogue of one row of one weight block, from its INT32 accumulator */
-SIMD static inline void store(const Job *j, int64_t m, int64_t nb, __m512i acc) {
+/* epilogue of one row of one weight block from its INT32 accumulator: x_q . w
+ * exactly, or (offset) x_q . (w + 128), the unsigned operand of tile_packed */
+SIMD static inline void store_exact(const Job *j, int64_t m, int64_t nb, __m512i acc, int offset) {
     const int64_t n0 = nb * NB;
     const __mmask16 k = tail_mask(j->N - n0);
-    if (j->gp) acc = _mm512_sub_epi32(acc, _mm512_set1_epi32(128 * j->qsum[m]));
+    if (offset) acc = _mm512_sub_epi32(acc, _mm512_set1_epi32(128 * j->qsum[m]));
     char *y = (char *)j->y + (m * j->N + n0) * (j->out_bf16 ? 2 : 4);
     store_epilogue(acc, j->sa[m], j->s1 + n0, j->zs1 ? j->zs1 + n0 : NULL, j->rowsum ? j->rowsum[m] : 0.f,
                    j->bias ? j->bias + n0 : NULL, y, j->out_bf16, k);
@@ -147,7 +153,7 @@ SIMD static inline __m512i bcast4(const int8_t *p) {
 #define FOR_TILE(X) FOR_ROWS(X, 0) FOR_ROWS(X, 1) FOR_ROWS(X, 2) FOR_ROWS(X, 3)
 #define FOR_BLOCKS(X) X(0) X(1) X(2) X(3)
 #define DECLARE(i, b) __m512i a##i##b = _mm512_setzero_si512();
-#define STORE(i, b) if (i < mr && b < nr) store(j, m0 + i, nb0 + b, a##i##b);
+#define STORE(i, b) if (i < mr && b < nr) store_exact(j, m0 + i, nb0 + b, a##i##b, j->gp != NULL);
 #define DP(i, b, wv, kk) if (i < mr && b < nr) a##i##b = _mm512_dpbusd_epi32(a##i##b, wv, bcast4(x + i * Kp + (kk)));
 #define DP_LO(i, b) DP(i, b, lo##b, 8 * p)
 #define DP_HI(i, b) DP(i, b, hi##b, 8 * p + 4)
@@ -220,6 +226,73 @@ SIMD static inline __attribute__((always_inline)) void tile_panel(
 #define CASE_R(a, b) case (a) * 8 + (b): tile_panel(j, m0, nb0, a, b, panel); break;
 #define ROW(C, a) C(a, 1) C(a, 2) C(a, 3) C(a, 4)
 
+/* Sum of the INT8 values x[0..n) (n a multiple of 8), by sums of absolute
+ * differences of x + 128 against zero */
+SIMD static inline int32_t sum_i8(const int8_t *x, int64_t n) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80), zero = _mm512_setzero_si512();
+    __m512i acc = zero;
+    int64_t k = 0;
+    for (; k + 64 <= n; k += 64)
+        acc = _mm512_add_epi64(acc, _mm512_sad_epu8(_mm512_xor_si512(_mm512_loadu_si512(x + k), flip), zero));
+    if (k < n) {
+        const __mmask64 m = ((__mmask64)1 << (n - k)) - 1;
+        const __m512i v = _mm512_maskz_mov_epi8(m, _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, x + k), flip));
+        acc = _mm512_add_epi64(acc, _mm512_sad_epu8(v, zero));
+    }
+    return (int32_t)(_mm512_reduce_add_epi64(acc) - 128 * n);
+}
+
+/* One or two rows, grouped layouts: the codes u go into vpdpbusd as they are,
+ * P = x_q . u per group, and each group adds s2 * (P - z * sum(x_q)) to the
+ * accumulator: the same integer as tile_packed's sum of s2*(u - z)*x_q, with
+ * half the multiplies per code (no per-code s2*(u - z) expansion). */
+#define FOR_ROWS2(X, b) X(0, b) X(1, b)
+#define FOR_TILE2(X) FOR_ROWS2(X, 0) FOR_ROWS2(X, 1) FOR_ROWS2(X, 2) FOR_ROWS2(X, 3)
+#define DECLARE_G(i, b) __m512i t##i##b = _mm512_setzero_si512(), g##i##b;
+#define ZERO_G(i, b) g##i##b = _mm512_setzero_si512();
+#define DPC(i, b, wv, kk) if (i < mr && b < nr) g##i##b = _mm512_dpbusd_epi32(g##i##b, wv, bcast4(x + i * Kp + (kk)));
+#define DPC_LO(i, b) DPC(i, b, lo##b, 8 * p)
+#define DPC_HI(i, b) DPC(i, b, hi##b, 8 * p + 4)
+#define CODES(b) __m512i lo##b = _mm512_setzero_si512(), hi##b = lo##b; \
+    if (b < nr) { \
+        __m512i pk = _mm512_loadu_si512(w + b * wblock + p * 64); \
+        lo##b = _mm512_and_si512(pk, nib); \
+        hi##b = _mm512_and_si512(_mm512_srli_epi16(pk, 4), nib); \
+    }
+#define BLOCK_C(b) CODES(b) FOR_ROWS2(DPC_LO, b) FOR_ROWS2(DPC_HI, b)
+#define SCALE_G(i, b) if (i < mr && b < nr) { \
+        __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(j->gp + ((nb0 + b) * groups + gi) * NB))); \
+        __m512i s2 = _mm512_add_epi32(_mm512_srli_epi32(d, 4), one), z = _mm512_and_si512(d, low4); \
+        t##i##b = _mm512_add_epi32(t##i##b, _mm512_mullo_epi32(s2, _mm512_sub_epi32(g##i##b, _mm512_mullo_epi32(z, xs##i)))); \
+    }
+#define STORE_T(i, b) if (i < mr && b < nr) store_exact(j, m0 + i, nb0 + b, t##i##b, 0);
+
+SIMD static inline __attribute__((always_inline)) void tile_codes(const Job *j, int64_t m0, int64_t nb0,
+                                                                  const int mr, const int nr) {
+    FOR_TILE2(DECLARE_G)
+    const int64_t Kp = j->Kp, octets = Kp / 8, wblock = octets * 64;
+    const int64_t per_group = j->group / 8, groups = Kp / j->group;
+    const uint8_t *w = j->w + nb0 * wblock;
+    const int8_t *x = j->xq + m0 * Kp;
+    const __m512i nib = _mm512_set1_epi8(0x0f), one = _mm512_set1_epi32(1), low4 = _mm512_set1_epi32(15);
+    for (int64_t gi = 0; gi < groups; gi++) {
+        FOR_TILE2(ZERO_G)
+        const __m512i xs0 = _mm512_set1_epi32(sum_i8(x + gi * j->group, j->group));
+        const __m512i xs1 = mr > 1 ? _mm512_set1_epi32(sum_i8(x + Kp + gi * j->group, j->group)) : xs0;
+        for (int64_t p = gi * per_group; p < (gi + 1) * per_group; p++) {
+            FOR_BLOCKS(BLOCK_C)
+        }
+        FOR_TILE2(SCALE_G)
+    }
+    FOR_TILE2(STORE_T)
+}
+
+#define CASE_C(a, b) case (a) * 8 + (b): tile_codes(j, m0, nb0, a, b); break;
+
+SIMD static void run_codes(const Job *j, int64_t m0, int64_t nb0, int mr, int nr) {
+    switch (mr * 8 + nr) { ROW(CASE_C, 1) ROW(CASE_C, 2) }
+}
+
 SIMD static void run_packed(const Job *j, int64_t m0, int64_t nb0, int mr, int nr, uint8_t *panel) {
     switch (mr * 8 + nr) { ROW(CASE_P, 1) ROW(CASE_P, 2) ROW(CASE_P, 3) ROW(CASE_P, 4) ROW(CASE_P, 5) ROW(CASE_P, 6) }
 }
@@ -236,7 +309,8 @@ SIMD static void blocks_simd(const Job *j, int64_t nb_lo, int64_t nb_hi, uint8_t
         int64_t m0 = 0;
         for (int64_t t = 0; t < tiles; t++) {
             const int mr = (int)(base + (t < extra));
-            if (t == 0) run_packed(j, 0, nb0, mr, nr, tiles > 1 ? panel : NULL);
+            if (tiles == 1 && mr <= 2 && j->gp) run_codes(j, 0, nb0, mr, nr);
+            else if (t == 0) run_packed(j, 0, nb0, mr, nr, tiles > 1 ? panel : NULL);
             else run_panel(j, m0, nb0, mr, nr, panel);
             m0 += mr;
         }

@@ -43,6 +43,8 @@ class QuantizationConfig(ABC):
     # checkpoint tensors of fused linears are stored fused (qkv_proj.*) rather
     # than per part (q_proj.*, k_proj.*, ...) as HF full-precision files do
     stores_fused_linears = False
+    # --lm-head-dtype auto gives this scheme an INT8 LM head on the CPU kernels
+    int8_lm_head = False
 
     @abstractmethod
     def get_linear_method(self, choice: KernelChoice | None = None) -> LinearMethod:

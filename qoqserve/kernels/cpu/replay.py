@@ -1,0 +1,85 @@
+"""A captured step's recorded kernel calls as one native plan (replay.c):
+each call prepared once as a libffi call with its argument bits, the whole
+step run by one ctypes call. Built with the system libffi; where it does not
+build, or a call has an argument it cannot encode, graph.py replays the
+calls from Python."""
+from __future__ import annotations
+
+import ctypes
+import struct
+
+from qoqserve.kernels.cpu.build import load_library
+
+_P, _I = ctypes.c_void_p, ctypes.c_int
+_SIGNATURES = {"plan_new": (_P, [_I, _P, ctypes.c_char_p, _P, ctypes.c_char_p, _P]),
+               "plan_run": (_I, [_P]),
+               "plan_free": (None, [_P])}
+_CODES = {ctypes.c_void_p: "p", ctypes.c_char_p: "p", ctypes.c_int: "i", ctypes.c_int64: "l",
+          ctypes.c_float: "f", ctypes.c_double: "d"}
+
+
+def load():
+    return load_library("replay", ["-lffi"], _SIGNATURES)
+
+
+def _code(t) -> str | None:
+    if t in _CODES:
+        return _CODES[t]
+    return "p" if isinstance(t, type) and issubclass(t, ctypes._Pointer) else None
+
+
+def _bits(code: str, a) -> int | None:
+    """The 8-byte slot of one argument (None: not encodable)."""
+    v = a.value if isinstance(a, ctypes._SimpleCData) else a
+    if code == "p":
+        return 0 if v is None else v if isinstance(v, int) else None
+    if code in "il":
+        return v & (2**32 - 1 if code == "i" else 2**64 - 1) if isinstance(v, int) else None
+    if not isinstance(v, (int, float)):
+        return None
+    if code == "f":
+        return struct.unpack("<I", struct.pack("<f", v))[0]
+    return struct.unpack("<Q", struct.pack("<d", v))[0]
+
+
+class NativePlan:
+    """ops: [(ctypes function, args)], as graph.StepGraph records them. The
+    caller keeps ops (and what they point to) alive while the plan lives."""
+
+    def __init__(self, ops):
+        self._lib = lib = load()
+        if lib is None:
+            raise ValueError("replay.c does not build here (libffi)")
+        fns, codes, nargs, returns, bits = [], [], [], [], []
+        for fn, args in ops:
+            types = getattr(fn, "argtypes", None)
+            ret = {ctypes.c_int: "i", None: "v"}.get(getattr(fn, "restype", "?"), None)
+            if types is None or len(types) != len(args) or ret is None:
+                raise ValueError(f"{getattr(fn, '__name__', fn)}: no signature to replay natively")
+            arg_codes = [_code(t) for t in types]
+            arg_bits = [None if c is None else _bits(c, a) for c, a in zip(arg_codes, args)]
+            if None in arg_codes or None in arg_bits:
+                raise ValueError(f"{fn.__name__}: an argument replay.c cannot encode")
+            fns.append(ctypes.cast(fn, ctypes.c_void_p).value)
+            codes += arg_codes
+            nargs.append(len(args))
+            returns.append(ret)
+            bits += arg_bits
+        self.names = [fn.__name__ for fn, _ in ops]
+        fn_arr = (ctypes.c_void_p * max(len(fns), 1))(*fns)
+        n_arr = (ctypes.c_int * max(len(nargs), 1))(*nargs)
+        bit_arr = (ctypes.c_uint64 * max(len(bits), 1))(*bits)
+        self._plan = lib.plan_new(len(fns), fn_arr, "".join(codes).encode(), n_arr, "".join(returns).encode(),
+                                  bit_arr)
+        if not self._plan:
+            raise MemoryError("replay plan: out of memory")
+
+    def run(self) -> None:
+        rc = self._lib.plan_run(self._plan)
+        if rc:
+            raise RuntimeError(f"CPU kernel {self.names[rc - 1]} failed during a replayed step")
+
+    def __del__(self):
+        plan, self._plan = getattr(self, "_plan", None), None
+        if plan:
+            self._lib.plan_free(plan)

@@ -1,0 +1,55 @@
+#!/usr/bin/env python
+"""Per-kernel time inside captured decode steps: the embedded QoQ model at
+batch B (64-token prompts), each C call of the captured graph timed over 50
+replays, beside a plain replay and the LM head (docs/benchmarks.md, roofline).
+
+    python scripts/replay_profile.py [B]
+"""
+import collections
+import sys
+import time
+
+from qoqserve.bench.offline import make_prompts
+from qoqserve.llm import LLM
+from qoqserve.sampling_params import SamplingParams
+
+REPLAYS = 50
+
+
+def main() -> None:
+    batch = int(sys.argv[1]) if len(sys.argv) > 1 else 1
+    engine = LLM("qoq").engine
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    for i, prompt in enumerate(make_prompts(batch, 64, engine.arch.vocab_size, seed=1)):
+        engine.add_request(f"r{i}", prompt, params)
+    for _ in range(5):  # prefill, then decode steps in the captured graph
+        engine.step()
+    runner = engine.runner
+    if runner.captured is None:
+        sys.exit("decode steps are not captured here (see the engine's log)")
+    graph = runner.captured.graphs[runner.captured.bucket(batch)]
+    spent, calls = collections.Counter(), collections.Counter()
+    for _ in range(REPLAYS):
+        for fn, args in graph.ops:
+            start = time.perf_counter()
+            fn(*args)
+            spent[fn.__name__] += time.perf_counter() - start
+            calls[fn.__name__] += 1
+    start = time.perf_counter()
+    for _ in range(REPLAYS):
+        graph.replay()
+    replay = (time.perf_counter() - start) / REPLAYS
+    hidden = graph.output[:batch]
+    start = time.perf_counter()
+    for _ in range(REPLAYS):
+        runner.model.compute_logits(hidden)
+    head = (time.perf_counter() - start) / REPLAYS
+    print(f"batch {batch}: {len(graph.ops)} calls per replay, replay {replay * 1e3:.2f} ms, "
+          f"LM head {head * 1e3:.2f} ms")
+    for name, t in spent.most_common():
+        print(f"  {name:28s} {t / REPLAYS * 1e3:7.3f} ms/step {calls[name] // REPLAYS:4d} calls "
+              f"{t / calls[name] * 1e6:7.1f} us/call")
+
+
+if __name__ == "__main__":
+    main()
