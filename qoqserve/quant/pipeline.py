@@ -236,7 +236,8 @@ def quantize_model(source, cfg: QuantConfig, calib: CalibrationSet, device: str 
             info: dict = {}
             # one measuring pass: the transforms below only permute and rescale the
             # o_proj / down_proj inputs, so their Hessians and samples follow exactly
-            cap = LayerCapture(layer, LINEARS, arch, hessians=cfg.gptq and cfg.w_bits != 16)
+            cap = LayerCapture(layer, LINEARS, arch, hessians=cfg.gptq and cfg.w_bits != 16,
+                               skip_outputs=LINEARS[-1:])
             if _needs_statistics(cfg):
                 with cap:
                     _run_layer(layer, hidden, seq_len)
@@ -246,6 +247,8 @@ def quantize_model(source, cfg: QuantConfig, calib: CalibrationSet, device: str 
                 _quantize_linear(layer.get_submodule(name), cap, cfg, info, name)
             hidden = _run_layer(layer, hidden, seq_len)
             infos.append(info)
+        # the passes above ran the quantized linears on INT8 GEMMs (same numbers)
+        sim.use_reference_simulation(model)
         if cfg.is_qoq_format:
             _round_to_storage(model, QoQConfig(cfg.group_size, cfg.kv_bits, cfg.uses_key_transform))
     steps += _layer_steps(cfg)
