@@ -4,7 +4,7 @@ import torch
 
 from qoqserve.kernels import qoq_ref as Q
 from qoqserve.quant.clip import DEFAULT_GRID, search_clip_ratios
-from qoqserve.quant.gptq import HessianAccumulator, gptq_quantize
+from qoqserve.quant.gptq import HessianAccumulator, gptq_quantize, gram
 
 
 def correlated_layer(n=64, k=256, t=2048, seed=0):
@@ -109,3 +109,15 @@ def test_clip_search(mode, t):
     assert (e_best <= e_one * (1 + 1e-4)).all()
     assert (ratios[:8] < 1).all()
     assert e_best[:8].sum() < 0.9 * e_one[:8].sum()
+
+
+def test_gram_from_the_upper_triangle_is_the_full_product():
+    """gram() computes x^T x from row panels of its upper triangle: the same
+    fp32 numbers as the full product, exactly symmetric."""
+    g = torch.Generator().manual_seed(2)
+    for k in (100, 576, 1000):  # below one panel, whole panels, a ragged last panel
+        x = torch.randn(700, k, generator=g)
+        h = gram(x)
+        torch.testing.assert_close(h, x.t() @ x, rtol=1e-6, atol=1e-4)
+        assert torch.equal(h, h.t())
+

@@ -11,6 +11,7 @@ from qoqserve.config import CacheConfig, EngineConfig
 from qoqserve.engine.backends import kernel_choice
 from qoqserve.engine.model_runner import ModelRunner
 from qoqserve.kernels import qoq_ref
+from qoqserve.layers.attention import AttentionMetadata
 from qoqserve.layers.attention_backends import AttentionBackend
 from qoqserve.layers.kv_cache import DenseKVCacheLayout
 from qoqserve.model_loader import ModelLoadError, load_model_source
@@ -65,7 +66,6 @@ def calib(n=8, seq=64, seed=1):
 
 
 def _full(model, ids):
-    from qoqserve.layers.attention import AttentionMetadata
     t = torch.tensor(ids)
     meta = AttentionMetadata(True, None, None, None, [0, len(ids)], [0])
     with torch.inference_mode():
@@ -198,3 +198,69 @@ def test_version_1_checkpoints_still_load_and_unknown_versions_are_refused(sourc
     quant_path.write_text(json.dumps(quant))
     with pytest.raises(ModelLoadError, match="version 3 is not supported"):
         load_model_source(str(tmp_path))
+
+
+@pytest.mark.parametrize("preset", ["g64", "chn"])
+def test_calibration_passes_match_the_simulation(sources, preset):
+    """While quantizing, the quantized linears run on INT8 GEMMs: their
+    products equal the fp32 simulation's bit for bit (K <= 1024: every fp32
+    partial sum is an exact integer), so each layer's output does too. The
+    model quantize_model returns is the reference simulation."""
+    from qoqserve.layers.linear import Linear
+    from qoqserve.layers.quantization.qoq_methods import QoQSimMethod
+    from qoqserve.quant import sim
+
+    cfg = get_preset(preset, calib_samples=2, calib_seq_len=64, gptq=False)
+    model = quantize_model(sources["qwen2"], cfg, calib(2), progress=False).model  # qkv has a bias
+    layer = model.layers[1]
+    linears = [m for m in layer.modules() if isinstance(m, Linear)]
+    assert all(type(m.method) is QoQSimMethod for m in linears)
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2 * 64, model.cfg.hidden_size, generator=gen)
+    inputs = [torch.randn(7, lin.in_features, generator=gen) * 3 + 0.5 for lin in linears]
+    with torch.no_grad():
+        outs = [lin(x) for lin, x in zip(linears, inputs)]
+        ref = _run_layer_reference(layer, hidden, 64)
+        for lin in linears:
+            lin.method = sim.IntegerGemmSimMethod(lin.method.group_size)
+            lin.method.process_weights_after_loading(lin)
+        assert all(torch.equal(lin(x), y) for lin, x, y in zip(linears, inputs, outs))
+        assert torch.equal(_run_layer_reference(layer, hidden, 64), ref)
+        sim.use_reference_simulation(model)
+    assert all(type(m.method) is QoQSimMethod for m in linears)
+
+
+def _run_layer_reference(layer, hidden, seq_len):
+    """One decoder layer over whole windows the plain way: simulation linears, fp64 attention."""
+    n = hidden.shape[0] // seq_len
+    meta = AttentionMetadata(True, None, None, None, [i * seq_len for i in range(n + 1)], [0] * n)
+    h, delta = layer(torch.arange(seq_len).repeat(n), hidden, meta, None)
+    return h + delta
+
+
+def test_measuring_pass_skips_the_last_product_but_measures_the_same(sources):
+    """LayerCapture with skip_outputs: the same statistics as a full pass, and
+    the layer computes its real output again afterwards."""
+    from qoqserve.quant.layer_stats import LayerCapture
+    from qoqserve.quant.pipeline import LINEARS, _run_layer
+
+    model = build_fp_model(sources["llama"], get_preset("g64"), "cpu")
+    layer = model.layers[0]
+    hidden = torch.randn(2 * 64, model.cfg.hidden_size, generator=torch.Generator().manual_seed(4))
+    caps = []
+    with torch.no_grad():
+        before = _run_layer(layer, hidden, 64)
+        for skip in ((), LINEARS[-1:]):
+            cap = LayerCapture(layer, LINEARS, model.cfg, hessians=True, skip_outputs=skip)
+            with cap:
+                out = _run_layer(layer, hidden, 64)
+            caps.append((cap, out))
+        after = _run_layer(layer, hidden, 64)
+    (full, out_full), (skipped, out_skipped) = caps
+    assert torch.equal(out_full, before) and torch.equal(after, before)
+    assert not torch.equal(out_skipped, before)  # the skipped product really was not computed
+    for name in LINEARS:
+        assert torch.equal(full.absmax[name], skipped.absmax[name])
+        assert torch.equal(full.samples[name], skipped.samples[name])
+        assert torch.equal(full.hessians[name].sum, skipped.hessians[name].sum)
+    assert torch.equal(full.key_mean, skipped.key_mean) and torch.equal(full.k_sample, skipped.k_sample)

@@ -11,6 +11,23 @@ import torch
 from qoqserve.kernels.qoq_ref import WeightQuantizer
 
 
+def gram(x: torch.Tensor, panel: int = 192) -> torch.Tensor:
+    """x^T x [K, K] for x [T, K] in fp32, from its upper triangle only.
+
+    torch exposes no symmetric rank-k product (BLAS syrk); row panels of the
+    upper triangle (x[:, i:i+p]^T x[:, i:]), mirrored, skip most of the
+    lower half's multiply-adds (docs/accuracy.md: quantization time)."""
+    k = x.shape[1]
+    if k <= panel:
+        return x.t() @ x
+    out = torch.empty(k, k, dtype=x.dtype, device=x.device)
+    for i in range(0, k, panel):
+        j = min(i + panel, k)
+        out[i:j, i:] = x[:, i:j].t() @ x[:, i:]
+        out[j:, i:j] = out[i:j, j:].t()
+    return out
+
+
 class HessianAccumulator:
     """Running H = 2/n * sum_t x_t^T x_t over all calibration tokens.
 
@@ -25,7 +42,7 @@ class HessianAccumulator:
     def add(self, x: torch.Tensor) -> None:
         # fp32 product per batch (fp64 matmul is ~5x slower on CPU), fp64 running sum
         x = x.reshape(-1, x.shape[-1]).float()
-        self.sum += (x.t() @ x).double()
+        self.sum += gram(x).double()
         self.n += x.shape[0]
 
     def hessian(self) -> torch.Tensor:

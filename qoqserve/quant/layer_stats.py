@@ -19,9 +19,14 @@ class LayerCapture:
     """
 
     def __init__(self, layer, linear_names: Sequence[str], arch, hessians: bool,
-                 sample_every: int = 16):
+                 sample_every: int = 16, skip_outputs: Sequence[str] = ()):
+        """skip_outputs: linears whose inputs are measured but whose outputs
+        nothing measured depends on (the last one, mlp.down_proj): inside the
+        context they return zeros instead of their product, so the layer's
+        output is not its real one there."""
         self.layer = layer
         self.names = list(linear_names)
+        self.skip_outputs = list(skip_outputs)
         self.sample_every = sample_every
         self.absmax: dict[str, torch.Tensor] = {}
         self.samples: dict[str, torch.Tensor] = {}
@@ -79,12 +84,18 @@ class LayerCapture:
             self._handles.append(self.layer.get_submodule(name).register_forward_pre_hook(
                 self._linear_hook(name)))
         self._handles.append(self.layer.self_attn.attn.register_forward_pre_hook(self._key_hook))
+        for name in self.skip_outputs:
+            lin = self.layer.get_submodule(name)
+            # an instance attribute shadows Linear.forward; the pre-hooks above still run
+            lin.forward = lambda x, n=lin.out_features: x.new_zeros(*x.shape[:-1], n)
         return self
 
     def __exit__(self, *exc):
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for name in self.skip_outputs:
+            del self.layer.get_submodule(name).forward
         for name, parts in self._parts.items():
             if parts:
                 self.samples[name] = torch.cat(parts)

@@ -324,8 +324,11 @@ def quantize_model(source, cfg: QuantConfig, calib: CalibrationSet, device: str 
             # one measuring pass: the transforms below only permute and rescale the
             # o_proj / down_proj inputs, so their Hessians and samples follow exactly.
             # True-sequential: only the first linear's Hessian comes from it, the
-            # others' from the quantized linears before them (_sequential_layer)
-            cap = LayerCapture(layer, LINEARS, arch, hessians=hessians and not sequential)
+            # others' from the quantized linears before them (_sequential_layer).
+            # Its output is not used (the layer runs again once quantized), so
+            # down_proj's product is skipped
+            cap = LayerCapture(layer, LINEARS, arch, hessians=hessians and not sequential,
+                               skip_outputs=LINEARS[-1:])
             first = LayerCapture(layer, LINEARS[:1], arch, hessians=hessians) if sequential else cap
             if _needs_statistics(cfg):
                 with cap, first if sequential else contextlib.nullcontext():
@@ -346,6 +349,8 @@ def quantize_model(source, cfg: QuantConfig, calib: CalibrationSet, device: str 
                     quantize(name, cap)
                 hidden = _run_layer(layer, hidden, seq_len)
             infos.append(info)
+        # the passes above ran the quantized linears on INT8 GEMMs (same numbers)
+        sim.use_reference_simulation(model)
         if cfg.is_qoq_format:
             _round_to_storage(model, QoQConfig(cfg.group_size, cfg.kv_bits, cfg.uses_key_transform))
     steps += _layer_steps(cfg)

@@ -12,6 +12,7 @@ from torch import nn
 
 from qoqserve.kernels import qoq_ref
 from qoqserve.layers.linear import Linear, LinearMethod
+from qoqserve.layers.quantization.int8_gemm import PackedInt8Gemm, fused_int8_available, int8_linear
 from qoqserve.layers.quantization.qoq_methods import QoQSimMethod
 from qoqserve.layers.quantization.w8a8 import quantize_weight_per_channel
 
@@ -87,9 +88,45 @@ def _swap_method(layer: Linear, method: LinearMethod) -> torch.Tensor | None:
     return bias
 
 
+class IntegerGemmSimMethod(QoQSimMethod):
+    """QoQSimMethod's numbers on the CPU's INT8 GEMM (the fused VNNI kernel
+    where it builds, else torch._int_mm), INT32 sums: what the quantizer's
+    own passes run, faster than fp32 products.
+
+    The simulation sums integers in fp32, exact while partial sums stay below
+    2^24 (always for K <= 1024: 127 * 128 * K); both then give the same bits.
+    Beyond that the INT32 sum is the exact one."""
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        super().process_weights_after_loading(layer)
+        # w_expanded holds integers: s2*(u - z) in -128..127, or the codes 0..15 per channel
+        g = self.group_size
+        self.w = layer.w_expanded.to(torch.int8 if g else torch.uint8)
+        self.zeros = None if g else layer.zeros
+        self.bias = layer.bias if layer.has_bias else None
+        on_cpu = self.w.device.type == "cpu"
+        self.fused = (PackedInt8Gemm(self.w, layer.s1, self.zeros, self.bias)
+                      if on_cpu and fused_int8_available() else None)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused(x)
+        return int8_linear(x, self.w, layer.s1, self.zeros, self.bias, cpu_ops=False)
+
+
+def use_reference_simulation(model: nn.Module) -> None:
+    """Turn the INT8-GEMM linears of model back into QoQSimMethod ones (same
+    parameters; the products summed in fp32 again): the model the quantizer
+    returns is the reference simulation."""
+    for lin in model.modules():
+        if isinstance(lin, Linear) and isinstance(lin.method, IntegerGemmSimMethod):
+            lin.method = QoQSimMethod(lin.method.group_size)
+
+
 def convert_to_qoq(layer: Linear, q, group_size: int) -> None:
-    """Install QoQ parameters (QWeightGroup or QWeightChannel) on layer, sim backend."""
-    _swap_method(layer, QoQSimMethod(group_size))
+    """Install QoQ parameters (QWeightGroup or QWeightChannel) on layer, sim
+    backend on INT8 GEMMs (use_reference_simulation: on fp32 products)."""
+    _swap_method(layer, IntegerGemmSimMethod(group_size))
     layer.qweight.data.copy_(qoq_ref.pack_uint4(q.u))
     layer.s1.data.copy_(q.s1)
     layer.zeros.data.copy_(q.z)
