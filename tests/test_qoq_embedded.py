@@ -69,6 +69,14 @@ def test_stale_cached_checkpoint_is_not_reused(quantized, tmp_path):
     _stamp_as_current(cached)
     assert _is_current(str(cached), "g64")
     quant = json.loads((cached / "quant_config.json").read_text())
+    # written before an option existed: current while the option's value is the
+    # one that reproduces it, stale once it is not
+    del quant["config"]["true_sequential"]
+    (cached / "quant_config.json").write_text(json.dumps(quant))
+    assert _is_current(str(cached), "g64")
+    quant["config"]["true_sequential"] = True
+    (cached / "quant_config.json").write_text(json.dumps(quant))
+    assert not _is_current(str(cached), "g64")
     quant["version"] = 1  # what an older qoqserve wrote
     (cached / "quant_config.json").write_text(json.dumps(quant))
     assert not _is_current(str(cached), "g64")

@@ -16,7 +16,7 @@ from qoqserve.model_loader import load_model_source
 from qoqserve.paths import cache_dir
 from qoqserve.quant.calibration import load_calibration
 from qoqserve.quant.checkpoint import save_checkpoint
-from qoqserve.quant.config import get_preset
+from qoqserve.quant.config import QuantConfig, get_preset
 from qoqserve.quant.pipeline import quantize_model
 
 ALIASES = {"qoq": "g64", "qoq-g64": "g64", "qoq-g128": "g128", "qoq-chn": "chn"}
@@ -30,7 +30,15 @@ def _is_current(out: str, preset: str) -> bool:
             quant = json.load(f)
     except (OSError, ValueError):
         return False
-    return quant.get("version") == FORMAT_VERSION and quant.get("config") == get_preset(preset).to_dict()
+    stored = quant.get("config")
+    if quant.get("version") != FORMAT_VERSION or not isinstance(stored, dict):
+        return False
+    # as JSON holds it (tuples as lists); an option newer than the cache, at
+    # the value that reproduces what the cache was made without, is no change
+    want = json.loads(json.dumps(get_preset(preset).to_dict()))
+    default = json.loads(json.dumps(QuantConfig().to_dict()))
+    stored = {**{k: v for k, v in want.items() if k not in stored and v == default[k]}, **stored}
+    return stored == want
 
 
 def default_qoq_checkpoint(preset: str = "g64", progress: bool = True) -> str:
