@@ -23,7 +23,7 @@ from collections import defaultdict
 
 import torch
 
-from qoqserve.quant import gptq, pipeline
+from qoqserve.quant import gptq, layer_passes, pipeline
 
 SECONDS: dict[str, float] = defaultdict(float)
 CPU: dict[str, float] = defaultdict(float)  # process CPU seconds (all threads)
@@ -54,7 +54,7 @@ def instrument() -> None:
     timed(pipeline, "search_alpha", "  of which smooth alpha search")
     timed(pipeline, "gptq_quantize", "GPTQ")
     timed(pipeline, "search_group_params", "  of which group search")
-    run_layer = pipeline._run_layer
+    run_layer = layer_passes.run_layer
     calls = defaultdict(int)
 
     def run_layer_timed(layer, *args, **kwargs):
@@ -67,7 +67,7 @@ def instrument() -> None:
         finally:
             SECONDS[label] += time.perf_counter() - start
             CPU[label] += time.process_time() - cpu
-    pipeline._run_layer = run_layer_timed
+    layer_passes.run_layer = run_layer_timed
 
 
 def main() -> int:

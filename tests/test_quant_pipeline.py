@@ -241,8 +241,9 @@ def _run_layer_reference(layer, hidden, seq_len):
 def test_measuring_pass_skips_the_last_product_but_measures_the_same(sources):
     """LayerCapture with skip_outputs: the same statistics as a full pass, and
     the layer computes its real output again afterwards."""
+    from qoqserve.quant.config import LINEARS
+    from qoqserve.quant.layer_passes import run_layer as _run_layer
     from qoqserve.quant.layer_stats import LayerCapture
-    from qoqserve.quant.pipeline import LINEARS, _run_layer
 
     model = build_fp_model(sources["llama"], get_preset("g64"), "cpu")
     layer = model.layers[0]

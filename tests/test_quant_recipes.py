@@ -13,7 +13,7 @@ from qoqserve.engine.model_runner import ModelRunner
 from qoqserve.layers.quantization.qoq_methods import QoQLinearMethod
 from qoqserve.layers.quantization.w8a8 import W8A8LinearMethod
 from qoqserve.model_loader import ModelLoadError, load_model_source
-from qoqserve.quant import pipeline
+from qoqserve.quant import layer_passes, pipeline
 from qoqserve.quant.checkpoint import save_checkpoint
 from qoqserve.quant.config import get_preset
 from qoqserve.quant.layer_stats import LayerCapture
@@ -50,10 +50,10 @@ def _hessian(model, data, layer: int, name: str) -> torch.Tensor:
     hidden = torch.nn.functional.embedding(torch.tensor(data.samples).reshape(-1), model.embed_tokens)
     with torch.no_grad():
         for earlier in model.layers[:layer]:
-            hidden = pipeline._run_layer(earlier, hidden, seq_len)
+            hidden = layer_passes.run_layer(earlier, hidden, seq_len)
         cap = LayerCapture(model.layers[layer], [name], model.cfg, hessians=True)
         with cap:
-            pipeline._run_layer(model.layers[layer], hidden, seq_len, stop_at=name)
+            layer_passes.run_layer(model.layers[layer], hidden, seq_len, stop_at=name)
     return cap.hessians[name].hessian()
 
 

@@ -1,0 +1,107 @@
+"""Passes of one decoder layer over the calibration activations: the whole
+layer a few samples at a time (run_layer, optionally stopped at a linear
+whose inputs were wanted), and the true-sequential pass that quantizes the
+layer's linears in order, each from the inputs the quantized ones before it
+produce (sequential_layer)."""
+from __future__ import annotations
+
+import torch
+
+from qoqserve.layers.attention import AttentionMetadata
+from qoqserve.quant.config import LINEARS
+from qoqserve.quant.layer_stats import LayerCapture
+
+
+def _meta(num: int, length: int) -> AttentionMetadata:
+    return AttentionMetadata(True, None, None, None, [i * length for i in range(num + 1)], [0] * num)
+
+
+class _StopForward(Exception):
+    """Raised by a pre-hook once the linear whose inputs were wanted has them."""
+
+
+def _stop(module, args):
+    raise _StopForward
+
+
+def _row_chunks(num_tokens: int, seq_len: int, chunk: int = 8):
+    """(first sample, samples, token rows) of a few samples at a time."""
+    n = num_tokens // seq_len
+    for s in range(0, n, chunk):
+        c = min(chunk, n - s)
+        yield s, c, slice(s * seq_len, (s + c) * seq_len)
+
+
+def run_layer(layer, hidden: torch.Tensor, seq_len: int, stop_at: str | None = None) -> torch.Tensor | None:
+    """hidden [S*L, h] through one decoder layer, a few samples at a time.
+    stop_at: a linear's name: each chunk's forward ends when it reaches that
+    linear (its inputs go to the hooks registered before this call), and
+    nothing is returned."""
+    out = None if stop_at else torch.empty_like(hidden)
+    positions = torch.arange(seq_len, device=hidden.device)
+    handle = layer.get_submodule(stop_at).register_forward_pre_hook(_stop) if stop_at else None
+    try:
+        for _, c, rows in _row_chunks(hidden.shape[0], seq_len):
+            try:
+                h, delta = layer(positions.repeat(c), hidden[rows], _meta(c, seq_len), None)
+            except _StopForward:
+                continue
+            out[rows] = h + delta
+    finally:
+        if handle is not None:
+            handle.remove()
+    return out
+
+
+def sequential_layer(layer, hidden: torch.Tensor, seq_len: int, arch, hessians: bool,
+                      first: LayerCapture, quantize) -> torch.Tensor:
+    """Quantize the layer's linears in order (quantize(name, capture)), each from
+    the inputs that the already-quantized ones before it produce, and return
+    the layer's output. Each stage keeps its linear's inputs, so the layer runs
+    once in all: the decoder layer's forward, cut at its linears."""
+    attn, mlp = layer.self_attn, layer.mlp
+    quantize(LINEARS[0], first)
+    kept = []
+    keep = attn.o_proj.register_forward_pre_hook(lambda module, args: kept.append(args[0].detach()))
+    cap = LayerCapture(layer, [LINEARS[1]], arch, hessians=hessians)
+    try:
+        with cap:
+            run_layer(layer, hidden, seq_len, stop_at=LINEARS[1])
+    finally:
+        keep.remove()
+    quantize(LINEARS[1], cap)
+    x_attn = torch.cat(kept)
+    residual, x_mlp, x_down = torch.empty_like(hidden), torch.empty_like(hidden), None
+
+    def post_attention(rows):
+        x, residual[rows] = mlp.gate_up_proj.input_from_norm(
+            layer.post_attention_layernorm, hidden[rows], attn.o_proj(x_attn[rows]))
+        x_mlp[rows] = x
+        return x
+
+    def gate_up(rows):
+        nonlocal x_down
+        x = mlp.down_proj.input_from_silu_mul(mlp.gate_up_proj(x_mlp[rows]), mlp.ops.silu_mul)
+        if x_down is None:
+            x_down = x.new_empty(hidden.shape[0], x.shape[-1])
+        x_down[rows] = x
+        return x
+
+    for name, make_input in ((LINEARS[2], post_attention), (LINEARS[3], gate_up)):
+        linear = layer.get_submodule(name)
+        cap = LayerCapture(layer, [name], arch, hessians=hessians)
+        with cap:
+            stop = linear.register_forward_pre_hook(_stop)
+            try:
+                for _, _, rows in _row_chunks(hidden.shape[0], seq_len):
+                    try:
+                        linear(make_input(rows))
+                    except _StopForward:
+                        pass
+            finally:
+                stop.remove()
+        quantize(name, cap)
+    out = torch.empty_like(hidden)
+    for _, _, rows in _row_chunks(hidden.shape[0], seq_len):
+        out[rows] = residual[rows] + mlp.down_proj(x_down[rows])
+    return out
