@@ -160,3 +160,36 @@ def test_resident_bytes_of_the_embedded_model_stay_under_0_56_per_weight(default
             mod = _packed(_checkpoint(n, k, group, seed=k + n), group, with_bias=False)
             assert mod.resident_bytes <= 0.56 * n * k, (group, k, n, mod.resident_bytes / (n * k))
             assert mod.resident_bytes >= n * k // 2  # it is the whole weight, not a view of part
+
+
+@pytest.mark.parametrize("isa", ["avx512-vnni", "scalar"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_fused_into_the_input_is_bit_identical_to_the_op_then_the_gemm(monkeypatch, dtype, isa):
+    from qoqserve.kernels.cpu import elementwise
+    from qoqserve.kernels.cpu.w4a8_gemm import SiluMulInput
+    monkeypatch.setenv(w4a8_gemm.ISA_ENV, isa)
+    k = 320
+    c = _checkpoint(40, k, 64, seed=5)
+    mod = _packed(c, 64)
+    for m in (1, 2, 7, 33):
+        gate_up = _input(m, 2 * k, torch.float32, seed=m) * 2
+        gate_up[:, 5] = torch.tensor([-100.0, 100.0, 0.0, -0.0, 1e-30, -1e-30, 88.5, -88.5] * 5)[:m]
+        gate_up = gate_up.to(dtype)
+        got = mod(SiluMulInput(gate_up))
+        assert torch.equal(got, mod(elementwise.silu_mul(gate_up))), (m, dtype, isa)
+        assert got.dtype == dtype
+    with pytest.raises(ValueError, match="gate | up"):
+        mod(SiluMulInput(gate_up[:, :k]))
+    with pytest.raises(ValueError, match="group layout"):
+        _packed(_checkpoint(40, k, 0, seed=5), 0)(SiluMulInput(gate_up))
+
+
+def test_the_packed_method_fuses_silu_mul_only_where_it_rounds_alike():
+    from qoqserve.kernels.cpu.w4a8_gemm import SiluMulInput
+    from qoqserve.layers.quantization.qoq_methods import QoQPackedMethod
+    from qoqserve.layers.token_ops import CpuTokenOps, TorchTokenOps
+    gate_up = torch.randn(3, 128)
+    assert isinstance(QoQPackedMethod(64).input_from_silu_mul(gate_up, CpuTokenOps().silu_mul), SiluMulInput)
+    # torch's silu rounds its own way; per channel the epilogue needs the product's torch row sum
+    for method, op in ((QoQPackedMethod(64), TorchTokenOps().silu_mul), (QoQPackedMethod(0), CpuTokenOps().silu_mul)):
+        assert torch.equal(method.input_from_silu_mul(gate_up, op), op(gate_up))

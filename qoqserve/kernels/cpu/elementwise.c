@@ -19,6 +19,7 @@
 #include <omp.h>
 #endif
 #include "bf16.h"
+#include "silu_mul_row.h"
 
 enum { LANES = 16, MAX_ROW = 16384 };
 
@@ -56,28 +57,8 @@ static float sum_squares(const float *v, int64_t n) {
     return s[0];
 }
 
-/* e^x in fp32 to ~1 ulp without libm, branch-free so loops over it
- * vectorize: x = n ln2 + r, |r| <= ln2/2, e^r by its degree-6 Taylor polynomial */
-static inline float exp_f32(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* round to nearest */
-    float r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const int32_t e = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &e, 4);
-    return p * scale;
-}
-
 /* rows are tiny; threads only pay off for prompt-sized batches */
-#define PAR_ROWS(T) if ((T) >= 64)
+#define PAR_ROWS(T) if ((T) >= 8)
 
 void embed_rows(const int64_t *ids, const void *table, void *h, int64_t T, int64_t row_bytes) {
     for (int64_t t = 0; t < T; t++)
@@ -123,16 +104,14 @@ void add_rms_norm(void *h, const void *d, const void *w, void *y, int64_t T, int
 
 /* gu [T, 2I] (gate | up) -> y [T, I] = silu(gate) * up, silu(g) = g / (1 + e^-g) */
 void silu_mul(const void *gu, void *y, int64_t T, int64_t I, int bf16, int threads) {
+    const size_t es = bf16 ? 2 : 4;
     #pragma omp parallel for num_threads(threads) PAR_ROWS(T)
     for (int64_t t = 0; t < T; t++) {
-        float g[MAX_ROW], u[MAX_ROW];
+        float g[MAX_ROW];
         for (int64_t i0 = 0; i0 < I; i0 += MAX_ROW) {
             const int64_t n = I - i0 < MAX_ROW ? I - i0 : MAX_ROW;
-            load_row(gu, bf16, t * 2 * I + i0, n, g);
-            load_row(gu, bf16, t * 2 * I + I + i0, n, u);
-            for (int64_t i = 0; i < n; i++) g[i] = g[i] / (1.0f + exp_f32(-g[i]));
-            round_row(g, n, bf16);
-            for (int64_t i = 0; i < n; i++) g[i] = g[i] * u[i];
+            const char *row = (const char *)gu + (size_t)(t * 2 * I) * es;
+            silu_mul_row(row + (size_t)i0 * es, row + (size_t)(I + i0) * es, bf16, n, g);
             store_row(g, n, y, bf16, t * I + i0);
         }
     }

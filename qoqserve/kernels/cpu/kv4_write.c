@@ -46,7 +46,7 @@ static void quantize_row(const void *x, int bf16, int64_t base, int D, uint8_t *
 void kv4_write(const void *k, const void *v, int bf16, const int64_t *slots, int64_t T, int Hkv,
                int D, uint8_t *cache, int threads) {
     const int64_t row = D / 2 + 4;
-    #pragma omp parallel for num_threads(threads) schedule(static) if (T * Hkv > 256)
+    #pragma omp parallel for num_threads(threads) schedule(static) if (T * Hkv >= 32)
     for (int64_t i = 0; i < T * Hkv; i++) {
         const int64_t t = i / Hkv, h = i % Hkv;
         uint8_t *dst = cache + slots[t] * 2 * Hkv * row + h * row;

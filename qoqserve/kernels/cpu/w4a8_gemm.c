@@ -60,6 +60,7 @@ typedef struct {
 /* ------------------------------------------------------------- scalar */
 
 #include "bf16.h"
+#include "silu_mul_row.h"
 
 /* the max/min below pick their second operand on NaN, as vmaxps/vminps do */
 static void quantize_row_scalar(const void *x, int bf16, int64_t K, int64_t Kp, int8_t *q,
@@ -129,6 +130,10 @@ static void blocks_scalar(const Job *j, int64_t nb_lo, int64_t nb_hi, int8_t *ro
 
 #define AVX512_FN SIMD
 #include "int8_act_avx512.h"
+
+SIMD static void silu_mul_row_simd(const void *gate, const void *up, int bf16, int64_t n, float *out) {
+    silu_mul_row(gate, up, bf16, n, out);
+}
 
 /* epilogue of one row of one weight block from its INT32 accumulator: x_q . w
  * exactly, or (offset) x_q . (w + 128), the unsigned operand of tile_packed */
@@ -333,8 +338,8 @@ int w4a8_gemm_simd(void) { return simd_supported(); }
 /* Scratch kept per thread across calls and grown on demand: a decode step
  * makes over a hundred calls of a few microseconds each, and a fresh panel
  * above malloc's mmap threshold would cost a syscall and page faults each. */
-static __thread uint8_t *tl_main, *tl_panel;
-static __thread size_t tl_main_size, tl_panel_size;
+static __thread uint8_t *tl_main, *tl_panel, *tl_row;
+static __thread size_t tl_main_size, tl_panel_size, tl_row_size;
 
 static uint8_t *grow(uint8_t **buf, size_t *size, size_t need) {
     if (need > *size) {
@@ -346,12 +351,14 @@ static uint8_t *grow(uint8_t **buf, size_t *size, size_t need) {
 }
 
 /* x [M, K] fp32/bf16 -> y [M, N] fp32/bf16 on packed codes (layout above):
+ * (x_silu: x is [M, 2K], gate | up, and the input row is silu(gate) * up,
+ * rounded as silu_mul_row.h rounds it; never written out, only quantized)
  *   y = (x_q . w) * s_a[m] * s1[n] (- rowsum[m] * zs1[n]) (+ bias[n]),
  * w = s2*(u - z) per group (gp != NULL; group % 8 == 0, K % group == 0) or u
  * (per channel: gp NULL, group 0). rowsum/zs1 and bias may be NULL.
  * Returns 0; -1: out of memory; -2: SIMD asked for where it cannot run;
  * -3: a group size or K the layout does not allow. */
-int w4a8_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, const uint8_t *gp,
+int w4a8_gemm(const void *x, int x_bf16, int x_silu, int64_t M, int64_t K, const uint8_t *w, const uint8_t *gp,
               int64_t group, int64_t N, const float *s1, const float *rowsum, const float *zs1,
               const float *bias, void *y, int out_bf16, int simd, int threads) {
     if (simd && !simd_supported()) return -2;
@@ -376,13 +383,30 @@ int w4a8_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w,
         t = omp_get_thread_num();
         T = omp_get_num_threads();
 #endif
+        const size_t es = x_bf16 ? 2 : 4;
+        float *row = x_silu ? (float *)grow(&tl_row, &tl_row_size, sizeof(float) * (size_t)K) : NULL;
+        if (x_silu && !row) {
+            #pragma omp atomic write
+            failed = 1;
+        }
         #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++) {
-            const void *xm = (const char *)x + m * K * (x_bf16 ? 2 : 4);
+            const void *xm = (const char *)x + (size_t)(m * K * (x_silu ? 2 : 1)) * es;
+            int bf16 = x_bf16;
+            if (x_silu) {  /* bf16 rows come out bf16-valued in fp32: quantize them as fp32 */
+                if (!row) continue;
 #if HAVE_SIMD
-            if (simd) { quantize_row_avx512(xm, x_bf16, K, Kp, xq + m * Kp, sa + m, qsum + m); continue; }
+                if (simd) silu_mul_row_simd(xm, (const char *)xm + (size_t)K * es, x_bf16, K, row);
+                else
 #endif
-            quantize_row_scalar(xm, x_bf16, K, Kp, xq + m * Kp, sa + m, qsum + m);
+                    silu_mul_row(xm, (const char *)xm + (size_t)K * es, x_bf16, K, row);
+                xm = row;
+                bf16 = 0;
+            }
+#if HAVE_SIMD
+            if (simd) { quantize_row_avx512(xm, bf16, K, Kp, xq + m * Kp, sa + m, qsum + m); continue; }
+#endif
+            quantize_row_scalar(xm, bf16, K, Kp, xq + m * Kp, sa + m, qsum + m);
         }
         uint8_t *mine = panel_bytes ? grow(&tl_panel, &tl_panel_size, panel_bytes) : NULL;
         if (panel_bytes && !mine) {

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -21,13 +22,20 @@ from qoqserve.kernels.cpu.build import load_library, runtime_dispatch_flags
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _SIGNATURES = {
     "w4a8_gemm_simd": (_I, []),
-    "w4a8_gemm": (_I, [_P, _I, _L, _L, _P, _P, _L, _L, _P, _P, _P, _P, _P, _I, _I, _I]),
+    "w4a8_gemm": (_I, [_P, _I, _I, _L, _L, _P, _P, _L, _L, _P, _P, _P, _P, _P, _I, _I, _I]),
 }
 BLOCK_N, OCTET_K = 16, 8
 DTYPES = (torch.float32, torch.bfloat16)  # of the input and output
 ISA_ENV = "QOQSERVE_CPU_ISA"
 _ERRORS = {-1: "could not allocate its scratch buffers", -2: "AVX-512 VNNI is not available on this CPU",
            -3: "got a group size or K its layout does not allow"}
+
+
+class SiluMulInput(NamedTuple):
+    """A linear's input given as silu(gate) * up of gate_up [..., 2K] (gate | up):
+    the kernel makes each row and quantizes it in one pass, never writing it out.
+    Its rounding is elementwise.silu_mul's, bit for bit."""
+    gate_up: torch.Tensor
 
 
 def load():
@@ -102,7 +110,7 @@ def w4a8_linear(x2: torch.Tensor, codes: torch.Tensor, gparams: torch.Tensor | N
         simd = isa() != "scalar"
     y = graph.empty(m, n, dtype=x2.dtype)
     bf16 = int(x2.dtype == torch.bfloat16)
-    rc = graph.launch(load().w4a8_gemm, x2.data_ptr(), bf16, m, k, codes.data_ptr(),
+    rc = graph.launch(load().w4a8_gemm, x2.data_ptr(), bf16, 0, m, k, codes.data_ptr(),
                           None if gparams is None else gparams.data_ptr(), group_size, n, s1.data_ptr(),
                           None if rowsum is None else rowsum.data_ptr(),
                           None if zs1 is None else zs1.data_ptr(),
@@ -174,8 +182,14 @@ class PackedW4A8Gemm(nn.Module):
     def resident_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype not in DTYPES:  # fp16: exact in fp32, and the reference rounds at the end
+    def forward(self, x: torch.Tensor | SiluMulInput) -> torch.Tensor:
+        silu = isinstance(x, SiluMulInput)
+        if silu:
+            x = x.gate_up
+            if self._per_channel or torch.compiler.is_compiling() or x.dtype not in DTYPES:
+                raise ValueError("a SiluMulInput needs a group layout, fp32/bf16 and eager mode "
+                                 "(the per-channel epilogue needs torch's row sum of the product)")
+        elif x.dtype not in DTYPES:  # fp16: exact in fp32, and the reference rounds at the end
             return self(x.float()).to(x.dtype)
         x2 = (x if x.dim() == 2 else x.reshape(-1, x.shape[-1])).contiguous()
         if torch.compiler.is_compiling():  # the graph holds the op, not the ctypes call
@@ -183,15 +197,16 @@ class PackedW4A8Gemm(nn.Module):
                              self.s1, self.zs1, self.bias, self.simd)
             return y if x.dim() == 2 else y.reshape(*x.shape[:-1], -1)
         m, k = x2.shape
-        if k != self.in_features or x2.device.type != "cpu":
-            raise ValueError(f"expected a CPU input [..., {self.in_features}], got {tuple(x.shape)} on {x.device}")
+        if k != self.in_features * (2 if silu else 1) or x2.device.type != "cpu":
+            want = f"2 x {self.in_features} (gate | up)" if silu else self.in_features
+            raise ValueError(f"expected a CPU input [..., {want}], got {tuple(x.shape)} on {x.device}")
         # the per-channel epilogue needs torch's own row sum to match the reference bit for bit
         rowsum = qoq_ref.act_row_sum(x2) if self._per_channel else None
         y = graph.empty(m, self.out_features, dtype=x2.dtype)
         bf16 = int(x2.dtype == torch.bfloat16)
-        rc = graph.launch(load().w4a8_gemm, x2.data_ptr(), bf16, m, k, *self._args,
-                              None if rowsum is None else rowsum.data_ptr(), *self._tail, y.data_ptr(),
-                              bf16, int(self.simd), torch.get_num_threads())
+        rc = graph.launch(load().w4a8_gemm, x2.data_ptr(), bf16, int(silu), m, self.in_features, *self._args,
+                          None if rowsum is None else rowsum.data_ptr(), *self._tail, y.data_ptr(),
+                          bf16, int(self.simd), torch.get_num_threads())
         if rc != 0:
             raise RuntimeError(f"packed W4A8 kernel {_ERRORS.get(rc, f'failed ({rc})')}")
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], -1)

@@ -27,9 +27,10 @@ import torch
 
 from qoqserve.kernels import qoq_ref
 from qoqserve.kernels.cpu import w4a8_gemm
-from qoqserve.kernels.cpu.w4a8_gemm import PackedW4A8Gemm
+from qoqserve.kernels.cpu.w4a8_gemm import PackedW4A8Gemm, SiluMulInput
 from qoqserve.layers.linear import Linear, LinearMethod, add_param
 from qoqserve.layers.quantization.int8_gemm import install_packed_gemm, int8_linear
+from qoqserve.layers.token_ops import CpuTokenOps
 
 
 class QuantizedActivation(NamedTuple):
@@ -173,6 +174,14 @@ class QoQPackedMethod(QoQLinearMethod):
                                            layer.zeros, self._bias(layer), self.group_size)
         for name in ("qweight", "s1", "s2", "zeros", "bias"):  # the kernel keeps its own copies
             layer._parameters.pop(name, None)
+
+    def input_from_silu_mul(self, gate_up, silu_mul):
+        # fused only where it rounds as the model's own op (the C one) and the
+        # epilogue needs no torch row sum of the product (group layouts)
+        if (self.group_size and isinstance(getattr(silu_mul, "__self__", None), CpuTokenOps)
+                and not torch.compiler.is_compiling()):
+            return SiluMulInput(gate_up)
+        return silu_mul(gate_up)
 
     def apply(self, layer: Linear, x) -> torch.Tensor:
         return layer.packed_w4a8(x)

@@ -1,0 +1,51 @@
+/* SiLU * mul of one row, shared by elementwise.c (the standalone op) and
+ * w4a8_gemm.c (fused into down_proj's input quantization), so that the two
+ * round alike bit for bit. Include after bf16.h; build with
+ * -ffp-contract=off (each product and sum rounds on its own, as torch's). */
+#ifndef QOQSERVE_SILU_MUL_ROW_H
+#define QOQSERVE_SILU_MUL_ROW_H
+#include <stdint.h>
+#include <string.h>
+
+/* e^x in fp32 to ~1 ulp without libm, branch-free so loops over it
+ * vectorize: x = n ln2 + r, |r| <= ln2/2, e^r by its degree-6 Taylor polynomial */
+static inline float exp_f32(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* round to nearest */
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t e = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &e, 4);
+    return p * scale;
+}
+
+/* the value a bf16 tensor would hold (identity for fp32) */
+static inline float as_stored(float v, int bf16) { return bf16 ? bf16_to_float(float_to_bf16(v)) : v; }
+
+/* out[i] = silu(gate[i]) * up[i], silu(g) = g / (1 + e^-g), with the
+ * roundings of torch's F.silu(gate) * up in the tensors' dtype: fp32 or bf16
+ * (silu rounded, then the product). gate and up: n elements each. Inlined
+ * so each caller's target (AVX-512 or not) vectorizes it. */
+static inline __attribute__((always_inline)) void silu_mul_row(const void *gate, const void *up, int bf16,
+                                                               int64_t n, float *out) {
+    if (bf16) {
+        const uint16_t *g = (const uint16_t *)gate, *u = (const uint16_t *)up;
+        for (int64_t i = 0; i < n; i++) {
+            const float x = bf16_to_float(g[i]);
+            out[i] = as_stored(as_stored(x / (1.0f + exp_f32(-x)), 1) * bf16_to_float(u[i]), 1);
+        }
+        return;
+    }
+    const float *g = (const float *)gate, *u = (const float *)up;
+    for (int64_t i = 0; i < n; i++) out[i] = g[i] / (1.0f + exp_f32(-g[i])) * u[i];
+}
+
+#endif
