@@ -121,3 +121,22 @@ def test_tiny_temperatures_and_penalties_sample_the_top_token(params):
     logits = torch.tensor([[2.0, -2.0, 3.0, 0.5]])
     seq = Sequence("t", [2, 1], params)
     assert Sampler()(logits, [seq])[0] == [2]
+
+
+def test_the_cpu_argmax_is_torchs_index_on_ties_nans_infs_and_tails():
+    from qoqserve.kernels.cpu import elementwise
+    g = torch.Generator().manual_seed(0)
+    for v in (1, 5, 16, 17, 49152):
+        x = torch.randn(6, v, generator=g)
+        x[1] = x[1].round()  # many ties: the first maximum
+        x[2, :] = -float("inf")
+        if v > 3:
+            x[3, 2] = x[3, v - 1] = float("nan")  # the first NaN
+            x[4, 1] = x[4, v - 2] = float("inf")
+            x[5, 0], x[5, 3] = -0.0, 0.0
+            x[5, 1:] = -1.0
+        x[5, -1] = x[5].max() if v > 4 else x[5, -1]
+        assert torch.equal(elementwise.argmax(x), x.argmax(dim=-1)), v
+        assert torch.equal(elementwise.argmax(x[::2]), x[::2].argmax(dim=-1))  # rows a stride apart
+    with pytest.raises(ValueError):
+        elementwise.argmax(torch.zeros(2, 3, dtype=torch.bfloat16))

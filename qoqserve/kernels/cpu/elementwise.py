@@ -1,6 +1,7 @@
 """The per-token ops of a decoder layer on CPU (elementwise.c), via ctypes:
 embedding rows, RMSNorm (alone, or fused with the residual add), q/k/v split
-with RoPE and the key transform, SiLU * mul. fp32 or bf16 activations."""
+with RoPE and the key transform, SiLU * mul; and the greedy argmax of the
+logits. fp32 or bf16 activations."""
 from __future__ import annotations
 
 import ctypes
@@ -17,6 +18,7 @@ _SIGNATURES = {
     "add_rms_norm": (None, [_P, _P, _P, _P, _L, _L, _F, _I, _I]),
     "silu_mul": (None, [_P, _P, _L, _L, _I, _I]),
     "qkv_rope": (None, [_P, _L, _L, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I]),
+    "argmax_rows": (None, [_P, _L, _L, _L, _P, _I]),
 }
 DTYPES = (torch.float32, torch.bfloat16)
 MAX_HEAD_DIM = 512
@@ -109,3 +111,17 @@ def qkv_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
                  q.data_ptr(), k.data_ptr(), v.data_ptr(), int(qkv.dtype == torch.bfloat16),
                  torch.get_num_threads())
     return q, k, v
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(dim=-1) of fp32 CPU rows [B, V] (int64 [B]): the same
+    index (first maximum, first NaN), in one vectorized pass per row, the
+    rows over the threads (torch's runs ~30 us per 49k-token row here)."""
+    if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1 or logits.device.type != "cpu":
+        raise ValueError("argmax takes fp32 CPU rows [B, V] with contiguous rows")
+    b, v = logits.shape
+    if v == 0:
+        raise ValueError("argmax of an empty row")
+    out = torch.empty(b, dtype=torch.int64)
+    load().argmax_rows(logits.data_ptr(), logits.stride(0), b, v, out.data_ptr(), torch.get_num_threads())
+    return out
