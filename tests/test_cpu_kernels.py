@@ -169,17 +169,18 @@ def test_pack_weight_refuses_codes_that_leave_the_byte_range():
 
 # ---- KV4 page write in C -------------------------------------------------------
 
+@pytest.mark.parametrize("hkv,d", [(3, 64), (2, 600)])  # 600: rows longer than the kernel's chunk
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_c_kv4_write_is_byte_identical_to_the_torch_layout(dtype):
+def test_c_kv4_write_is_byte_identical_to_the_torch_layout(dtype, hkv, d):
     from qoqserve.kernels.cpu import kv4_write
     from qoqserve.layers.kv_cache import Int4KVCacheLayout
 
     assert kv4_write.available()
-    layout = Int4KVCacheLayout(3, 64, 16)
+    layout = Int4KVCacheLayout(hkv, d, 16)
     torch.manual_seed(4)
-    k, v = (torch.randn(37, 3, 64) * 4).to(dtype), torch.randn(37, 3, 64).to(dtype)
+    k, v = (torch.randn(37, hkv, d) * 4).to(dtype), torch.randn(37, hkv, d).to(dtype)
     k[3, 1] = 0.25                # a constant head: range 0, the amax floor decides
-    k[4, 2] = 0                   # all zero: the smallest fp16 scale
+    k[4, 1] = 0                   # all zero: the smallest fp16 scale
     v[5, 0, :8] = torch.tensor([0.5, 1.5, 2.5, -0.5, 7.5, -7.5, 3.0, -3.0]).to(dtype)  # ties
     slots = torch.randperm(64 * 16)[:37]
     ref, got = layout.allocate(64, "cpu"), layout.allocate(64, "cpu")
