@@ -63,9 +63,11 @@ def _build(source: str, flags: list[str]) -> str:
     return path
 
 
-def load_library(name: str, flags: list[str], signatures: dict[str, tuple]) -> ctypes.CDLL | None:
+def load_library(name: str, flags: list[str], signatures: dict[str, tuple],
+                 fallback: str = "the torch path") -> ctypes.CDLL | None:
     """qoqserve/kernels/cpu/<name>.c as a loaded library with the given
-    {function: (restype, [argtypes])}, or None when it cannot be built here."""
+    {function: (restype, [argtypes])}, or None when it cannot be built here
+    (logged once, naming `fallback`: what runs instead)."""
     with _lock:
         if name not in _libs:
             source = os.path.join(os.path.dirname(__file__), f"{name}.c")
@@ -77,5 +79,5 @@ def load_library(name: str, flags: list[str], signatures: dict[str, tuple]) -> c
                 _libs[name] = lib
             except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
                 _libs[name] = None
-                log.warning("CPU kernel %s unavailable (%s); using the torch path", name, e)
+                log.warning("CPU kernel %s unavailable (%s); using %s", name, e, fallback)
         return _libs[name]

@@ -19,7 +19,7 @@ _CODES = {ctypes.c_void_p: "p", ctypes.c_char_p: "p", ctypes.c_int: "i", ctypes.
 
 
 def load():
-    return load_library("replay", ["-lffi"], _SIGNATURES)
+    return load_library("replay", ["-lffi"], _SIGNATURES, fallback="a replay of the calls from Python")
 
 
 def _code(t) -> str | None:
