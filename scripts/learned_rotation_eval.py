@@ -27,19 +27,20 @@ from qoqserve.quant.pipeline import build_fp_model, quantize_model
 from qoqserve.quant.transforms.learned_rotation import learn_rotation
 from qoqserve.quant.transforms.rotation import fold_norms
 
-EVALS = {"rtn": lambda: get_preset("g64", **{**NO_TRANSFORMS, "rotate": True}, name="RTN g64 +rotate"),
+EVALS = {"rtn": lambda: replace(get_preset("g64", **{**NO_TRANSFORMS, "rotate": True}), name="RTN g64 +rotate"),
          "qoq": lambda: get_preset("g64")}
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--loss", default="kl")
     p.add_argument("--samples", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--no-act-quant", action="store_true")
+    p.add_argument("--lr-decay", action="store_true")
     p.add_argument("--kv-quant", action="store_true")
     p.add_argument("--load-r", default=None, help="a saved R (.pt): skip the training")
     p.add_argument("--save-r", default=None)
@@ -52,7 +53,8 @@ def main() -> None:
     source = load_model_source(None)
     train = dict(rotation="learned", rotation_steps=args.steps, rotation_lr=args.lr, rotation_loss=args.loss,
                  rotation_samples=args.samples, rotation_seq_len=args.seq_len, rotation_batch=args.batch,
-                 rotation_act_quant=not args.no_act_quant, rotation_kv_quant=args.kv_quant)
+                 rotation_act_quant=not args.no_act_quant, rotation_lr_decay=args.lr_decay,
+                 rotation_kv_quant=args.kv_quant)
     cfg = get_preset("g64", **train)
     calib = load_calibration(source.tokenizer, None, cfg.calib_samples, cfg.calib_seq_len)
     out = {"train": train, "rows": []}
@@ -71,6 +73,9 @@ def main() -> None:
         del model
         if args.save_r:
             torch.save(r, args.save_r)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(out, f, indent=1)
     ids = source.tokenizer.encode(read_texts(LICENSE_TEXTS))
     fp = build_fp_model(source, get_preset("rtn-kv4", kv_bits=16), "cpu")
     for name in args.evals:

@@ -78,10 +78,12 @@ def test_rotation_option_through_cli_and_checkpoint(source, tmp_path):
     add_quant_args(p)
     args = p.parse_args(["--rotation", "learned", "--rotation-steps", "2", "--rotation-lr", "0.01",
                          "--rotation-samples", "2", "--rotation-seq-len", "16", "--rotation-loss", "ce",
-                         "--no-rotation-act-quant", "--calib-samples", "2", "--calib-seq-len", "32"])
+                         "--no-rotation-act-quant", "--rotation-lr-decay", "--calib-samples", "2",
+                         "--calib-seq-len", "32"])
     cfg = quant_config_from_args(args)
     assert (cfg.rotation, cfg.rotation_steps, cfg.rotation_lr, cfg.rotation_samples, cfg.rotation_seq_len,
-            cfg.rotation_loss, cfg.rotation_act_quant) == ("learned", 2, 0.01, 2, 16, "ce", False)
+            cfg.rotation_loss, cfg.rotation_act_quant, cfg.rotation_lr_decay) == \
+        ("learned", 2, 0.01, 2, 16, "ce", False, True)
     assert quant_config_from_args(p.parse_args([])).rotation == "hadamard"
     result = quantize_model(source, cfg, calib(2, 32), progress=False)
     assert "rotate-learned" in result.steps and len(result.rotation_curve) == 2

@@ -24,7 +24,8 @@ class QuantConfig:
     # docs/accuracy.md). The rotation_* fields below only matter for "learned".
     rotation: str = "hadamard"
     rotation_steps: int = 100
-    rotation_lr: float = 2e-3             # Adam on the Cayley generator
+    rotation_lr: float = 1e-3             # Adam on the Cayley generator
+    rotation_lr_decay: bool = False       # linearly to 0 over the steps (else constant)
     rotation_samples: int = 16            # calibration windows trained on ...
     rotation_seq_len: int = 256           # ... their first tokens
     rotation_batch: int = 2               # windows per step

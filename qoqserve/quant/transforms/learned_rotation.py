@@ -217,6 +217,8 @@ class RotationTrainer:
         cfg, start = self.cfg, time.perf_counter()
         steps = cfg.rotation_steps if steps is None else steps
         opt = torch.optim.Adam([self.b], lr=cfg.rotation_lr)
+        decay = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda i: 1 - i / steps if cfg.rotation_lr_decay else 1.0)
         gen = torch.Generator().manual_seed(cfg.seed)
         order: list[int] = []
         curve = []
@@ -229,6 +231,7 @@ class RotationTrainer:
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
+                decay.step()
                 curve.append(float(loss.detach()))
                 if progress:
                     print(f"learned rotation step {step + 1}/{steps}: loss {curve[-1]:.4f} "
