@@ -15,7 +15,8 @@ from qoqserve.layers.linear import Linear
 from qoqserve.model_loader import load_model_source
 from qoqserve.quant.calibration import load_calibration
 from qoqserve.quant.config import get_preset
-from qoqserve.quant.pipeline import _qoq_rtn, build_fp_model
+from qoqserve.quant.pipeline import build_fp_model
+from qoqserve.quant.sim import qoq_rtn
 from qoqserve.quant.transforms.rotation import fold_norms, rotate_model
 
 
@@ -26,7 +27,7 @@ def output_errors(model, ids):
             def hook(m, args, name=name):
                 x, w = args[0].float(), m.weight.detach().float()
                 y = x @ w.T
-                errs[name] = ((y - x @ _qoq_rtn(w, 64).T).norm() / y.norm()).item()
+                errs[name] = ((y - x @ qoq_rtn(w, 64).T).norm() / y.norm()).item()
             hooks.append(mod.register_forward_pre_hook(hook))
     model.prompt_logprobs(ids)
     for h in hooks:
@@ -57,7 +58,7 @@ def rtn_ppl(src, ids, transform):
         for layer in model.layers:
             for n in names:
                 lin = layer.get_submodule(n)
-                lin.weight.data.copy_(_qoq_rtn(lin.weight.data.float(), 64))
+                lin.weight.data.copy_(qoq_rtn(lin.weight.data.float(), 64))
         return perplexity(model.prompt_logprobs, ids, 512, 512).ppl
 
 

@@ -6,7 +6,11 @@ import sys
 
 # QuantConfig switches that get --STEP / --no-STEP flags
 STEP_FLAGS = ("rotate", "smooth_attention", "key_transform", "smooth_out", "reorder", "clip", "gptq",
-              "group_search", "true_sequential")
+              "group_search", "true_sequential", "rotation_act_quant", "rotation_kv_quant",
+              "rotation_lr_decay")
+# the learned rotation's training (--rotation learned), each a QuantConfig field
+ROTATION_OPTIONS = (("rotation_steps", int), ("rotation_lr", float), ("rotation_samples", int),
+                    ("rotation_seq_len", int), ("rotation_batch", int))
 
 
 def add_quant_args(p) -> None:
@@ -21,6 +25,16 @@ def add_quant_args(p) -> None:
                    help="keep these linears at W8A8 (mixed recipe): fnmatch patterns over "
                         "layers.{i}.{self_attn.qkv_proj|self_attn.o_proj|mlp.gate_up_proj|mlp.down_proj}, "
                         "e.g. 'layers.0.*' '*.mlp.down_proj'")
+    # lazy: CLI start-up (load what a subcommand needs when it runs)
+    from qoqserve.quant.config import ROTATION_LOSSES, ROTATIONS
+    p.add_argument("--rotation", choices=ROTATIONS, default=None,
+                   help="residual rotation: a fixed Hadamard (default), or learned from the Hadamard "
+                        "start on the calibration text against the fake-quantized model")
+    for field, kind in ROTATION_OPTIONS:
+        p.add_argument("--" + field.replace("_", "-"), type=kind, default=None,
+                       help="learned rotation training (QuantConfig." + field + ")")
+    p.add_argument("--rotation-loss", choices=ROTATION_LOSSES, default=None,
+                   help="learned rotation loss: KL to the FP model's logits, or next-token CE")
     for flag in STEP_FLAGS:
         step = flag.replace("_", "-")
         p.add_argument(f"--{step}", dest=flag, action="store_true", default=None,
@@ -33,7 +47,9 @@ def quant_config_from_args(args):
     from qoqserve.quant.config import get_preset
 
     over = {}
-    for field in STEP_FLAGS + ("kv_bits", "smooth_alpha", "calib_samples", "calib_seq_len", "w8a8_linears"):
+    rotation = ("rotation", "rotation_loss") + tuple(f for f, _ in ROTATION_OPTIONS)
+    for field in STEP_FLAGS + rotation + ("kv_bits", "smooth_alpha", "calib_samples", "calib_seq_len",
+                                          "w8a8_linears"):
         value = getattr(args, field, None)
         if value is not None:
             over[field] = tuple(value) if isinstance(value, list) else value

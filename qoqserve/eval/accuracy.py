@@ -18,7 +18,7 @@ import torch
 from qoqserve.eval.perplexity import LICENSE_TEXTS, perplexity, read_texts
 from qoqserve.model_loader import load_model_source
 from qoqserve.quant.calibration import load_calibration
-from qoqserve.quant.config import NO_TRANSFORMS, get_preset
+from qoqserve.quant.config import NO_TRANSFORMS, ROTATIONS, get_preset, with_rotation
 from qoqserve.quant.pipeline import build_fp_model, quantize_model
 
 # g128 is not in the default table: the embedded model's hidden size (576) is not a
@@ -84,13 +84,16 @@ def register_args(p) -> None:
                    help=f"presets to run (default: {' '.join(MAIN_ROWS)} + the g64 ablation)")
     p.add_argument("--model", default=None)
     p.add_argument("--window", type=int, default=512)
+    p.add_argument("--rotation", choices=ROTATIONS, default=None,
+                   help="run the rotating configs with this residual rotation (default: their own; "
+                        "'learned' trains it per config, docs/accuracy.md)")
 
 
 def run_cmd(args) -> int:
 
     configs = ([get_preset(c) for c in args.configs] if args.configs is not None
                else [get_preset(c) for c in MAIN_ROWS] + ablation_rows())
-    rows = run_table(args.model, list(LICENSE_TEXTS), configs, args.window)
+    rows = run_table(args.model, list(LICENSE_TEXTS), with_rotation(configs, args.rotation), args.window)
     table = to_markdown(rows)
     print(table)
     if args.out:

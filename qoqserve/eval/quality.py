@@ -24,7 +24,7 @@ from qoqserve.eval.subject import Subject, engine_subject, model_subject
 from qoqserve.llm import LLM
 from qoqserve.model_loader import load_model_source
 from qoqserve.quant.calibration import load_calibration
-from qoqserve.quant.config import get_preset
+from qoqserve.quant.config import ROTATIONS, get_preset, with_rotation
 from qoqserve.quant.pipeline import build_fp_model, quantize_model
 
 DEFAULT_CONFIGS = ("rtn-w8a8", "rtn-w4a8kv4-g64", "g64", "chn")
@@ -178,6 +178,9 @@ def register_args(p) -> None:
                    help="measure FP only as the reference, not as a row of its own")
     p.add_argument("--out", default=None, help="write the markdown table here")
     p.add_argument("--json", default=None, help="write the whole table (and every JSON reply) here")
+    p.add_argument("--rotation", choices=ROTATIONS, default=None,
+                   help="run the rotating configs with this residual rotation (default: their own; "
+                        "'learned' trains it per config, docs/accuracy.md)")
 
 
 def run_cmd(args) -> int:
@@ -192,6 +195,7 @@ def run_cmd(args) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(table, f, indent=1)
-    table = run_quality(args.model, [get_preset(c) for c in args.configs], args.engine, opts, on_row=write)
+    table = run_quality(args.model, with_rotation([get_preset(c) for c in args.configs], args.rotation),
+                        args.engine, opts, on_row=write)
     print(to_markdown(table))
     return 0

@@ -6,6 +6,8 @@ from dataclasses import asdict, dataclass, replace
 
 # the linears of one decoder layer, in the order the pipeline quantizes them
 LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+ROTATIONS = ("hadamard", "learned")
+ROTATION_LOSSES = ("kl", "ce")
 
 
 @dataclass(frozen=True)
@@ -16,7 +18,20 @@ class QuantConfig:
     progressive: bool = True      # QoQ two-level INT8 -> UINT4 (else plain asymmetric groups)
     a_bits: int = 8               # 8 = per-token INT8 activations, 16 = unquantized
     kv_bits: int = 4              # 4 = per-token-per-head UINT4 KV, 16 = unquantized
-    rotate: bool = True           # block-input Hadamard rotation
+    rotate: bool = True           # block-input rotation of the residual stream
+    # which rotation: "hadamard" (fixed, seeded) or "learned" (trained from the
+    # Hadamard start against the fake-quantized model, quant/transforms/learned_rotation.py;
+    # docs/accuracy.md). The rotation_* fields below only matter for "learned".
+    rotation: str = "hadamard"
+    rotation_steps: int = 100
+    rotation_lr: float = 1e-3             # Adam on the Cayley generator
+    rotation_lr_decay: bool = False       # linearly to 0 over the steps (else constant)
+    rotation_samples: int = 16            # calibration windows trained on ...
+    rotation_seq_len: int = 256           # ... their first tokens
+    rotation_batch: int = 2               # windows per step
+    rotation_loss: str = "kl"             # "kl" to the FP model's logits, or "ce" (next token)
+    rotation_act_quant: bool = True       # per-token INT8 linear inputs in the loop
+    rotation_kv_quant: bool = False       # KV4 in the loop (keys not yet centered there)
     # per-head rotation of V folded into v_proj/o_proj; off by default: it did not
     # lower the KV4 loss on SmolLM2 (docs/accuracy.md)
     rotate_v: bool = False
@@ -56,6 +71,14 @@ class QuantConfig:
             raise ValueError("a_bits must be 8 or 16 and kv_bits 4 or 16")
         if self.group_size not in (0, 32, 64, 128, 256):
             raise ValueError("group_size must be 0 (per channel), 32, 64, 128 or 256")
+        if self.rotation not in ROTATIONS:
+            raise ValueError(f"rotation must be one of {', '.join(ROTATIONS)}, got {self.rotation!r}")
+        if self.rotation_loss not in ROTATION_LOSSES:
+            raise ValueError(f"rotation_loss must be one of {', '.join(ROTATION_LOSSES)}, "
+                             f"got {self.rotation_loss!r}")
+        if min(self.rotation_steps, self.rotation_samples, self.rotation_seq_len, self.rotation_batch) < 1:
+            raise ValueError("rotation_steps, rotation_samples, rotation_seq_len and rotation_batch "
+                             "must be >= 1")
 
     @property
     def is_qoq_format(self) -> bool:
@@ -102,6 +125,15 @@ PRESETS: dict[str, QuantConfig] = {
     "rtn-w4a8kv4-chn": QuantConfig(name="rtn-w4a8kv4-chn", group_size=0, **NO_TRANSFORMS),
     "rtn-kv4": QuantConfig(name="rtn-kv4", w_bits=16, a_bits=16, **NO_TRANSFORMS),
 }
+
+
+def with_rotation(configs, rotation: str | None) -> list[QuantConfig]:
+    """The configs that rotate, switched to `rotation` (None: as they are);
+    renamed so that a table tells them apart."""
+    if rotation is None:
+        return list(configs)
+    return [replace(c, rotation=rotation, name=f"{c.name} ({rotation} rotation)")
+            if c.rotate and c.rotation != rotation else c for c in configs]
 
 
 def get_preset(name: str, **overrides) -> QuantConfig:

@@ -31,8 +31,9 @@ from qoqserve.quant.group_search import search_group_params
 from qoqserve.quant.layer_stats import LayerCapture, search_alpha, search_key_alpha
 from qoqserve.quant.transforms._common import expand_groups, group_max
 from qoqserve.quant.transforms.key_center import center_and_rotate_keys, key_rotation
+from qoqserve.quant.transforms.learned_rotation import learn_rotation
 from qoqserve.quant.transforms.reorder import reorder_down, reorder_out_proj
-from qoqserve.quant.transforms.rotation import rotate_model, rotate_values
+from qoqserve.quant.transforms.rotation import fold_norms, rotate_model, rotate_values
 from qoqserve.quant.transforms.smooth import (
     smooth_attention,
     smooth_down,
@@ -48,6 +49,7 @@ class QuantResult:
     steps: list[str]
     layer_info: list[dict] = field(default_factory=list)
     seconds: float = 0.0
+    rotation_curve: list[float] = field(default_factory=list)  # learned rotation: loss per step
 
 
 def build_fp_model(source, cfg: QuantConfig, device: str, max_positions: int = 4096) -> LlamaForCausalLM:
@@ -85,7 +87,7 @@ def _quantize_linear(linear, cap, cfg: QuantConfig, info: dict, name: str, key: 
     g = cfg.group_size
     clip = None
     if cfg.clip:
-        clip = search_clip_ratios(w, cap.samples[name], lambda rows, r: _qoq_rtn(rows, g, r))
+        clip = search_clip_ratios(w, cap.samples[name], lambda rows, r: sim.qoq_rtn(rows, g, r))
         info[f"{name}.clip_mean"] = round(float(clip.mean()), 4)
     hessian = cap.hessians[name].hessian() if name in cap.hessians else None
     group_params = None
@@ -117,15 +119,8 @@ def _weight_quant_fn(cfg: QuantConfig):
     if cfg.w_bits == 16:
         return lambda w: w
     if cfg.is_qoq_format or (cfg.w_bits == 4 and cfg.progressive):
-        return lambda w: _qoq_rtn(w, g)
+        return lambda w: sim.qoq_rtn(w, g)
     return lambda w: sim.rtn_weight(w, cfg.w_bits, g)
-
-
-def _qoq_rtn(w: torch.Tensor, group_size: int, clip=None) -> torch.Tensor:
-    """Round-to-nearest in the QoQ format (progressive groups or per channel), dequantized."""
-    if group_size:
-        return qoq_ref.group_weight_to_float(qoq_ref.quantize_weight_group(w, group_size, clip))
-    return qoq_ref.channel_weight_to_float(qoq_ref.quantize_weight_channel(w, clip))
 
 
 def _transform_layer(layer, cap: LayerCapture, cfg: QuantConfig, arch, info: dict) -> None:
@@ -201,18 +196,26 @@ def _round_to_storage(model, qoq: QoQConfig) -> None:
 
 def quantize_model(source, cfg: QuantConfig, calib: CalibrationSet, device: str = "cpu",
                    progress: bool = True, max_positions: int = 4096,
-                   float_weights: dict | None = None) -> QuantResult:
+                   float_weights: dict | None = None, rotation: torch.Tensor | None = None) -> QuantResult:
     """float_weights: when a dict, it receives each linear's weight as it is just
-    before quantization (rotated, smoothed, reordered), by "layers.{i}.{linear}"."""
+    before quantization (rotated, smoothed, reordered), by "layers.{i}.{linear}".
+    rotation: the residual rotation to fold (e.g. one learned by an earlier run
+    of the same config), instead of cfg.rotation's."""
     start = time.perf_counter()
     torch.manual_seed(cfg.seed)
     model = build_fp_model(source, cfg, device, max_positions)
     arch = model.cfg
     steps = []
     with torch.no_grad():
+        curve = []
         if cfg.rotate:
-            rotate_model(model, seed=cfg.seed)
-            steps.append("rotate")
+            q = rotation
+            if q is None and cfg.rotation == "learned":
+                fold_norms(model)  # R is learned on the folded model rotate_model rotates
+                learned = learn_rotation(model, calib.samples, cfg, progress=progress)
+                q, curve = learned.r, learned.curve
+            rotate_model(model, seed=cfg.seed, q=q)
+            steps.append("rotate-learned" if cfg.rotation == "learned" else "rotate")
         if cfg.rotate_v and cfg.kv_bits == 4:
             rotate_values(model, seed=cfg.seed)
             steps.append("rotate_v")
@@ -258,4 +261,4 @@ def quantize_model(source, cfg: QuantConfig, calib: CalibrationSet, device: str 
         if cfg.is_qoq_format:
             _round_to_storage(model, QoQConfig(cfg.group_size, cfg.kv_bits, cfg.uses_key_transform))
     steps += _layer_steps(cfg)
-    return QuantResult(model, cfg, steps, infos, time.perf_counter() - start)
+    return QuantResult(model, cfg, steps, infos, time.perf_counter() - start, curve)

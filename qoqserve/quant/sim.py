@@ -22,6 +22,13 @@ def fake_quant_act_int8(x: torch.Tensor) -> torch.Tensor:
     return (x_q.float() * scale[..., None]).to(x.dtype)
 
 
+def qoq_rtn(w: torch.Tensor, group_size: int, clip=None) -> torch.Tensor:
+    """Round-to-nearest in the QoQ format (progressive groups or per channel), dequantized."""
+    if group_size:
+        return qoq_ref.group_weight_to_float(qoq_ref.quantize_weight_group(w, group_size, clip))
+    return qoq_ref.channel_weight_to_float(qoq_ref.quantize_weight_channel(w, clip))
+
+
 def rtn_weight(w: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
     """Baseline round-to-nearest, dequantized: 8-bit symmetric per channel, or
     4-bit asymmetric min/max per group (per channel when group_size is 0)."""

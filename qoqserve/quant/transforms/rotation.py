@@ -45,15 +45,17 @@ def fold_norms(model) -> None:
 
 
 @torch.no_grad()
-def rotate_model(model, seed: int | None = 0) -> torch.Tensor:
-    """Fold norms, then rotate the residual stream by Q = orthogonal_matrix(hidden).
+def rotate_model(model, seed: int | None = 0, q: torch.Tensor | None = None) -> torch.Tensor:
+    """Fold norms (a no-op when already folded), then rotate the residual stream
+    by Q: `q` when given (e.g. a learned rotation), else orthogonal_matrix(hidden, seed).
 
     Returns Q (float64, [hidden, hidden]); the residual stream of the rotated
     model is h_old @ Q.
     """
     fold_norms(model)
-    q = orthogonal_matrix(model.cfg.hidden_size, seed, dtype=torch.float64)
-    q = q.to(model.embed_tokens.device)
+    if q is None:
+        q = orthogonal_matrix(model.cfg.hidden_size, seed, dtype=torch.float64)
+    q = q.double().to(model.embed_tokens.device)
     # readers: x W^T with x = hQ needs W Q (so that hQ Q^T W^T = h W^T)
     readers = [model.embed_tokens, model.lm_head]
     writers = []
