@@ -116,8 +116,7 @@ def qkv_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(dim=-1) of fp32 CPU rows [B, V] (int64 [B]): the same
     index (first maximum, first NaN), in one vectorized pass per row, the
-    rows over the threads (torch's reduction runs one row at a time here;
-    the timings are in the commit that added this)."""
+    rows over the threads."""
     if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1 or logits.device.type != "cpu":
         raise ValueError("argmax takes fp32 CPU rows [B, V] with contiguous rows")
     b, v = logits.shape
