@@ -41,7 +41,7 @@ static void store_row(const float *v, int64_t n, void *y, int bf16, int64_t i) {
 /* the values a bf16 tensor would hold (no-op for fp32) */
 static void round_row(float *v, int64_t n, int bf16) {
     if (!bf16) return;
-    for (int64_t k = 0; k < n; k++) v[k] = bf16_to_float(float_to_bf16(v[k]));
+    for (int64_t k = 0; k < n; k++) v[k] = as_stored(v[k], 1);
 }
 
 /* sum of squares in a fixed order: 16 lanes (lane l: k = l mod 16), then
