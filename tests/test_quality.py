@@ -171,3 +171,57 @@ def test_table_renders_the_same_after_a_json_round_trip():
     md = to_markdown(table)
     assert md == to_markdown(json.loads(json.dumps(table)))
     assert "| g64 | 25.200 | +20.0% | 0.1900 |" in md and "| 90% | 50% | 75% | 264 |" in md
+
+
+def _row(config, **kw):
+    row = dict(config=config, ppl=21.0, ppl_delta=0.0, kl_mean=0.0, kl_p99=0.0, same_top=1.0,
+               greedy_agreement=1.0, greedy_prefix=1.0, passkey={1024: 1.0}, json_rate=0.5)
+    return {**row, **kw}
+
+
+def test_accuracy_doc_blocks_are_regenerated_in_place_and_prose_kept(tmp_path):
+    from qoqserve.eval.accuracy import LABELS, write_doc
+    doc = tmp_path / "accuracy.md"
+    doc.write_text("intro\n\n<!-- eval accuracy: main -->\nold table\n<!-- end eval accuracy -->\n\nprose\n")
+    table = {"options": {"lengths": [1024]}, "rows": [
+        _row("FP32"), _row("g64", ppl=25.2, ppl_delta=0.2, commit="abc1234", measured_utc="2026-12-02 03:00",
+                           load_average=[0.4, 0.5, 0.6]),
+        {"config": "g128", "not_applicable": "group size 128 does not divide the model's hidden size 576"}]}
+    write_doc(str(doc), table, {"main": ["FP32", "g128", "g64", "engine qoq"]})
+    text = doc.read_text()
+    assert text.startswith("intro\n\n<!-- eval accuracy: main -->\nMeasured 2026-12-02 UTC")
+    assert text.endswith("<!-- end eval accuracy -->\n\nprose\n") and "old table" not in text
+    assert "commit abc1234" in text and "load average 0.4-0.4" in text
+    lines = [line for line in text.splitlines() if line.startswith("| ")][2:]
+    assert [line.split(" | ")[0] for line in lines] == ["| FP32", f"| {LABELS['g128']}", f"| {LABELS['g64']}"]
+    assert "not applicable: group size 128 does not divide" in lines[1]
+    assert lines[1].count("|") == lines[0].count("|")  # as many cells as the other rows
+    with pytest.raises(ValueError, match="ablation"):
+        write_doc(str(doc), table, {"ablation": ["FP32"]})
+
+
+def test_a_resumed_table_keeps_only_rows_measured_the_same_way():
+    import json
+
+    from qoqserve.eval.quality import _reusable
+    settings = json.loads(json.dumps(get_preset("g64").to_dict()))
+    table = {"model": "m", "options": {"window": 512, "lengths": (1024,)}, "rows": []}
+    earlier = json.loads(json.dumps({**table, "rows": [_row("FP32"), _row("g64", quant_config=settings)]}))
+    assert list(_reusable(earlier, table)) == ["g64"]  # FP is the reference: always measured
+    assert _reusable({**earlier, "model": "other"}, table) == {}
+    assert _reusable({**earlier, "options": {"window": 256, "lengths": [1024]}}, table) == {}
+    assert _reusable(None, table) == {}
+
+
+def test_a_group_size_that_does_not_tile_the_model_fails_before_any_work():
+    from types import SimpleNamespace
+
+    from qoqserve.quant.pipeline import quantize_model
+    arch = SimpleNamespace(hidden_size=576, intermediate_size=1536, num_heads=9, head_dim=64)
+    with pytest.raises(ValueError, match=r"group size 128 does not divide the model's hidden size 576, "
+                                         r"heads x head_dim 576; group sizes that fit: 32, 64"):
+        get_preset("g128").check_model(arch)
+    for ok in ("g64", "chn", "rtn-kv4", "rtn-w8a8"):
+        get_preset(ok).check_model(arch)
+    with pytest.raises(ValueError, match="group size 256"):  # raised before the model is built
+        quantize_model(SimpleNamespace(arch=arch), get_preset("g64", group_size=256), calib=None)

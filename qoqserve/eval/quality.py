@@ -15,6 +15,8 @@ following (eval/format_following.py).
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -99,11 +101,32 @@ def one_line(r: dict) -> str:
             f"passkey {keys} json {100 * r['json_rate']:.0f}%")
 
 
+def provenance() -> dict:
+    """When, at which commit and under what load a row was measured."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=os.path.dirname(__file__), timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {"measured_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "commit": commit,
+            "load_average": [round(x, 2) for x in os.getloadavg()]}
+
+
+def _reusable(earlier: dict | None, table: dict) -> dict[str, dict]:
+    """The config rows of an earlier table (by name) measured on the same model
+    with the same options."""
+    same = earlier and all(earlier.get(k) == json.loads(json.dumps(table[k])) for k in ("model", "options"))
+    return {r["config"]: r for r in earlier["rows"] if "quant_config" in r} if same else {}
+
+
 def run_quality(model: str | None, configs, engines=(), opts: QualityOptions = QualityOptions(),
-                progress: bool = True, on_row=None) -> dict:
+                progress: bool = True, on_row=None, reuse=None) -> dict:
     """configs: QuantConfigs simulated in memory; engines: checkpoint paths or
     aliases ('qoq') run by the runtime engine. Returns the table as a dict;
-    on_row(table so far) after each row (a long run keeps what it measured)."""
+    on_row(table so far) after each row (a long run keeps what it measured).
+    reuse: an earlier table (as JSON holds it); a config it measured with the
+    same settings and options is taken from it, not measured again. A config that
+    cannot quantize this model gets a row saying why."""
     source = load_model_source(model)
     tok, eos = source.tokenizer, source.arch.eos_token_ids
     cases = retrieval.build_cases(tok, opts.lengths, opts.depths, opts.keys_per_depth, opts.seed)
@@ -123,12 +146,25 @@ def run_quality(model: str | None, configs, engines=(), opts: QualityOptions = Q
             on_row(table)
     if opts.fp_row:
         add(measure(fp, tasks, opts, tok, progress))
+    earlier = _reusable(reuse, table)
     for cfg in configs:
+        settings = json.loads(json.dumps(cfg.to_dict()))
+        if cfg.name in earlier and earlier[cfg.name]["quant_config"] == settings:
+            print(f"{cfg.name}: measured earlier, kept", flush=True)
+            add(earlier[cfg.name])
+            continue
+        stamp = {"quant_config": settings, **provenance()}
+        try:
+            cfg.check_model(source.arch)
+        except ValueError as e:
+            print(f"{cfg.name}: not applicable: {e}", flush=True)
+            add({"config": cfg.name, "not_applicable": str(e), **stamp})
+            continue
         calib = load_calibration(tok, None, cfg.calib_samples, cfg.calib_seq_len)
         result = quantize_model(source, cfg, calib, progress=progress, max_positions=longest)
         subject = model_subject(cfg.name, result.model, eos, quantize_seconds=result.seconds,
                                 steps=result.steps)
-        add(measure(subject, tasks, opts, tok, progress))
+        add({**measure(subject, tasks, opts, tok, progress), **stamp})
         del result, subject
     for path in engines:
         # every position attends to K/V as the pages store them, as the simulation does
@@ -138,15 +174,23 @@ def run_quality(model: str | None, configs, engines=(), opts: QualityOptions = Q
     return table
 
 
-def to_markdown(table: dict) -> str:
+def to_markdown(table: dict, names=None, labels=None) -> str:
+    """names: the rows to show, in this order (default: all); labels: config
+    name -> what the first column says."""
     lengths = table["options"]["lengths"]
+    rows = {r["config"]: r for r in table["rows"]}
+    labels = labels or {}
     head = ["configuration", "PPL", "vs FP", "KL mean", "KL p99", "same top", "greedy agree (mean prefix)"]
     head += [f"pass key {n // 1024}k" if n % 1024 == 0 else f"pass key {n}" for n in lengths]
     head += ["JSON keys", "quantize s"]
     lines = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
-    for r in table["rows"]:
+    for r in [rows[n] for n in names] if names is not None else table["rows"]:
+        label = labels.get(r["config"], r["config"])
+        if "not_applicable" in r:
+            lines.append(f"| {label} | not applicable: {r['not_applicable']} |" + " |" * (len(head) - 2))
+            continue
         is_fp = r["config"] == "FP32"
-        cells = [r["config"], f"{r['ppl']:.3f}", "—" if is_fp else f"{100 * r['ppl_delta']:+.1f}%",
+        cells = [label, f"{r['ppl']:.3f}", "—" if is_fp else f"{100 * r['ppl_delta']:+.1f}%",
                  "—" if is_fp else f"{r['kl_mean']:.4f}", "—" if is_fp else f"{r['kl_p99']:.3f}",
                  "—" if is_fp else f"{100 * r['same_top']:.1f}%",
                  f"{100 * r['greedy_agreement']:.0f}% ({100 * r['greedy_prefix']:.0f}%)"]

@@ -94,6 +94,21 @@ class QuantConfig:
         return tuple(key for i in range(num_layers) for name in LINEARS
                      if self.keeps_w8a8(key := f"layers.{i}.{name}"))
 
+    def check_model(self, arch) -> None:
+        """Raise, before any work, if this config cannot quantize a model of these
+        dimensions: groups must tile every linear's input (qkv and gate_up take
+        the hidden size, o_proj heads x head_dim, down_proj the intermediate size)."""
+        if self.w_bits != 4 or not self.group_size:
+            return
+        widths = {"hidden size": arch.hidden_size, "heads x head_dim": arch.num_heads * arch.head_dim,
+                  "intermediate size": arch.intermediate_size}
+        bad = [f"{what} {n}" for what, n in widths.items() if n % self.group_size]
+        if bad:
+            fits = [g for g in (32, 64, 128, 256) if all(n % g == 0 for n in widths.values())]
+            raise ValueError(f"{self.name}: group size {self.group_size} does not divide the model's "
+                             f"{', '.join(bad)}; group sizes that fit: "
+                             f"{', '.join(map(str, fits)) or 'none'} (or 0, per channel)")
+
     @property
     def uses_key_transform(self) -> bool:
         return self.key_transform and self.kv_bits == 4

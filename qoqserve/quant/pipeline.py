@@ -201,6 +201,7 @@ def quantize_model(source, cfg: QuantConfig, calib: CalibrationSet, device: str 
     before quantization (rotated, smoothed, reordered), by "layers.{i}.{linear}".
     rotation: the residual rotation to fold (e.g. one learned by an earlier run
     of the same config), instead of cfg.rotation's."""
+    cfg.check_model(source.arch)
     start = time.perf_counter()
     torch.manual_seed(cfg.seed)
     model = build_fp_model(source, cfg, device, max_positions)
