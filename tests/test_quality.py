@@ -202,14 +202,18 @@ def test_accuracy_doc_blocks_are_regenerated_in_place_and_prose_kept(tmp_path):
 
 def test_a_resumed_table_keeps_only_rows_measured_the_same_way():
     import json
+    from dataclasses import asdict
 
-    from qoqserve.eval.quality import _reusable
+    from qoqserve.eval.quality import QualityOptions, _reusable
     settings = json.loads(json.dumps(get_preset("g64").to_dict()))
-    table = {"model": "m", "options": {"window": 512, "lengths": (1024,)}, "rows": []}
+    table = {"model": "m", "options": asdict(QualityOptions()), "rows": []}
     earlier = json.loads(json.dumps({**table, "rows": [_row("FP32"), _row("g64", quant_config=settings)]}))
     assert list(_reusable(earlier, table)) == ["g64"]  # FP is the reference: always measured
+    older = {**earlier, "options": {k: v for k, v in earlier["options"].items() if k != "tasks"}}
+    assert list(_reusable(older, table)) == ["g64"]  # written before --tasks: it measured them all
     assert _reusable({**earlier, "model": "other"}, table) == {}
-    assert _reusable({**earlier, "options": {"window": 256, "lengths": [1024]}}, table) == {}
+    assert _reusable({**earlier, "options": {**earlier["options"], "window": 256}}, table) == {}
+    assert _reusable({**earlier, "options": {**earlier["options"], "tasks": ["json"]}}, table) == {}
     assert _reusable(None, table) == {}
 
 
@@ -225,3 +229,13 @@ def test_a_group_size_that_does_not_tile_the_model_fails_before_any_work():
         get_preset(ok).check_model(arch)
     with pytest.raises(ValueError, match="group size 256"):  # raised before the model is built
         quantize_model(SimpleNamespace(arch=arch), get_preset("g64", group_size=256), calib=None)
+
+
+def test_a_table_shows_only_the_tasks_it_measured():
+    from qoqserve.eval.quality import to_markdown
+    row = {k: v for k, v in _row("g64", kl_mean=0.25).items()
+           if k not in ("greedy_agreement", "greedy_prefix", "passkey", "json_rate")}
+    md = to_markdown({"options": {"lengths": [1024], "tasks": []}, "rows": [row]})
+    head, _, line = md.splitlines()
+    assert head == "| configuration | PPL | vs FP | KL mean | KL p99 | same top | quantize s |"
+    assert line == "| g64 | 21.000 | +0.0% | 0.2500 | 0.000 | 100.0% | — |"

@@ -30,6 +30,8 @@ from qoqserve.quant.config import ROTATIONS, get_preset, with_rotation
 from qoqserve.quant.pipeline import build_fp_model, quantize_model
 
 DEFAULT_CONFIGS = ("rtn-w8a8", "rtn-w4a8kv4-g64", "g64", "chn")
+# measured besides perplexity, KL and same top (always: they come from one pass)
+TASKS = ("greedy", "passkey", "json")
 
 
 @dataclass
@@ -42,6 +44,7 @@ class QualityOptions:
     keys_per_depth: int = 2
     greedy_tokens: int = 32
     seed: int = 0
+    tasks: tuple[str, ...] = TASKS  # which of TASKS to measure
     # False: FP is only the reference (its own pass-key and JSON rows are not
     # measured), for splitting one table over several processes
     fp_row: bool = True
@@ -84,21 +87,29 @@ def measure(subject: Subject, tasks: Tasks, opts: QualityOptions, tokenizer, pro
         d = kl.compare(tasks.fp_kl, subject.logits, tasks.ids, opts.window, opts.stride, progress)
         row.update(ppl=d.ppl, kl_mean=d.kl_mean, kl_median=d.kl_median, kl_p99=d.kl_p99, same_top=d.same_top)
     row["ppl_delta"] = row["ppl"] / tasks.fp_ppl - 1
-    g = agreement.greedy_agreement(subject.logits, tasks.chat, tasks.references, opts.greedy_tokens)
-    row.update(greedy_agreement=g.rate, greedy_prefix=g.mean_prefix)
-    row["passkey"] = retrieval.passkey_accuracy(subject.logits, tasks.cases)
-    f = format_following.format_following(subject.generate, tokenizer)
-    row.update(json_rate=f.rate, json_parsed=f.parsed, json_replies=f.replies)
+    if "greedy" in opts.tasks:
+        g = agreement.greedy_agreement(subject.logits, tasks.chat, tasks.references, opts.greedy_tokens)
+        row.update(greedy_agreement=g.rate, greedy_prefix=g.mean_prefix)
+    if "passkey" in opts.tasks:
+        row["passkey"] = retrieval.passkey_accuracy(subject.logits, tasks.cases)
+    if "json" in opts.tasks:
+        f = format_following.format_following(subject.generate, tokenizer)
+        row.update(json_rate=f.rate, json_parsed=f.parsed, json_replies=f.replies)
     row.update(subject.info, eval_seconds=time.perf_counter() - start)
     print(one_line(row), flush=True)
     return row
 
 
 def one_line(r: dict) -> str:
-    keys = " ".join(f"{k}:{100 * v:.0f}%" for k, v in r["passkey"].items())
-    return (f"{r['config']}: ppl {r['ppl']:.3f} ({100 * r['ppl_delta']:+.1f}%) KL {r['kl_mean']:.4f} "
-            f"p99 {r['kl_p99']:.3f} top1 {100 * r['same_top']:.1f}% greedy {100 * r['greedy_agreement']:.0f}% "
-            f"passkey {keys} json {100 * r['json_rate']:.0f}%")
+    line = (f"{r['config']}: ppl {r['ppl']:.3f} ({100 * r['ppl_delta']:+.1f}%) KL {r['kl_mean']:.4f} "
+            f"p99 {r['kl_p99']:.3f} top1 {100 * r['same_top']:.1f}%")
+    if "greedy_agreement" in r:
+        line += f" greedy {100 * r['greedy_agreement']:.0f}%"
+    if "passkey" in r:
+        line += " passkey " + " ".join(f"{k}:{100 * v:.0f}%" for k, v in r["passkey"].items())
+    if "json_rate" in r:
+        line += f" json {100 * r['json_rate']:.0f}%"
+    return line
 
 
 def provenance() -> dict:
@@ -115,6 +126,9 @@ def provenance() -> dict:
 def _reusable(earlier: dict | None, table: dict) -> dict[str, dict]:
     """The config rows of an earlier table (by name) measured on the same model
     with the same options."""
+    if earlier:  # a table written before an option existed ran with its default
+        defaults = json.loads(json.dumps(asdict(QualityOptions())))
+        earlier = {**earlier, "options": {**defaults, **earlier.get("options", {})}}
     same = earlier and all(earlier.get(k) == json.loads(json.dumps(table[k])) for k in ("model", "options"))
     return {r["config"]: r for r in earlier["rows"] if "quant_config" in r} if same else {}
 
@@ -129,13 +143,15 @@ def run_quality(model: str | None, configs, engines=(), opts: QualityOptions = Q
     cannot quantize this model gets a row saying why."""
     source = load_model_source(model)
     tok, eos = source.tokenizer, source.arch.eos_token_ids
-    cases = retrieval.build_cases(tok, opts.lengths, opts.depths, opts.keys_per_depth, opts.seed)
+    cases = (retrieval.build_cases(tok, opts.lengths, opts.depths, opts.keys_per_depth, opts.seed)
+             if "passkey" in opts.tasks else [])
     longest = max([opts.window] + [len(c.ids) for c in cases])
     fp_model = build_fp_model(source, get_preset("rtn-kv4", kv_bits=16), "cpu", longest)
     fp = model_subject("FP32", fp_model, eos)
     ids = tok.encode(read_texts(opts.texts))
     chat = agreement.chat_prompt_ids(tok)
-    tasks = Tasks(ids, chat, fp.generate(chat, opts.greedy_tokens), cases, fp,
+    references = fp.generate(chat, opts.greedy_tokens) if "greedy" in opts.tasks else []
+    tasks = Tasks(ids, chat, references, cases, fp,
                   perplexity(fp_model.prompt_logprobs, ids, opts.window, opts.stride).ppl, Memo(fp.logits))
     table = {"model": model or "embedded SmolLM2-135M-Instruct", "options": asdict(opts),
              "ppl_tokens": len(ids) - 1, "rows": tasks.rows}
@@ -145,7 +161,8 @@ def run_quality(model: str | None, configs, engines=(), opts: QualityOptions = Q
         if on_row:
             on_row(table)
     if opts.fp_row:
-        add(measure(fp, tasks, opts, tok, progress))
+        stamp = provenance()
+        add({**measure(fp, tasks, opts, tok, progress), **stamp})
     earlier = _reusable(reuse, table)
     for cfg in configs:
         settings = json.loads(json.dumps(cfg.to_dict()))
@@ -168,21 +185,27 @@ def run_quality(model: str | None, configs, engines=(), opts: QualityOptions = Q
         del result, subject
     for path in engines:
         # every position attends to K/V as the pages store them, as the simulation does
+        stamp = provenance()
         llm = LLM(path, quantized_prefill=True, kv_cache_gb=0.25)
-        add(measure(engine_subject(f"engine {path}", llm), tasks, opts, tok, progress))
+        add({**measure(engine_subject(f"engine {path}", llm), tasks, opts, tok, progress), **stamp})
         del llm
     return table
 
 
 def to_markdown(table: dict, names=None, labels=None) -> str:
     """names: the rows to show, in this order (default: all); labels: config
-    name -> what the first column says."""
-    lengths = table["options"]["lengths"]
+    name -> what the first column says. One column per measured task."""
+    lengths, measured = table["options"]["lengths"], table["options"].get("tasks", TASKS)
     rows = {r["config"]: r for r in table["rows"]}
     labels = labels or {}
-    head = ["configuration", "PPL", "vs FP", "KL mean", "KL p99", "same top", "greedy agree (mean prefix)"]
-    head += [f"pass key {n // 1024}k" if n % 1024 == 0 else f"pass key {n}" for n in lengths]
-    head += ["JSON keys", "quantize s"]
+    head = ["configuration", "PPL", "vs FP", "KL mean", "KL p99", "same top"]
+    if "greedy" in measured:
+        head.append("greedy agree (mean prefix)")
+    if "passkey" in measured:
+        head += [f"pass key {n // 1024}k" if n % 1024 == 0 else f"pass key {n}" for n in lengths]
+    if "json" in measured:
+        head.append("JSON keys")
+    head.append("quantize s")
     lines = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
     for r in [rows[n] for n in names] if names is not None else table["rows"]:
         label = labels.get(r["config"], r["config"])
@@ -192,12 +215,15 @@ def to_markdown(table: dict, names=None, labels=None) -> str:
         is_fp = r["config"] == "FP32"
         cells = [label, f"{r['ppl']:.3f}", "—" if is_fp else f"{100 * r['ppl_delta']:+.1f}%",
                  "—" if is_fp else f"{r['kl_mean']:.4f}", "—" if is_fp else f"{r['kl_p99']:.3f}",
-                 "—" if is_fp else f"{100 * r['same_top']:.1f}%",
-                 f"{100 * r['greedy_agreement']:.0f}% ({100 * r['greedy_prefix']:.0f}%)"]
-        passkey = {int(k): v for k, v in r["passkey"].items()}  # str keys once through JSON
-        cells += [f"{100 * passkey[n]:.0f}%" for n in lengths]
-        cells += [f"{100 * r['json_rate']:.0f}%",
-                  f"{r['quantize_seconds']:.0f}" if "quantize_seconds" in r else "—"]
+                 "—" if is_fp else f"{100 * r['same_top']:.1f}%"]
+        if "greedy" in measured:
+            cells.append(f"{100 * r['greedy_agreement']:.0f}% ({100 * r['greedy_prefix']:.0f}%)")
+        if "passkey" in measured:
+            passkey = {int(k): v for k, v in r["passkey"].items()}  # str keys once through JSON
+            cells += [f"{100 * passkey[n]:.0f}%" for n in lengths]
+        if "json" in measured:
+            cells.append(f"{100 * r['json_rate']:.0f}%")
+        cells.append(f"{r['quantize_seconds']:.0f}" if "quantize_seconds" in r else "—")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -218,6 +244,9 @@ def register_args(p) -> None:
                    help="window step (default: = window, disjoint; window/2 scores each token "
                         "with at least window/2 of context, as llama.cpp's perplexity does)")
     p.add_argument("--greedy-tokens", type=int, default=32, help="K of greedy agreement")
+    p.add_argument("--tasks", nargs="*", choices=TASKS, default=list(TASKS),
+                   help="what to measure besides perplexity, KL and same top (default: all; "
+                        "none: those three alone, as llama.cpp's perplexity --kl-divergence)")
     p.add_argument("--no-fp-row", dest="fp_row", action="store_false",
                    help="measure FP only as the reference, not as a row of its own")
     p.add_argument("--out", default=None, help="write the markdown table here")
@@ -230,6 +259,7 @@ def register_args(p) -> None:
 def run_cmd(args) -> int:
     opts = QualityOptions(window=args.window, stride=args.stride or args.window, lengths=tuple(args.lengths),
                           keys_per_depth=args.keys_per_depth, greedy_tokens=args.greedy_tokens,
+                          tasks=tuple(args.tasks),
                           fp_row=args.fp_row)
 
     def write(table):

@@ -10,6 +10,7 @@ import functools
 import math
 import os
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -115,18 +116,30 @@ def _rope_scaling(meta: dict[str, Any], a: str, rope_freqs, theta: float, head_d
     return params
 
 
-def _open_reader(path: str):
+@dataclass(frozen=True)
+class _ParsedGGUF:
+    """What a GGUF file holds, without the reader: its metadata decoded to
+    Python values, and its tensors (gguf ReaderTensors: name, type, shape, and
+    `data`, a view of the file's read-only memory map)."""
+    meta: dict[str, Any]
+    tensors: list
+
+
+def _parse(path: str) -> _ParsedGGUF:
     st = os.stat(path)
-    return _open_reader_cached(os.path.realpath(path), st.st_size, st.st_mtime_ns)
+    return _parse_cached(os.path.realpath(path), st.st_size, st.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=4)
-def _open_reader_cached(path: str, size: int, mtime_ns: int):
-    """The parsed file, kept per process: GGUFReader decodes every metadata
-    array element in Python (a tokenizer's ~100k strings take seconds), and
-    loading one file again (another engine, eval configurations, the tests)
-    should not pay it twice. Keyed by size and mtime, so a changed file is
-    parsed afresh. Everything read from the reader is copied out."""
+def _parse_cached(path: str, size: int, mtime_ns: int) -> _ParsedGGUF:
+    """Parsed once per process: GGUFReader decodes every metadata array element
+    in Python (a tokenizer's ~100k strings take seconds), and loading one file
+    again (another engine, eval configurations, the tests) should not pay it
+    twice. Keyed by size and mtime, so a changed file is parsed afresh. The
+    reader itself is dropped: its per-element numpy views of the metadata
+    arrays are ~160 MiB of heap for the embedded model's vocabulary, held by
+    every process (each tensor-parallel rank) that kept it; the decoded
+    values take a few."""
     # lazy: only GGUF files need the gguf package
     from gguf import GGUFReader
 
@@ -139,7 +152,13 @@ def _open_reader_cached(path: str, size: int, mtime_ns: int):
         if t.data_offset + t.n_bytes > size:
             raise ModelLoadError(f"{path}: truncated: tensor {t.name} needs bytes up to "
                                  f"{t.data_offset + t.n_bytes} but the file has {size}")
-    return reader
+    meta = {}
+    for key, fld in reader.fields.items():
+        try:
+            meta[key] = fld.contents()
+        except Exception as e:
+            raise ModelLoadError(f"{path}: cannot decode metadata {key!r} ({e})") from e
+    return _ParsedGGUF(meta, list(reader.tensors))
 
 
 class GGUFSlice:
@@ -185,18 +204,13 @@ class GGUFSlice:
 def load_gguf(path: str) -> ModelSource:
     if not os.path.isfile(path):
         raise ModelLoadError(f"{path}: no such file")
-    reader = _open_reader(path)
-    meta = {}
-    for key, fld in reader.fields.items():
-        try:
-            meta[key] = fld.contents()
-        except Exception as e:
-            raise ModelLoadError(f"{path}: cannot decode metadata {key!r} ({e})") from e
+    parsed = _parse(path)
+    meta = parsed.meta
     a = meta.get("general.architecture")
     if a not in _ARCHS:
         raise UnsupportedModelError(f"{path}: unsupported GGUF architecture {a!r}; "
                                     f"supported: {sorted(_ARCHS)}")
-    by_name = {t.name: t for t in reader.tensors}
+    by_name = {t.name: t for t in parsed.tensors}
 
     def need(key: str) -> Any:
         if key not in meta:
@@ -232,7 +246,7 @@ def load_gguf(path: str) -> ModelSource:
     )
 
     renamed: dict[str, Any] = {}
-    for t in reader.tensors:
+    for t in parsed.tensors:
         if t.name == "rope_freqs.weight":
             continue  # folded into arch.rope_scaling above
         hf = hf_tensor_name(t.name)
