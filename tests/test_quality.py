@@ -239,3 +239,23 @@ def test_a_table_shows_only_the_tasks_it_measured():
     head, _, line = md.splitlines()
     assert head == "| configuration | PPL | vs FP | KL mean | KL p99 | same top | quantize s |"
     assert line == "| g64 | 21.000 | +0.0% | 0.2500 | 0.000 | 100.0% | — |"
+
+
+def test_eval_accuracy_render_rewrites_the_doc_from_its_json_alone(tmp_path):
+    import argparse
+    import json
+
+    from qoqserve.eval import accuracy
+    doc, table = tmp_path / "a.md", tmp_path / "a.json"
+    doc.write_text("<!-- eval accuracy: main -->\n<!-- end eval accuracy -->\n"
+                   "<!-- eval accuracy: ablation -->\n<!-- end eval accuracy -->\n")
+    table.write_text(json.dumps({"model": "m", "options": {"lengths": [1024]},
+                                 "rows": [_row("FP32"), _row("g64", ppl=25.2, ppl_delta=0.2)]}))
+    p = argparse.ArgumentParser()
+    accuracy.register_args(p)
+    assert accuracy.run_cmd(p.parse_args(["--render", "--doc", str(doc), "--json", str(table)])) == 0
+    main, ablation = doc.read_text().split("<!-- eval accuracy: ablation -->")
+    assert "| FP32 |" in main and f"| {accuracy.LABELS['g64']} | 25.200 |" in main
+    assert "| FP32 |" not in ablation and f"| {accuracy.LABELS['g64']} | 25.200 |" in ablation
+    with pytest.raises(SystemExit, match="--render needs"):
+        accuracy.run_cmd(p.parse_args(["--render", "--json", str(tmp_path / "none.json")]))
