@@ -1,8 +1,8 @@
-"""The quality table of docs/quality.md: configurations against the FP model
-on the same text and tasks, beyond perplexity.
+"""Configurations against the FP model on the same text and tasks, beyond
+perplexity (docs/quality.md; `eval accuracy` runs it over docs/accuracy.md's
+tables).
 
-    qoqserve eval quality --configs rtn-w8a8 rtn-w4a8kv4-g64 g64 chn \
-        --engine qoq --out docs/quality.md --json docs/benchmarks/quality_cpu.json
+    qoqserve eval quality --configs rtn-w8a8 g64 --engine qoq --out q.md --json q.json
 
 Per configuration (quantized in memory, measured through the fake-quant
 simulation as `eval accuracy` does) and per runtime engine (`--engine`, a
