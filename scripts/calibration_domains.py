@@ -26,6 +26,7 @@ import torch
 
 from qoqserve.eval import kl
 from qoqserve.eval.perplexity import LICENSE_TEXTS, read_texts
+from qoqserve.eval.quality import Memo
 from qoqserve.model_loader import load_model_source
 from qoqserve.quant.calibration import DEFAULT_CALIB_FILE, load_calibration
 from qoqserve.quant.config import get_preset
@@ -65,14 +66,7 @@ def main() -> int:
     tok = source.tokenizer
     ids = tok.encode(read_texts(LICENSE_TEXTS))
     eval_grams = ngrams(tok.encode(read_texts(LICENSE_TEXTS), add_special_tokens=False))
-    fp_model = build_fp_model(source, get_preset("rtn-kv4", kv_bits=16), "cpu")
-    memo: dict = {}
-
-    def fp_logits(chunk, rows):
-        key = (tuple(chunk), tuple(rows))
-        if key not in memo:
-            memo[key] = fp_model.prompt_logits(chunk, rows)
-        return memo[key]
+    fp_logits = Memo(build_fp_model(source, get_preset("rtn-kv4", kv_bits=16), "cpu").prompt_logits)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for spec in args.calib:

@@ -80,7 +80,7 @@ class Tasks:
 
 def measure(subject: Subject, tasks: Tasks, opts: QualityOptions, tokenizer, progress: bool) -> dict:
     start = time.perf_counter()
-    row: dict = {"config": subject.name}
+    row: dict = {"config": subject.name, **provenance()}
     if subject is tasks.fp:
         row.update(ppl=tasks.fp_ppl, kl_mean=0.0, kl_p99=0.0, same_top=1.0)
     else:
@@ -123,13 +123,17 @@ def provenance() -> dict:
             "load_average": [round(x, 2) for x in os.getloadavg()]}
 
 
+def _as_json(value):
+    """value as a JSON round trip gives it back (tuples as lists), to compare with a loaded table."""
+    return json.loads(json.dumps(value))
+
+
 def _reusable(earlier: dict | None, table: dict) -> dict[str, dict]:
     """The config rows of an earlier table (by name) measured on the same model
     with the same options."""
     if earlier:  # a table written before an option existed ran with its default
-        defaults = json.loads(json.dumps(asdict(QualityOptions())))
-        earlier = {**earlier, "options": {**defaults, **earlier.get("options", {})}}
-    same = earlier and all(earlier.get(k) == json.loads(json.dumps(table[k])) for k in ("model", "options"))
+        earlier = {**earlier, "options": {**_as_json(asdict(QualityOptions())), **earlier.get("options", {})}}
+    same = earlier and all(earlier.get(k) == _as_json(table[k]) for k in ("model", "options"))
     return {r["config"]: r for r in earlier["rows"] if "quant_config" in r} if same else {}
 
 
@@ -161,40 +165,38 @@ def run_quality(model: str | None, configs, engines=(), opts: QualityOptions = Q
         if on_row:
             on_row(table)
     if opts.fp_row:
-        stamp = provenance()
-        add({**measure(fp, tasks, opts, tok, progress), **stamp})
+        add(measure(fp, tasks, opts, tok, progress))
     earlier = _reusable(reuse, table)
     for cfg in configs:
-        settings = json.loads(json.dumps(cfg.to_dict()))
+        settings = _as_json(cfg.to_dict())
         if cfg.name in earlier and earlier[cfg.name]["quant_config"] == settings:
             print(f"{cfg.name}: measured earlier, kept", flush=True)
             add(earlier[cfg.name])
             continue
-        stamp = {"quant_config": settings, **provenance()}
         try:
             cfg.check_model(source.arch)
         except ValueError as e:
             print(f"{cfg.name}: not applicable: {e}", flush=True)
-            add({"config": cfg.name, "not_applicable": str(e), **stamp})
+            add({"config": cfg.name, "not_applicable": str(e), "quant_config": settings, **provenance()})
             continue
         calib = load_calibration(tok, None, cfg.calib_samples, cfg.calib_seq_len)
         result = quantize_model(source, cfg, calib, progress=progress, max_positions=longest)
         subject = model_subject(cfg.name, result.model, eos, quantize_seconds=result.seconds,
                                 steps=result.steps)
-        add({**measure(subject, tasks, opts, tok, progress), **stamp})
+        add({**measure(subject, tasks, opts, tok, progress), "quant_config": settings})
         del result, subject
     for path in engines:
         # every position attends to K/V as the pages store them, as the simulation does
-        stamp = provenance()
         llm = LLM(path, quantized_prefill=True, kv_cache_gb=0.25)
-        add({**measure(engine_subject(f"engine {path}", llm), tasks, opts, tok, progress), **stamp})
+        add(measure(engine_subject(f"engine {path}", llm), tasks, opts, tok, progress))
         del llm
     return table
 
 
 def to_markdown(table: dict, names=None, labels=None) -> str:
-    """names: the rows to show, in this order (default: all); labels: config
-    name -> what the first column says. One column per measured task."""
+    """names: the rows to show, in this order, those of them measured (default:
+    all); labels: config name -> what the first column says. One column per
+    measured task."""
     lengths, measured = table["options"]["lengths"], table["options"].get("tasks", TASKS)
     rows = {r["config"]: r for r in table["rows"]}
     labels = labels or {}
@@ -207,7 +209,7 @@ def to_markdown(table: dict, names=None, labels=None) -> str:
         head.append("JSON keys")
     head.append("quantize s")
     lines = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
-    for r in [rows[n] for n in names] if names is not None else table["rows"]:
+    for r in [rows[n] for n in names if n in rows] if names is not None else table["rows"]:
         label = labels.get(r["config"], r["config"])
         if "not_applicable" in r:
             lines.append(f"| {label} | not applicable: {r['not_applicable']} |" + " |" * (len(head) - 2))
