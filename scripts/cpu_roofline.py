@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from cpu_w4a8_gemm import checkpoint_tensors  # noqa: E402
 
+from qoqserve.bench.timing import read_bandwidth  # noqa: E402
 from qoqserve.kernels.cpu import elementwise, float_linear, w4a8_gemm  # noqa: E402
 from qoqserve.layers import kv_cache as kc  # noqa: E402
 from qoqserve.layers.attention_backends import CpuAttention  # noqa: E402
@@ -182,9 +183,7 @@ def instruction_peaks(threads: int) -> tuple[float, float] | None:
 
 def machine_limits() -> tuple[float, float, float]:
     """(read B/s, INT8 OP/s, fp32 FLOP/s), timed as the kernels are (fastest call)."""
-    big = torch.ones(128 * 1024 * 1024)  # 512 MB
-    bw = big.numel() * 4 / fastest_call(big.sum, 8)
-    del big
+    bw = read_bandwidth(512)
     a, b = (torch.randint(-127, 128, s, dtype=torch.int8) for s in ((2048, 4096), (4096, 4096)))
     int8 = 2 * 2048 * 4096 * 4096 / fastest_call(lambda: torch._int_mm(a, b), 4)
     x, y = torch.randn(2048, 2048), torch.randn(2048, 2048)

@@ -59,6 +59,16 @@ def test_int8_head_holds_about_half_of_a_bf16_copy():
     assert weight.numel() <= int8.resident_bytes() <= 0.52 * bf16.resident_bytes()
 
 
+def test_a_head_reads_its_own_copy_or_else_the_models_weight():
+    from qoqserve.layers.logits import LogitsHead
+    weight = torch.randn(4096, 256).bfloat16().float()
+    bf16, int8, plain = CpuLogitsHead(), Int8LogitsHead(fused=int8_linear.available(), cpu_ops=True), LogitsHead()
+    for head in (bf16, int8):
+        head.prepare(weight)
+        assert head.read_bytes(weight) == head.resident_bytes() > 0
+    assert plain.read_bytes(weight) == weight.numel() * 4  # the model's fp32 weight itself
+
+
 def test_an_engine_with_the_int8_head_replays_its_captured_steps(tmp_path):
     from test_quant_pipeline import tiny_source
     tiny_source("llama", tmp_path)
@@ -72,6 +82,11 @@ def test_an_engine_with_the_int8_head_replays_its_captured_steps(tmp_path):
         del llm
         gc.collect()
     assert runs["captured_stats"]["lm_head_kernel"].startswith("int8")
+    from qoqserve.bench.decode import step_read_bytes
+    stats = runs["captured_stats"]
+    assert stats["lm_head_read_bytes"] == stats["lm_head_copy_bytes"] > 0
+    assert step_read_bytes(stats, 2, 10.5) == (stats["linear_weight_bytes"] + stats["lm_head_read_bytes"]
+                                               + 21 * stats["kv_bytes_per_token"])
     assert runs["captured_stats"]["captured_decode_sizes"] == [1, 2, 4]
     assert runs["captured"] == runs["eager"]
     assert runs["float"] != runs["eager"]  # the option changes the numbers: it ran

@@ -61,9 +61,11 @@ def test_the_simd_path_is_taken_here():
 
 
 # M across the 6-row tile and the panel reuse (>6), N across 16-channel blocks
-# and the 4-block tile, K a multiple of each group
+# and the 4-block tile, K a multiple of each group; (33, 100) and (1 or 2, 470)
+# are big enough for two threads, whose ranges then split a 4-block tile
 @pytest.mark.parametrize("group", GROUPS)
-@pytest.mark.parametrize("m,n", [(1, 17), (2, 100), (7, 64), (16, 17), (33, 100), (64, 50), (130, 17)])
+@pytest.mark.parametrize("m,n", [(1, 17), (2, 100), (7, 64), (16, 17), (33, 100), (64, 50), (130, 17),
+                                 (1, 470), (2, 470)])
 def test_bit_identical_for_ragged_shapes_and_every_group_size(group, m, n):
     k = 768 if group in (128, 256) else 576
     _check(m, n, k, group, torch.bfloat16, seed=m * 100 + n)

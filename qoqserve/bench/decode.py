@@ -4,6 +4,11 @@ on the same prompts.
 
 Decode throughput = (tokens generated after each sequence's first) / (wall
 time of the decode steps); prefill steps are timed separately.
+
+Each row also states its memory-bandwidth bound: the bytes a decode step must
+read (every linear's resident weights, the LM head's, and the batch's KV pages
+at the mean context) over the read bandwidth measured just before the row,
+and how many times that bound the measured step took.
 """
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ from dataclasses import asdict, dataclass
 
 from qoqserve.bench.offline import make_prompts
 from qoqserve.bench.precisions import engine_kwargs, get_precision, model_for
+from qoqserve.bench.timing import read_bandwidth
 from qoqserve.llm import LLM
 from qoqserve.sampling_params import SamplingParams
 
@@ -27,6 +33,15 @@ class DecodeResult:
     weight_mb: float
     kv_bytes_per_token: int
     max_batch_in_budget: int
+    step_read_mb: float  # what one decode step must read (module docstring)
+    bandwidth_gbs: float  # read bandwidth measured before the row
+    x_bound: float  # measured step time / (step_read_mb / bandwidth)
+
+
+def step_read_bytes(stats: dict, batch: int, context: float) -> float:
+    """Bytes one decode step of `batch` sequences at mean `context` must read."""
+    return (stats["linear_weight_bytes"] + stats["lm_head_read_bytes"]
+            + batch * context * stats["kv_bytes_per_token"])
 
 
 def run_batch(llm, batch: int, input_len: int, output_len: int, seed: int | None = None,
@@ -71,14 +86,19 @@ def bench_decode(precisions: list[str], batches: list[int], input_len: int, outp
         for b in sorted({1, 2}):
             run_batch(llm, b, input_len, 4, seed=10_000 + b)
         for b in batches:
+            bandwidth = read_bandwidth()
             prefill, decode, decoded = run_batch(llm, b, input_len, output_len)
+            step_bytes = step_read_bytes(stats, b, input_len + output_len / 2)
+            step_s = decode / (decoded / b)
             r = DecodeResult(name, b, prefill, decode, decoded / decode, stats["weight_bytes"] / 2**20,
-                             stats["kv_bytes_per_token"], max_batch)
+                             stats["kv_bytes_per_token"], max_batch, step_bytes / 2**20, bandwidth / 1e9,
+                             step_s * bandwidth / step_bytes)
             results.append(r)
             print(f"{name:<8} batch {b:>3}: decode {r.decode_tok_per_s:8.1f} tok/s  "
                   f"(prefill {prefill:5.2f}s, decode {decode:6.2f}s)  weights {r.weight_mb:6.1f} MiB  "
-                  f"KV {r.kv_bytes_per_token} B/token  max batch in {kv_budget_gb} GiB: {max_batch}",
-                  flush=True)
+                  f"KV {r.kv_bytes_per_token} B/token  max batch in {kv_budget_gb} GiB: {max_batch}  "
+                  f"step {step_s * 1e3:.2f} ms reads {r.step_read_mb:.1f} MiB: {r.x_bound:.2f}x its bound at "
+                  f"{r.bandwidth_gbs:.1f} GB/s", flush=True)
         del llm
         gc.collect()
     return results

@@ -27,6 +27,20 @@ def time_ms(fn, device: torch.device, iters: int, warmup: int = 3) -> float:
     return statistics.median(samples)
 
 
+def read_bandwidth(mib: int = 512, calls: int = 8) -> float:
+    """Bytes/s one torch.sum streams over a tensor of `mib` MiB (well past the
+    caches), the fastest of `calls`: the rate a memory-bound kernel can reach."""
+    big = torch.ones(mib * 2**18)
+    for _ in range(2):
+        big.sum()
+    best = float("inf")
+    for _ in range(calls):
+        start = time.perf_counter()
+        big.sum()
+        best = min(best, time.perf_counter() - start)
+    return big.numel() * 4 / best
+
+
 def best_of_rounds(fn, repeats: int, warmup: int = 1, rounds: int = 3) -> float:
     """Seconds per fn() call: the best of `rounds` rounds of `repeats` calls.
     The best round, not the mean: on a shared machine the noise only adds."""

@@ -162,6 +162,7 @@ class ModelRunner:
                 "kv_layout": self.layout.name, "kv_kernel": self.attention.name,
                 "lm_head_kernel": self.backends.logits_head.name,
                 "lm_head_copy_bytes": self.backends.logits_head.resident_bytes(),
+                "lm_head_read_bytes": self.backends.logits_head.read_bytes(self.model.lm_head),
                 "token_ops": self.backends.token_ops.name,
                 "kv_bytes_per_token": self.layout.bytes_per_token() * len(self.kv_caches),
                 "num_kv_blocks": self.num_blocks, "block_size": self.block_size,

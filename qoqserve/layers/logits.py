@@ -37,6 +37,10 @@ class LogitsHead:
         """Bytes this head holds besides the model's own weight."""
         return 0
 
+    def read_bytes(self, weight: torch.Tensor) -> int:
+        """Weight bytes one call reads: its own copy, or the model's weight."""
+        return self.resident_bytes() or weight.numel() * weight.element_size()
+
 
 class CpuLogitsHead(LogitsHead):
     name = "c"

@@ -10,9 +10,12 @@
  * offset * sum_k x_q[m, k], is subtracted in INT32, so the accumulator is the
  * exact integer the reference computes.
  *
- * Packed weights (int8_linear.py pack_weight): [N/16, K/4, 16, 4] bytes, i.e.
- * for each block of 16 output channels, 64 bytes per 4 input channels: one
- * zmm holds 4 consecutive k of 16 consecutive n, the order vpdpbusd sums.
+ * Packed weights (int8_linear.py pack_weight): for each block of 16 output
+ * channels, one 64-byte unit per 4 input channels: one zmm holds 4
+ * consecutive k of 16 consecutive n, the order vpdpbusd sums. Blocks come in
+ * tiles of NR (the last may hold fewer, nt) stored interleaved: unit kq of
+ * block NR t + i is unit kq nt + i of tile t (weight_layout.py), so a tile's
+ * walk reads one sequential stream.
  *
  * Numerics are those of w4a8_ops.c (and so of qoq_ref): the scale divides,
  * rounding is half to even, the epilogue multiplies in the same order, bf16
@@ -27,7 +30,7 @@
 #include <immintrin.h>
 
 #define NB 16  /* output channels per weight block: one zmm of int32 */
-#define NR 4   /* weight blocks per tile */
+#define NR 4   /* weight blocks per tile: of the layout and of the loops (TILE_BLOCKS) */
 #define MR 6   /* rows per tile: 24 accumulators + 4 weights + 1 broadcast of 32 zmm */
 
 int int8_linear_available(void) { return 1; }
@@ -47,7 +50,7 @@ typedef struct {
 #define DECLARE(i, b) __m512i a##i##b = _mm512_setzero_si512();
 #define DP(i, b) if (i < mr && b < nr) a##i##b = _mm512_dpbusd_epi32(a##i##b, w##b, x##i);
 #define BCAST(i) __m512i x##i = _mm512_setzero_si512(); if (i < mr) x##i = broadcast4(x + i * j->Kp + kq * 4);
-#define WLOAD(b) __m512i w##b = _mm512_setzero_si512(); if (b < nr) w##b = _mm512_loadu_si512(w + b * block + kq * 64);
+#define WLOAD(b) __m512i w##b = _mm512_setzero_si512(); if (b < nr) w##b = _mm512_loadu_si512(w + kq * step + b * 64);
 #define STORE(i, b) if (i < mr && b < nr) store(j, m0 + i, nb0 + b, a##i##b);
 
 static inline __m512i broadcast4(const int8_t *p) {
@@ -70,7 +73,8 @@ static inline void store(const Job *j, int64_t m, int64_t nb, __m512i acc) {
 static inline __attribute__((always_inline)) void tile(const Job *j, int64_t m0, int64_t nb0,
                                                        const int mr, const int nr) {
     FOR_TILE(DECLARE)
-    const int64_t quads = j->Kp / 4, block = quads * 64;
+    /* nb0 starts a layout tile of nr blocks (the loop below hands out whole tiles) */
+    const int64_t quads = j->Kp / 4, block = quads * 64, step = nr * 64;
     const uint8_t *w = j->w + nb0 * block;
     const int8_t *x = j->xq + m0 * j->Kp;
     for (int64_t kq = 0; kq < quads; kq++) {

@@ -10,6 +10,7 @@ import torch
 
 from qoqserve.kernels.cpu import graph
 from qoqserve.kernels.cpu.build import load_library
+from qoqserve.kernels.cpu.weight_layout import interleave_tiles
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _SIGNATURES = {
@@ -32,14 +33,15 @@ def available() -> bool:
 
 def pack_weight(w: torch.Tensor, offset: int) -> torch.Tensor:
     """w [N, K] integer codes (int8, or uint8 0..15) -> the kernel's uint8
-    [ceil(N/16), ceil(K/4), 16, 4] layout of w + offset (must fit 0..255)."""
+    [ceil(N/16), ceil(K/4), 16, 4] bytes of w + offset (must fit 0..255),
+    tiles interleaved (weight_layout.py)."""
     n, k = w.shape
     u = w.to(torch.int16) + offset
     if int(u.min()) < 0 or int(u.max()) > 255:
         raise ValueError(f"weight codes + offset {offset} leave 0..255")
     np_, kp = -(-n // BLOCK_N) * BLOCK_N, -(-k // QUAD_K) * QUAD_K
     u = torch.nn.functional.pad(u, (0, kp - k, 0, np_ - n)).to(torch.uint8)
-    return u.view(np_ // BLOCK_N, BLOCK_N, kp // QUAD_K, QUAD_K).permute(0, 2, 1, 3).contiguous()
+    return interleave_tiles(u.view(np_ // BLOCK_N, BLOCK_N, kp // QUAD_K, QUAD_K).permute(0, 2, 1, 3))
 
 
 def int8_linear(x2: torch.Tensor, packed: torch.Tensor, n: int, offset: int, s1: torch.Tensor,

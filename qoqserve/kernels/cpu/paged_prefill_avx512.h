@@ -6,7 +6,8 @@
  * are one vector built by D broadcast-FMAs; blocks of 8 query rows share each
  * loaded K vector. V rows stay row-major and blocks of 4 query rows share each
  * loaded V vector. KV4 and bf16 rows come out planar per 32 channels, so q is
- * permuted into that order once per task and the output permuted back.
+ * permuted into that order once per task and the output permuted back, by
+ * vector permutes (per element, this was a visible share of the kernel).
  */
 #include "kv_rows_avx512.h"
 #ifdef KV_AVX512
@@ -57,6 +58,51 @@ static inline __attribute__((always_inline)) void transpose16(const float *src, 
     }
 }
 
+/* Planar rows (KV4, bf16) hold channels 32c + 2i in slot 32c + i and 32c + 2i + 1
+ * in slot 32c + 16 + i (channel_of): these move 32 channels between the two orders. */
+static inline __m512i planar_even(void) {
+    return _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+}
+static inline __m512i planar_low(void) {
+    return _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+}
+
+static inline __mmask16 lanes(int n) { return n >= 16 ? (__mmask16)0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
+
+/* one query row [D] times scale -> dst[np] in slot order, zero past D */
+static inline __attribute__((always_inline)) void load_query(const float *src, const int fmt, const int D,
+                                                              const int np, const __m512 scale, float *dst) {
+    if (!planar(fmt)) {
+        for (int c = 0; c < np; c += 16)
+            _mm512_store_ps(dst + c, _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes(D - c), src + c), scale));
+        return;
+    }
+    const __m512i even = planar_even(), odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    for (int c = 0; c < np; c += 32) {
+        const __m512 a = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes(D - c), src + c), scale);
+        const __m512 b = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes(D - c - 16), src + c + 16), scale);
+        _mm512_store_ps(dst + c, _mm512_permutex2var_ps(a, even, b));
+        _mm512_store_ps(dst + c + 16, _mm512_permutex2var_ps(a, odd, b));
+    }
+}
+
+/* src[np] in slot order times scale -> the D channels of dst */
+static inline __attribute__((always_inline)) void store_output(const float *src, const int fmt, const int D,
+                                                                const int np, const __m512 scale, float *dst) {
+    if (!planar(fmt)) {
+        for (int c = 0; c < np; c += 16)
+            _mm512_mask_storeu_ps(dst + c, lanes(D - c), _mm512_mul_ps(_mm512_load_ps(src + c), scale));
+        return;
+    }
+    const __m512i low = planar_low(), high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
+    for (int c = 0; c < np; c += 32) {
+        const __m512 e = _mm512_load_ps(src + c), o = _mm512_load_ps(src + c + 16);
+        _mm512_mask_storeu_ps(dst + c, lanes(D - c), _mm512_mul_ps(_mm512_permutex2var_ps(e, low, o), scale));
+        _mm512_mask_storeu_ps(dst + c + 16, lanes(D - c - 16),
+                              _mm512_mul_ps(_mm512_permutex2var_ps(e, high, o), scale));
+    }
+}
+
 /* o[4 rows][np] += sum_{k<n} w[row][k] * v[k] (w rows TILE apart) */
 static inline __attribute__((always_inline)) void accumulate4(float *o, const float *w, const float *v, int n,
                                                                const int np) {
@@ -84,12 +130,11 @@ static inline __attribute__((always_inline)) void task_impl(const pjob *j, int s
     float *q = buf, *o = q + (int64_t)rows * np, *lv = o + (int64_t)rows * np, *m = lv + (int64_t)rows * TILE;
     float *kt = m + (rows + 15) / 16 * 16, *tmp = kt + TILE * np, *vb = tmp + TILE * np, *w = vb + TILE * np;
     const int64_t base = j->q_starts[s], pos0 = j->first_pos[s] + t0, last = j->first_pos[s] + t1 - 1;
+    const __m512 qscale = _mm512_set1_ps(j->qscale);
     for (int r = 0; r < rows; r++) {
-        const float *src = j->q + ((base + t0 + r / G) * j->H + h * G + r % G) * D;
-        for (int i = 0; i < np; i++) {
-            const int ch = channel_of(fmt, i);
-            q[(int64_t)r * np + i] = r < R && ch < D ? src[ch] * j->qscale : 0.f;  /* pads add 0 */
-        }
+        if (r < R) load_query(j->q + ((base + t0 + r / G) * j->H + h * G + r % G) * D, fmt, D, np, qscale,
+                              q + (int64_t)r * np);
+        else memset(q + (int64_t)r * np, 0, sizeof(float) * (size_t)np);  /* pad rows add 0 */
         m[r] = -INFINITY;
     }
     memset(o, 0, sizeof(float) * (size_t)rows * np);
@@ -103,10 +148,10 @@ static inline __attribute__((always_inline)) void task_impl(const pjob *j, int s
         for (int r = first; r < R; r += 8) {
             __m512 sc[8];
             for (int b = 0; b < 8; b++) sc[b] = _mm512_setzero_ps();
-            for (int i = 0; i < np; i++) {
+            const float *qr = q + (int64_t)r * np;  /* the 8 rows sit at constant offsets from it */
+            for (int i = 0; i < np; i++, qr++) {
                 const __m512 kv = _mm512_load_ps(kt + i * TILE);
-                for (int b = 0; b < 8; b++)
-                    sc[b] = _mm512_fmadd_ps(_mm512_set1_ps(q[(int64_t)(r + b) * np + i]), kv, sc[b]);
+                for (int b = 0; b < 8; b++) sc[b] = _mm512_fmadd_ps(_mm512_set1_ps(qr[b * np]), kv, sc[b]);
             }
             for (int b = 0; b < 8; b++) {
                 const int rr = r + b;
@@ -136,10 +181,7 @@ static inline __attribute__((always_inline)) void task_impl(const pjob *j, int s
     for (int r = 0; r < R; r++) {
         float *dst = j->out + ((base + t0 + r / G) * j->H + h * G + r % G) * D;
         const float inv = 1.f / _mm512_reduce_add_ps(_mm512_load_ps(lv + (int64_t)r * TILE));
-        for (int i = 0; i < np; i++) {
-            const int ch = channel_of(fmt, i);
-            if (ch < D) dst[ch] = o[(int64_t)r * np + i] * inv;
-        }
+        store_output(o + (int64_t)r * np, fmt, D, np, _mm512_set1_ps(inv), dst);
     }
 }
 

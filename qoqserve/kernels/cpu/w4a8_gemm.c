@@ -6,17 +6,24 @@
  * epilogue in the same order; no FMA contraction (-ffp-contract=off).
  *
  * Layout (w4a8_gemm.py repacks it once at load from the checkpoint's
- * [N, K/2] bytes), Kp = K rounded up to 8, zero codes in the padding:
- *   codes  uint8 [ceil(N/16), Kp/8, 64]: byte 4i + r of octet p of block b
- *          holds u[16b + i, 8p + r] in its low nibble and u[16b + i, 8p + 4 + r]
- *          in its high nibble (i < 16, r < 4). So one 64-byte load gives, by
- *          one and (low) and one shift + and (high), the two vpdpbusd weight
- *          operands of input channels 8p..8p+3 and 8p+4..8p+7: 4 consecutive k
- *          of 16 consecutive n, the order vpdpbusd sums.
- *   groups uint8 [ceil(N/16), K/g, 16] (group configs only): per block and
- *          group, one byte per channel: (s2 - 1) << 4 | z. s2 is 1..16
- *          wherever s2*(u - z) fits INT8 for every code, so 1 byte per group
- *          instead of the checkpoint's 2 (g32: 0.53 instead of 0.56 byte/weight).
+ * [N, K/2] bytes), Kp = K rounded up to 8, zero codes in the padding. Output
+ * channels come in blocks of 16 (block b: channels 16b..16b+15), blocks in
+ * tiles of NR = 4 (the last tile may hold fewer, nt), and a tile's blocks
+ * are interleaved, so that the kernel's walk over one tile, and so over a
+ * thread's whole range, is one sequential stream (weight_layout.py):
+ *   codes  uint8, 64-byte units: unit (p, b) of block b = NR t + i is unit
+ *          p nt + i of tile t, tiles back to back (Kp/8 * nt units each).
+ *          Byte 4c + r of unit (p, b) holds u[16b + c, 8p + r] in its low
+ *          nibble and u[16b + c, 8p + 4 + r] in its high nibble (c < 16,
+ *          r < 4). So one 64-byte load gives, by one and (low) and one shift
+ *          + and (high), the two vpdpbusd weight operands of input channels
+ *          8p..8p+3 and 8p+4..8p+7: 4 consecutive k of 16 consecutive n, the
+ *          order vpdpbusd sums.
+ *   groups uint8 (group configs only), 16-byte units tiled the same way:
+ *          unit (group gi, block b) is unit gi nt + i of tile t; byte c is
+ *          channel 16b + c's (s2 - 1) << 4 | z. s2 is 1..16 wherever
+ *          s2*(u - z) fits INT8 for every code, so 1 byte per group instead
+ *          of the checkpoint's 2 (g32: 0.53 instead of 0.56 byte/weight).
  *
  * Per group the codes are expanded in registers to the unsigned operand
  * s2*(u - z) + 128: vpmullw by s2 gives u*s2 in each byte (u*s2 <= 240, so no
@@ -48,7 +55,7 @@
 #endif
 
 #define NB 16  /* output channels per weight block: one zmm of int32 */
-#define NR 4   /* weight blocks per tile (SIMD) */
+#define NR 4   /* weight blocks per tile: of the layout and of the SIMD loops (TILE_BLOCKS in weight_layout.py) */
 #define MR 6   /* rows per tile: 24 accumulators of the 32 zmm */
 
 typedef struct {
@@ -92,16 +99,27 @@ static inline float epilogue_scalar(const Job *j, int64_t m, int64_t n, int32_t 
     return v;
 }
 
+/* Where block nb's first unit sits in a tiled array of `units` units of
+ * `unit` bytes per block (layout above), and the byte step from one of its
+ * units to the next: the blocks nb.. of its tile sit `unit` bytes apart. */
+static inline const uint8_t *tiled(const uint8_t *base, const Job *j, int64_t nb, int64_t units, int64_t unit,
+                                   int64_t *step) {
+    const int64_t t0 = nb / NR * NR, left = (j->N + NB - 1) / NB - t0;
+    *step = (left < NR ? left : NR) * unit;
+    return base + t0 * units * unit + (nb - t0) * unit;
+}
+
 /* signed weights of channel n (s2*(u - z), or u per channel) into row[Kp] */
 static void unpack_channel(const Job *j, int64_t n, int8_t *row) {
-    const int64_t b = n / NB, i = n % NB, octets = j->Kp / 8;
-    const uint8_t *w = j->w + b * octets * 64 + 4 * i;
+    int64_t wstep, gstep = 0;
+    const uint8_t *w = tiled(j->w, j, n / NB, j->Kp / 8, 64, &wstep) + 4 * (n % NB);
+    const uint8_t *g = j->gp ? tiled(j->gp, j, n / NB, j->Kp / j->group, NB, &gstep) + n % NB : NULL;
     for (int64_t k = 0; k < j->Kp; k++) {
-        const uint8_t byte = w[(k / 8) * 64 + k % 4];
+        const uint8_t byte = w[(k / 8) * wstep + k % 4];
         int u = (k % 8) < 4 ? byte & 15 : byte >> 4;
-        if (j->gp) {
-            const uint8_t g = j->gp[(b * (j->Kp / j->group) + k / j->group) * NB + i];
-            u = ((g >> 4) + 1) * (u - (g & 15));
+        if (g) {
+            const uint8_t gb = g[(k / j->group) * gstep];
+            u = ((gb >> 4) + 1) * (u - (gb & 15));
         }
         row[k] = (int8_t)u;
     }
@@ -165,7 +183,7 @@ SIMD static inline __m512i bcast4(const int8_t *p) {
 /* s2 in the low byte of each 16-bit lane, c in every byte, per 32-bit lane (channel) */
 #define GROUP_PARAMS(b) __m512i s2w##b = _mm512_setzero_si512(), cw##b = s2w##b; \
     if (grouped && b < nr) { \
-        __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(j->gp + ((nb0 + b) * groups + gi) * NB))); \
+        __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(g + gi * gstep + b * NB))); \
         __m512i s2 = _mm512_add_epi32(_mm512_srli_epi32(d, 4), one); \
         __m512i zs2 = _mm512_mullo_epi16(s2, _mm512_and_si512(d, nib)); \
         s2w##b = _mm512_or_si512(s2, _mm512_slli_epi32(s2, 16)); \
@@ -173,7 +191,7 @@ SIMD static inline __m512i bcast4(const int8_t *p) {
     }
 #define UNPACK(b) __m512i lo##b = _mm512_setzero_si512(), hi##b = lo##b; \
     if (b < nr) { \
-        __m512i pk = _mm512_loadu_si512(w + b * wblock + p * 64); \
+        __m512i pk = _mm512_loadu_si512(w + p * wstep + b * 64); \
         lo##b = _mm512_and_si512(pk, nib); \
         hi##b = _mm512_and_si512(_mm512_srli_epi16(pk, 4), nib); \
         if (grouped) { \
@@ -193,9 +211,12 @@ SIMD static inline __attribute__((always_inline)) void tile_packed(
         const Job *j, int64_t m0, int64_t nb0, const int mr, const int nr, const int grouped,
         uint8_t *panel) {
     FOR_TILE(DECLARE)
-    const int64_t Kp = j->Kp, octets = Kp / 8, wblock = octets * 64, pblock = Kp * NB;
+    const int64_t Kp = j->Kp, octets = Kp / 8, pblock = Kp * NB;
     const int64_t per_group = grouped ? j->group / 8 : octets, groups = grouped ? Kp / j->group : 1;
-    const uint8_t *w = j->w + nb0 * wblock;
+    int64_t wstep, gstep = 0;
+    const uint8_t *w = tiled(j->w, j, nb0, octets, 64, &wstep);
+    const uint8_t *g = grouped ? tiled(j->gp, j, nb0, groups, NB, &gstep) : NULL;
+    (void)g;
     const int8_t *x = j->xq + m0 * Kp;
     const __m512i nib = _mm512_set1_epi8(0x0f);
     const __m512i rep = _mm512_set4_epi32(0x0c0c0c0c, 0x08080808, 0x04040404, 0x00000000);
@@ -260,13 +281,13 @@ SIMD static inline int32_t sum_i8(const int8_t *x, int64_t n) {
 #define DPC_HI(i, b) DPC(i, b, hi##b, 8 * p + 4)
 #define CODES(b) __m512i lo##b = _mm512_setzero_si512(), hi##b = lo##b; \
     if (b < nr) { \
-        __m512i pk = _mm512_loadu_si512(w + b * wblock + p * 64); \
+        __m512i pk = _mm512_loadu_si512(w + p * wstep + b * 64); \
         lo##b = _mm512_and_si512(pk, nib); \
         hi##b = _mm512_and_si512(_mm512_srli_epi16(pk, 4), nib); \
     }
 #define BLOCK_C(b) CODES(b) FOR_ROWS2(DPC_LO, b) FOR_ROWS2(DPC_HI, b)
 #define SCALE_G(i, b) if (i < mr && b < nr) { \
-        __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(j->gp + ((nb0 + b) * groups + gi) * NB))); \
+        __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(g + gi * gstep + b * NB))); \
         __m512i s2 = _mm512_add_epi32(_mm512_srli_epi32(d, 4), one), z = _mm512_and_si512(d, low4); \
         t##i##b = _mm512_add_epi32(t##i##b, _mm512_mullo_epi32(s2, _mm512_sub_epi32(g##i##b, _mm512_mullo_epi32(z, xs##i)))); \
     }
@@ -275,9 +296,10 @@ SIMD static inline int32_t sum_i8(const int8_t *x, int64_t n) {
 SIMD static inline __attribute__((always_inline)) void tile_codes(const Job *j, int64_t m0, int64_t nb0,
                                                                   const int mr, const int nr) {
     FOR_TILE2(DECLARE_G)
-    const int64_t Kp = j->Kp, octets = Kp / 8, wblock = octets * 64;
+    const int64_t Kp = j->Kp, octets = Kp / 8;
     const int64_t per_group = j->group / 8, groups = Kp / j->group;
-    const uint8_t *w = j->w + nb0 * wblock;
+    int64_t wstep, gstep;
+    const uint8_t *w = tiled(j->w, j, nb0, octets, 64, &wstep), *g = tiled(j->gp, j, nb0, groups, NB, &gstep);
     const int8_t *x = j->xq + m0 * Kp;
     const __m512i nib = _mm512_set1_epi8(0x0f), one = _mm512_set1_epi32(1), low4 = _mm512_set1_epi32(15);
     for (int64_t gi = 0; gi < groups; gi++) {
@@ -307,8 +329,9 @@ SIMD static void run_panel(const Job *j, int64_t m0, int64_t nb0, int mr, int nr
 }
 
 SIMD static void blocks_simd(const Job *j, int64_t nb_lo, int64_t nb_hi, uint8_t *panel) {
-    for (int64_t nb0 = nb_lo; nb0 < nb_hi; nb0 += NR) {
-        const int nr = nb_hi - nb0 < NR ? (int)(nb_hi - nb0) : NR;
+    for (int64_t nb0 = nb_lo, end; nb0 < nb_hi; nb0 = end) {
+        end = (nb0 / NR + 1) * NR < nb_hi ? (nb0 / NR + 1) * NR : nb_hi;  /* within one layout tile */
+        const int nr = (int)(end - nb0);
         /* row tiles as even as MR allows (8 rows: 4 + 4, not 6 + 2) */
         const int64_t tiles = (j->M + MR - 1) / MR, base = j->M / tiles, extra = j->M % tiles;
         int64_t m0 = 0;
