@@ -19,14 +19,13 @@ memory as in a step, not from cache.
 import argparse
 import platform
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from cpu_w4a8_gemm import checkpoint_tensors  # noqa: E402
 
-from qoqserve.bench.timing import read_bandwidth  # noqa: E402
+from qoqserve.bench.timing import fastest_call, read_bandwidth  # noqa: E402
 from qoqserve.kernels.cpu import elementwise, float_linear, w4a8_gemm  # noqa: E402
 from qoqserve.layers import kv_cache as kc  # noqa: E402
 from qoqserve.layers.attention_backends import CpuAttention  # noqa: E402
@@ -100,19 +99,6 @@ def elementwise_rows(m: int):
            4 * m * HIDDEN * 4, 5 * m * HIDDEN, "fp32")
     gu = torch.randn(m, 2 * INTER)
     yield ("SiLU * up (elementwise.c)", m, lambda: elementwise.silu_mul(gu), 4 * m * 3 * INTER, 20 * m * INTER, "fp32")
-
-
-def fastest_call(fn, calls: int) -> float:
-    """The fastest of `calls` single calls: on a shared machine a call only
-    gets slower (preempted threads wait at OpenMP barriers for a time slice)."""
-    for _ in range(3):
-        fn()
-    best = float("inf")
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 # Twelve independent chains of one instruction each: the issue rate the

@@ -2,6 +2,9 @@
 """Per-kernel time inside captured decode steps: the embedded QoQ model at
 batch B (64-token prompts), each C call of the captured graph timed over 50
 replays, beside a plain replay and the LM head (docs/benchmarks.md, roofline).
+Then the fastest of 100 native replays of the GEMM calls alone, of every
+other call alone, of the whole graph, and of a whole engine step: what the
+step spends in its weights' stream, in the rest and around the replay.
 
     python scripts/replay_profile.py [B]
 """
@@ -10,6 +13,8 @@ import sys
 import time
 
 from qoqserve.bench.offline import make_prompts
+from qoqserve.bench.timing import fastest_call
+from qoqserve.kernels.cpu.replay import NativePlan
 from qoqserve.llm import LLM
 from qoqserve.sampling_params import SamplingParams
 
@@ -19,7 +24,7 @@ REPLAYS = 50
 def main() -> None:
     batch = int(sys.argv[1]) if len(sys.argv) > 1 else 1
     engine = LLM("qoq").engine
-    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
     for i, prompt in enumerate(make_prompts(batch, 64, engine.arch.vocab_size, seed=1)):
         engine.add_request(f"r{i}", prompt, params)
     for _ in range(5):  # prefill, then decode steps in the captured graph
@@ -49,6 +54,12 @@ def main() -> None:
     for name, t in spent.most_common():
         print(f"  {name:28s} {t / REPLAYS * 1e3:7.3f} ms/step {calls[name] // REPLAYS:4d} calls "
               f"{t / calls[name] * 1e6:7.1f} us/call")
+    gemms = [op for op in graph.ops if op[0].__name__ == "w4a8_gemm"]
+    rest = [op for op in graph.ops if op[0].__name__ != "w4a8_gemm"]
+    for what, ops in (("GEMM calls", gemms), ("other calls", rest), ("whole graph", graph.ops)):
+        best = fastest_call(NativePlan(ops).run, 100)
+        print(f"fastest native replay of the {what} ({len(ops)}): {best * 1e3:.3f} ms")
+    print(f"fastest engine step: {fastest_call(engine.step, 100) * 1e3:.3f} ms")
 
 
 if __name__ == "__main__":

@@ -27,18 +27,25 @@ def time_ms(fn, device: torch.device, iters: int, warmup: int = 3) -> float:
     return statistics.median(samples)
 
 
+def fastest_call(fn, calls: int, warmup: int = 3) -> float:
+    """Seconds of the fastest of `calls` single calls: on a shared machine a
+    call only gets slower (preempted threads wait at OpenMP barriers for a
+    time slice)."""
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def read_bandwidth(mib: int = 512, calls: int = 8) -> float:
     """Bytes/s one torch.sum streams over a tensor of `mib` MiB (well past the
     caches), the fastest of `calls`: the rate a memory-bound kernel can reach."""
     big = torch.ones(mib * 2**18)
-    for _ in range(2):
-        big.sum()
-    best = float("inf")
-    for _ in range(calls):
-        start = time.perf_counter()
-        big.sum()
-        best = min(best, time.perf_counter() - start)
-    return big.numel() * 4 / best
+    return big.numel() * 4 / fastest_call(big.sum, calls)
 
 
 def best_of_rounds(fn, repeats: int, warmup: int = 1, rounds: int = 3) -> float:
