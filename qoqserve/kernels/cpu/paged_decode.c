@@ -25,6 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "kv_rows.h"
+#include "thread_scratch.h"
 
 enum { BLOCK = 16 };          /* tokens scored at once: one AVX-512 vector of scores */
 enum { CHUNK_TOKENS = 256 };  /* enough chunks for 2+ threads at batch 1, few merges */
@@ -116,21 +117,10 @@ static void merge(const job *j, int b, int hq, float *out) {
     for (int d = 0; d < D; d++) out[d] /= den;
 }
 
-/* Buffers kept per thread across calls and grown on demand, 64-byte aligned
- * and zeroed when made: a decode step makes one call per layer, each of a
- * few microseconds at short contexts. */
+/* per-thread scratch (thread_scratch.h): one call per layer and step, a few
+ * microseconds each at short contexts */
 static __thread void *tl_scratch, *tl_part;
 static __thread size_t tl_scratch_size, tl_part_size;
-
-static void *grow(void **buf, size_t *size, size_t need) {
-    if (need > *size) {
-        free(*buf);
-        *buf = aligned_alloc(64, (need + 63) & ~(size_t)63);
-        *size = *buf ? need : 0;
-        if (*buf) memset(*buf, 0, need);
-    }
-    return *buf;
-}
 
 /* Which path paged_decode_attention takes now: 512 (AVX-512) or 0 (scalar). */
 int paged_decode_isa(void) { return kv_vector_path() ? 512 : 0; }
@@ -146,14 +136,14 @@ int paged_decode_attention(const float *q, const uint8_t *k, const uint8_t *v, i
     job j = {q, k, v, slot_stride, head_stride, tables, lens, fmt, B, H, Hkv, H / Hkv, D, bs, width,
              CHUNK_TOKENS / bs > 0 ? CHUNK_TOKENS / bs : 1, 1, sm_scale * 1.4426950408889634f, NULL};
     for (int b = 0; b < B; b++) j.max_chunks = chunks_of(&j, b) > j.max_chunks ? chunks_of(&j, b) : j.max_chunks;
-    j.part = (float *)grow(&tl_part, &tl_part_size, sizeof(float) * (size_t)B * j.max_chunks * H * (D + 2));
+    j.part = (float *)grow_scratch(&tl_part, &tl_part_size, sizeof(float) * (size_t)B * j.max_chunks * H * (D + 2));
     if (!j.part) return -1;
     const int vec = kv_vector_path();
     int failed = 0;
     /* one task (a short context at batch 1): no team to wake and wait for */
     #pragma omp parallel num_threads(threads) if (B * j.max_chunks > 1)
     {
-    float *s = (float *)grow(&tl_scratch, &tl_scratch_size, sizeof(float) * (size_t)scratch_floats(&j));
+    float *s = (float *)grow_scratch(&tl_scratch, &tl_scratch_size, sizeof(float) * (size_t)scratch_floats(&j));
     if (!s) {
         #pragma omp atomic write
         failed = 1;

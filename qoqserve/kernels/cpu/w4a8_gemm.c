@@ -67,6 +67,7 @@ typedef struct {
 /* ------------------------------------------------------------- scalar */
 
 #include "bf16.h"
+#include "thread_scratch.h"
 #include "silu_mul_row.h"
 
 /* the max/min below pick their second operand on NaN, as vmaxps/vminps do */
@@ -358,20 +359,9 @@ static int simd_supported(void) { return 0; }
 /* 1 when this CPU runs the AVX-512 VNNI path */
 int w4a8_gemm_simd(void) { return simd_supported(); }
 
-/* Scratch kept per thread across calls and grown on demand: a decode step
- * makes over a hundred calls of a few microseconds each, and a fresh panel
- * above malloc's mmap threshold would cost a syscall and page faults each. */
-static __thread uint8_t *tl_main, *tl_panel, *tl_row;
+/* per-thread scratch (thread_scratch.h): activations, panel, SiLU row */
+static __thread void *tl_main, *tl_panel, *tl_row;
 static __thread size_t tl_main_size, tl_panel_size, tl_row_size;
-
-static uint8_t *grow(uint8_t **buf, size_t *size, size_t need) {
-    if (need > *size) {
-        free(*buf);
-        *buf = aligned_alloc(64, (need + 63) & ~(size_t)63);
-        *size = *buf ? need : 0;
-    }
-    return *buf;
-}
 
 /* x [M, K] fp32/bf16 -> y [M, N] fp32/bf16 on packed codes (layout above):
  * (x_silu: x is [M, 2K], gate | up, and the input row is silu(gate) * up,
@@ -389,7 +379,7 @@ int w4a8_gemm(const void *x, int x_bf16, int x_silu, int64_t M, int64_t K, const
     if (M <= 0 || N <= 0) return 0;  /* nothing to write (an empty batch) */
     const int64_t Kp = (K + 7) & ~(int64_t)7, nblocks = (N + NB - 1) / NB;
     const size_t xq_bytes = ((size_t)(M * Kp) + 63) & ~(size_t)63;
-    uint8_t *main_buf = grow(&tl_main, &tl_main_size, xq_bytes + 8 * (size_t)M);
+    uint8_t *main_buf = grow_scratch(&tl_main, &tl_main_size, xq_bytes + 8 * (size_t)M);
     if (!main_buf) return -1;
     int8_t *xq = (int8_t *)main_buf;
     float *sa = (float *)(main_buf + xq_bytes);
@@ -407,7 +397,7 @@ int w4a8_gemm(const void *x, int x_bf16, int x_silu, int64_t M, int64_t K, const
         T = omp_get_num_threads();
 #endif
         const size_t es = x_bf16 ? 2 : 4;
-        float *row = x_silu ? (float *)grow(&tl_row, &tl_row_size, sizeof(float) * (size_t)K) : NULL;
+        float *row = x_silu ? (float *)grow_scratch(&tl_row, &tl_row_size, sizeof(float) * (size_t)K) : NULL;
         if (x_silu && !row) {
             #pragma omp atomic write
             failed = 1;
@@ -431,7 +421,7 @@ int w4a8_gemm(const void *x, int x_bf16, int x_silu, int64_t M, int64_t K, const
 #endif
             quantize_row_scalar(xm, bf16, K, Kp, xq + m * Kp, sa + m, qsum + m);
         }
-        uint8_t *mine = panel_bytes ? grow(&tl_panel, &tl_panel_size, panel_bytes) : NULL;
+        uint8_t *mine = panel_bytes ? grow_scratch(&tl_panel, &tl_panel_size, panel_bytes) : NULL;
         if (panel_bytes && !mine) {
             #pragma omp atomic write
             failed = 1;
