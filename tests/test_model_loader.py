@@ -254,6 +254,45 @@ def test_tiny_gguf_round_trip(kind, tmp_path):
     assert src.tokenizer.encode("ab<|eot|>") == [64, 65, 299]
 
 
+
+def test_gguf_header_equals_gguf_reader(default_gguf_path, monkeypatch):
+    """Our header parser against the gguf package's reader: every metadata
+    value (type included) and every tensor's type, dims, offset and bytes;
+    and a header longer than the first read gives the same result."""
+    from qoqserve.model_loader import gguf_header
+
+    reader = gguf.GGUFReader(default_gguf_path, "r")
+    meta, tensors = gguf_header.read_gguf_header(default_gguf_path)
+    ref = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    assert set(meta) == set(ref)
+    for k, v in ref.items():
+        assert meta[k] == v and type(meta[k]) is type(v), k
+    assert [t.name for t in tensors] == [t.name for t in reader.tensors]
+    for ours, theirs in zip(tensors, reader.tensors):
+        assert ours.tensor_type == theirs.tensor_type and ours.dims == tuple(theirs.shape.tolist())
+        assert (ours.data_offset, ours.n_bytes) == (theirs.data_offset, theirs.n_bytes)
+        assert ours.data.dtype == theirs.data.dtype and np.array_equal(ours.data, theirs.data), ours.name
+    monkeypatch.setattr(gguf_header, "_FIRST_READ", 100)
+    meta_small, tensors_small = gguf_header.read_gguf_header(default_gguf_path)
+    assert meta_small == meta and [t.data_offset for t in tensors_small] == [t.data_offset for t in tensors]
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda b: b[:4] + (7).to_bytes(4, "little") + b[8:], "version 7"),
+    (lambda b: b[:8] + (10**9).to_bytes(8, "little") + b[16:], "corrupt header: it counts 1000000000 tensors"),
+    (lambda b: b[:16] + (34).to_bytes(8, "little") + b[24:], "truncated|not UTF-8|unknown metadata value type"),
+])
+def test_damaged_gguf_header(damage, message, tmp_path, default_gguf_path):
+    """A wrong version, a tensor count no file this size holds, more metadata
+    entries than there are (read into the tensors' bytes): ModelLoadError
+    naming the file and the problem, not a struct or numpy error."""
+    with open(default_gguf_path, "rb") as f:
+        head = f.read(1 << 20)
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(damage(head))
+    with pytest.raises(ModelLoadError, match=f"bad.gguf.*({message})"):
+        load_model_source(str(path))
+
 # --- errors ------------------------------------------------------------------
 
 def test_unknown_path_and_missing_config(tmp_path):

@@ -20,6 +20,7 @@ from qoqserve.errors import ModelLoadError
 from qoqserve.models.arch import ModelArchConfig, UnsupportedModelError
 
 from .base import ModelSource, TensorIter
+from .gguf_header import GGUFTensor, read_gguf_header
 from .lazy import LazyTensor
 from .schema import check_inventory
 from .tokenizer import tokenizer_from_gguf_metadata
@@ -65,15 +66,13 @@ def _to_torch(t) -> torch.Tensor:
     from gguf import GGMLQuantizationType as Q
     from gguf.quants import dequantize
 
-    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    shape = t.shape
     if t.tensor_type in (Q.F32, Q.F16):
         arr = np.array(t.data)  # copy out of the read-only memmap
     elif t.tensor_type == Q.BF16:
         return torch.from_numpy(np.array(t.data).view(np.int16)).view(torch.bfloat16).reshape(shape)
     else:
-        # np.asarray drops the memmap subclass: gguf's dequantize slices the array
-        # per row group, and every memmap slice costs a Python __array_finalize__
-        arr = np.asarray(dequantize(np.asarray(t.data), t.tensor_type), dtype=np.float32)
+        arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
     return torch.from_numpy(arr).reshape(shape)
 
 
@@ -118,11 +117,10 @@ def _rope_scaling(meta: dict[str, Any], a: str, rope_freqs, theta: float, head_d
 
 @dataclass(frozen=True)
 class _ParsedGGUF:
-    """What a GGUF file holds, without the reader: its metadata decoded to
-    Python values, and its tensors (gguf ReaderTensors: name, type, shape, and
-    `data`, a view of the file's read-only memory map)."""
+    """What a GGUF file holds: its metadata decoded to Python values, and its
+    tensors (GGUFTensor: views of the file's read-only memory map)."""
     meta: dict[str, Any]
-    tensors: list
+    tensors: list[GGUFTensor]
 
 
 def _parse(path: str) -> _ParsedGGUF:
@@ -132,33 +130,10 @@ def _parse(path: str) -> _ParsedGGUF:
 
 @functools.lru_cache(maxsize=4)
 def _parse_cached(path: str, size: int, mtime_ns: int) -> _ParsedGGUF:
-    """Parsed once per process: GGUFReader decodes every metadata array element
-    in Python (a tokenizer's ~100k strings take seconds), and loading one file
-    again (another engine, eval configurations, the tests) should not pay it
-    twice. Keyed by size and mtime, so a changed file is parsed afresh. The
-    reader itself is dropped: its per-element numpy views of the metadata
-    arrays are ~160 MiB of heap for the embedded model's vocabulary, held by
-    every process (each tensor-parallel rank) that kept it; the decoded
-    values take a few."""
-    # lazy: only GGUF files need the gguf package
-    from gguf import GGUFReader
-
-    try:
-        reader = GGUFReader(path, "r")
-    except Exception as e:  # the reader fails in many ways on damaged files
-        raise ModelLoadError(f"{path}: cannot parse GGUF ({type(e).__name__}: {e}); the file "
-                             f"({size} bytes) is probably truncated or corrupt") from e
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > size:
-            raise ModelLoadError(f"{path}: truncated: tensor {t.name} needs bytes up to "
-                                 f"{t.data_offset + t.n_bytes} but the file has {size}")
-    meta = {}
-    for key, fld in reader.fields.items():
-        try:
-            meta[key] = fld.contents()
-        except Exception as e:
-            raise ModelLoadError(f"{path}: cannot decode metadata {key!r} ({e})") from e
-    return _ParsedGGUF(meta, list(reader.tensors))
+    """Parsed once per process: loading one file again (another engine, eval
+    configurations, the tests) should not decode its vocabulary twice. Keyed
+    by size and mtime, so a changed file is parsed afresh."""
+    return _ParsedGGUF(*read_gguf_header(path))
 
 
 class GGUFSlice:
@@ -189,7 +164,7 @@ class GGUFSlice:
         from gguf.quants import dequantize
 
         t = self._t
-        if t.tensor_type in (Q.F32, Q.F16):  # the reader gives these as elements, the rest as bytes
+        if t.tensor_type in (Q.F32, Q.F16):  # GGUFTensor: elements for these, bytes for the rest
             return torch.from_numpy(np.array(t.data[rows, cols], dtype=np.float32))
         block, nbytes = GGML_QUANT_SIZES[t.tensor_type]
         first, last = cols.start // block, -(-cols.stop // block)
@@ -228,7 +203,7 @@ def load_gguf(path: str) -> ModelSource:
         raise ModelLoadError(f"{path}: missing tensor token_embd.weight")
     arch = ModelArchConfig(
         architecture=_ARCHS[a],
-        vocab_size=int(by_name["token_embd.weight"].shape[1]),
+        vocab_size=int(by_name["token_embd.weight"].dims[1]),
         hidden_size=hidden,
         intermediate_size=int(need(f"{a}.feed_forward_length")),
         num_layers=int(need(f"{a}.block_count")),
@@ -254,7 +229,7 @@ def load_gguf(path: str) -> ModelSource:
             raise ModelLoadError(f"{path}: unexpected tensor {t.name!r} for a {a} model")
         renamed[hf] = t
     check_inventory(
-        arch, None, {n: (tuple(int(d) for d in reversed(t.shape.tolist())), None)
+        arch, None, {n: (t.shape, None)
                      for n, t in renamed.items()}, path)
 
     try:
@@ -276,7 +251,7 @@ def load_gguf(path: str) -> ModelSource:
     def iter_lazy() -> TensorIter:
         """Each tensor-parallel rank reads its shard's rows and blocks only."""
         for name, t in renamed.items():
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            shape = t.shape
             yield name, LazyTensor(GGUFSlice(t, shape, head_dim if rope_permuted(name) else None),
                                    shape, _no_checks)
 
