@@ -178,11 +178,12 @@ void qkv_rope(const void *qkv, int64_t row, int64_t T, int H, int Hkv, int D, co
 
 #ifdef __AVX512F__
 #include <immintrin.h>
+#include "lane_mask.h"
 /* the first k with mask bit set in the row's chunks (want: NaN or == mx) */
 static int64_t first_match(const float *r, int64_t V, float mx, int want_nan) {
     const __m512 target = _mm512_set1_ps(mx);
     for (int64_t k = 0; k < V; k += 16) {
-        const __mmask16 in = V - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (V - k)) - 1u);
+        const __mmask16 in = lane_mask(V - k);
         const __m512 v = _mm512_maskz_loadu_ps(in, r + k);
         const __mmask16 hit = in & (want_nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)
                                              : _mm512_cmp_ps_mask(v, target, _CMP_EQ_OQ));
@@ -203,7 +204,7 @@ static int64_t argmax_row(const float *r, int64_t V) {
             m[u] = _mm512_max_ps(m[u], v);
         }
     for (; k < V; k += 16) {
-        const __mmask16 in = V - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (V - k)) - 1u);
+        const __mmask16 in = lane_mask(V - k);
         const __m512 v = _mm512_mask_loadu_ps(ninf, in, r + k);
         nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
         m[0] = _mm512_max_ps(m[0], v);

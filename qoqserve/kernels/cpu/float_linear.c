@@ -50,6 +50,7 @@ static void rows_scalar(const float *x, int64_t M, int64_t K, const void *w, int
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
+#include "lane_mask.h"
 #define HAVE_SIMD 1
 #define SIMD __attribute__((target("avx512f,avx512bw,avx512vl")))
 
@@ -98,7 +99,7 @@ SIMD static inline __attribute__((always_inline)) void tile(const float *x, int6
     __m512 acc[16];
     for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += LANES) {
-        const __mmask16 mask = K - k >= LANES ? (__mmask16)0xffff : (__mmask16)((1u << (K - k)) - 1);
+        const __mmask16 mask = lane_mask(K - k);
         __m512 wv[NR_WIDE], xv[MR];
         if (mr <= 2) {  /* a GEMV streams the weights: fetch two tiles ahead */
             const int es = w_kind == W_FP32 ? 4 : 2;
@@ -120,9 +121,7 @@ SIMD static inline __attribute__((always_inline)) void tile(const float *x, int6
 SIMD static void to_panel(const void *w, int w_kind, int64_t K, int64_t kp, int64_t n0, int nr, float *panel) {
     for (int j = 0; j < nr; j++)
         for (int64_t k = 0; k < kp; k += LANES) {
-            const __mmask16 mask = K - k >= LANES ? (__mmask16)0xffff
-                                 : K > k ? (__mmask16)((1u << (K - k)) - 1) : (__mmask16)0;
-            _mm512_storeu_ps(panel + j * kp + k, load_w(w, w_kind, (n0 + j) * K + k, mask));
+            _mm512_storeu_ps(panel + j * kp + k, load_w(w, w_kind, (n0 + j) * K + k, lane_mask(K - k)));
         }
 }
 

@@ -9,13 +9,12 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "lane_mask.h"
+
 #ifndef AVX512_FN
 #define AVX512_FN
 #endif
 
-AVX512_FN static inline __mmask16 tail_mask(int64_t left) {
-    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
-}
 
 AVX512_FN static inline __m512 load_f32(const void *x, int bf16, int64_t i, __mmask16 k) {
     if (bf16) {
@@ -41,13 +40,13 @@ AVX512_FN static void quantize_row_avx512(const void *x, int bf16, int64_t K, in
                                            float *scale, int32_t *qsum) {
     __m512 amax = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 16)  /* NaN inputs are skipped, as in the scalar max */
-        amax = _mm512_max_ps(_mm512_abs_ps(load_f32(x, bf16, k, tail_mask(K - k))), amax);
+        amax = _mm512_max_ps(_mm512_abs_ps(load_f32(x, bf16, k, lane_mask(K - k))), amax);
     float a = _mm512_reduce_max_ps(amax);
     float s = a > 0.f ? a / 127.f : 1.f;
     __m512 vs = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
     __m512i sum = _mm512_setzero_si512();
     for (int64_t k = 0; k < K; k += 16) {
-        __mmask16 m = tail_mask(K - k);
+        __mmask16 m = lane_mask(K - k);
         __m512 r = _mm512_roundscale_ps(_mm512_div_ps(load_f32(x, bf16, k, m), vs),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         __m512i c = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi));

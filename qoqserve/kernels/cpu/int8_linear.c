@@ -62,7 +62,7 @@ static inline __m512i broadcast4(const int8_t *p) {
 /* epilogue of one row of one weight block, from its INT32 accumulator */
 static inline void store(const Job *j, int64_t m, int64_t nb, __m512i acc) {
     const int64_t n0 = nb * NB;
-    const __mmask16 k = tail_mask(j->N - n0);
+    const __mmask16 k = lane_mask(j->N - n0);
     __m512i a = _mm512_sub_epi32(acc, _mm512_set1_epi32(j->offset * j->qsum[m]));
     char *y = (char *)j->y + (m * j->N + n0) * (j->out_bf16 ? 2 : 4);
     store_epilogue(a, j->sa[m], j->s1 + n0, j->zs1 ? j->zs1 + n0 : NULL, j->rowsum ? j->rowsum[m] : 0.f,

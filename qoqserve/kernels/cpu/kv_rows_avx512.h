@@ -7,6 +7,7 @@
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define KV_AVX512 1
 #include <immintrin.h>
+#include "lane_mask.h"
 
 /* Everything between KV_AVX512_BEGIN and KV_AVX512_END is compiled for
  * AVX-512 whatever -march says (the kernels' own code uses them too). */
@@ -70,7 +71,7 @@ static inline __attribute__((always_inline)) void row_avx512(const uint8_t *r, c
         for (int c = 0; 16 * c < nb; c++) {
             const int n = nb - 16 * c;
             const __m128i x = n >= 16 ? _mm_loadu_si128((const __m128i *)(r + 16 * c))
-                                      : _mm_maskz_loadu_epi8((__mmask16)((1u << n) - 1), r + 16 * c);
+                                      : _mm_maskz_loadu_epi8(lane_mask(n), r + 16 * c);
             const __m512i w = _mm512_cvtepu8_epi32(x);  /* vpermps reads the low 4 bits only */
             _mm512_store_ps(dst + 32 * c, _mm512_permutexvar_ps(w, tbl));
             _mm512_store_ps(dst + 32 * c + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), tbl));
@@ -88,21 +89,21 @@ static inline __attribute__((always_inline)) void row_avx512(const uint8_t *r, c
         for (int c = 0; 16 * c < D; c++) {
             const int n = D - 16 * c;
             const __m256i x = n >= 16 ? _mm256_loadu_si256((const __m256i *)(r + 32 * c))
-                                      : _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1), r + 32 * c);
+                                      : _mm256_maskz_loadu_epi16(lane_mask(n), r + 32 * c);
             _mm512_store_ps(dst + 16 * c, _mm512_cvtph_ps(x));
         }
     } else if (fmt == KV_INT8) {
         for (int c = 0; 16 * c < D; c++) {
             const int n = D - 16 * c;
             const __m128i x = n >= 16 ? _mm_loadu_si128((const __m128i *)(r + 16 * c))
-                                      : _mm_maskz_loadu_epi8((__mmask16)((1u << n) - 1), r + 16 * c);
+                                      : _mm_maskz_loadu_epi8(lane_mask(n), r + 16 * c);
             _mm512_store_ps(dst + 16 * c, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x)));
         }
     } else {
         for (int c = 0; 16 * c < D; c++) {
             const int n = D - 16 * c;
             _mm512_store_ps(dst + 16 * c, n >= 16 ? _mm512_loadu_ps(r + 64 * c)
-                                                  : _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), r + 64 * c));
+                                                  : _mm512_maskz_loadu_ps(lane_mask(n), r + 64 * c));
         }
     }
 }

@@ -67,20 +67,19 @@ static inline __m512i planar_low(void) {
     return _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
 }
 
-static inline __mmask16 lanes(int n) { return n >= 16 ? (__mmask16)0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
 
 /* one query row [D] times scale -> dst[np] in slot order, zero past D */
 static inline __attribute__((always_inline)) void load_query(const float *src, const int fmt, const int D,
                                                               const int np, const __m512 scale, float *dst) {
     if (!planar(fmt)) {
         for (int c = 0; c < np; c += 16)
-            _mm512_store_ps(dst + c, _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes(D - c), src + c), scale));
+            _mm512_store_ps(dst + c, _mm512_mul_ps(_mm512_maskz_loadu_ps(lane_mask(D - c), src + c), scale));
         return;
     }
     const __m512i even = planar_even(), odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
     for (int c = 0; c < np; c += 32) {
-        const __m512 a = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes(D - c), src + c), scale);
-        const __m512 b = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes(D - c - 16), src + c + 16), scale);
+        const __m512 a = _mm512_mul_ps(_mm512_maskz_loadu_ps(lane_mask(D - c), src + c), scale);
+        const __m512 b = _mm512_mul_ps(_mm512_maskz_loadu_ps(lane_mask(D - c - 16), src + c + 16), scale);
         _mm512_store_ps(dst + c, _mm512_permutex2var_ps(a, even, b));
         _mm512_store_ps(dst + c + 16, _mm512_permutex2var_ps(a, odd, b));
     }
@@ -91,14 +90,14 @@ static inline __attribute__((always_inline)) void store_output(const float *src,
                                                                 const int np, const __m512 scale, float *dst) {
     if (!planar(fmt)) {
         for (int c = 0; c < np; c += 16)
-            _mm512_mask_storeu_ps(dst + c, lanes(D - c), _mm512_mul_ps(_mm512_load_ps(src + c), scale));
+            _mm512_mask_storeu_ps(dst + c, lane_mask(D - c), _mm512_mul_ps(_mm512_load_ps(src + c), scale));
         return;
     }
     const __m512i low = planar_low(), high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
     for (int c = 0; c < np; c += 32) {
         const __m512 e = _mm512_load_ps(src + c), o = _mm512_load_ps(src + c + 16);
-        _mm512_mask_storeu_ps(dst + c, lanes(D - c), _mm512_mul_ps(_mm512_permutex2var_ps(e, low, o), scale));
-        _mm512_mask_storeu_ps(dst + c + 16, lanes(D - c - 16),
+        _mm512_mask_storeu_ps(dst + c, lane_mask(D - c), _mm512_mul_ps(_mm512_permutex2var_ps(e, low, o), scale));
+        _mm512_mask_storeu_ps(dst + c + 16, lane_mask(D - c - 16),
                               _mm512_mul_ps(_mm512_permutex2var_ps(e, high, o), scale));
     }
 }
@@ -161,7 +160,7 @@ static inline __attribute__((always_inline)) void task_impl(const pjob *j, int s
                 }
                 const int64_t p = pos0 + rr / G;
                 const int nv = (int)(p - k0 + 1 < n ? p - k0 + 1 : n);
-                const __mmask16 valid = (__mmask16)((1u << nv) - 1);
+                const __mmask16 valid = lane_mask(nv);
                 const float mx = _mm512_mask_reduce_max_ps(valid, sc[b]);
                 float *orow = o + (int64_t)rr * np, *lrow = lv + (int64_t)rr * TILE;
                 if (mx > m[rr]) {  /* rescale what was summed under the old max */

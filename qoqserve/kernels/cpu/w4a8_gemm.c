@@ -158,7 +158,7 @@ SIMD static void silu_mul_row_simd(const void *gate, const void *up, int bf16, i
  * exactly, or (offset) x_q . (w + 128), the unsigned operand of tile_packed */
 SIMD static inline void store_exact(const Job *j, int64_t m, int64_t nb, __m512i acc, int offset) {
     const int64_t n0 = nb * NB;
-    const __mmask16 k = tail_mask(j->N - n0);
+    const __mmask16 k = lane_mask(j->N - n0);
     if (offset) acc = _mm512_sub_epi32(acc, _mm512_set1_epi32(128 * j->qsum[m]));
     char *y = (char *)j->y + (m * j->N + n0) * (j->out_bf16 ? 2 : 4);
     store_epilogue(acc, j->sa[m], j->s1 + n0, j->zs1 ? j->zs1 + n0 : NULL, j->rowsum ? j->rowsum[m] : 0.f,
