@@ -24,7 +24,7 @@ _SCALARS = {0: ("<B", np.uint8), 1: ("<b", np.int8), 2: ("<H", np.uint16), 3: ("
 _DEFAULT_ALIGNMENT = 32
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # eq would compare the arrays
 class GGUFTensor:
     """One tensor: `dims` in GGUF order (fastest-varying first), `shape`
     row-major (the reverse); `data` is elements for F32/F16 and the raw bytes
