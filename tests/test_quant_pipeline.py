@@ -136,6 +136,28 @@ def test_exported_codes_satisfy_the_format(sources, tmp_path):
         assert u.max() <= 15
 
 
+
+def test_seed_flag_reaches_the_rotation_and_the_checkpoint(sources, tmp_path):
+    """`qoqserve quantize --seed N`: another Hadamard, recorded in the checkpoint."""
+    import argparse
+
+    from qoqserve.cli.quantize import add_quant_args, quant_config_from_args
+
+    p = argparse.ArgumentParser()
+    add_quant_args(p)
+    assert quant_config_from_args(p.parse_args([])).seed == 0
+    cfgs = [quant_config_from_args(p.parse_args(["--seed", str(seed), "--calib-samples", "4",
+                                                 "--calib-seq-len", "64", "--no-gptq"])) for seed in (0, 3)]
+    assert [c.seed for c in cfgs] == [0, 3]
+    weights = []
+    for cfg in cfgs:
+        result = quantize_model(sources["llama"], cfg, calib(4), progress=False)
+        save_checkpoint(result, sources["llama"], calib(4), str(tmp_path / str(cfg.seed)))
+        with open(tmp_path / str(cfg.seed) / "quant_config.json") as f:
+            assert json.load(f)["config"]["seed"] == cfg.seed
+        weights.append(result.model.embed_tokens.detach().clone())
+    assert not torch.allclose(weights[0], weights[1])
+
 def _corrupt(tmp_path, source, fn):
     cfg = get_preset("g64", calib_samples=4, calib_seq_len=64, gptq=False)
     result = quantize_model(source, cfg, calib(4), progress=False)

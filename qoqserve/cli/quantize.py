@@ -19,6 +19,9 @@ def add_quant_args(p) -> None:
     p.add_argument("--calib-samples", type=int, default=None)
     p.add_argument("--calib-seq-len", type=int, default=None)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the Hadamard rotations (residual stream, keys); one seed's perplexity "
+                        "moves by about 2%% against another's (docs/accuracy.md)")
     p.add_argument("--kv-bits", type=int, choices=[4, 16], default=None)
     p.add_argument("--smooth-alpha", type=float, default=None, help="fixed migration strength")
     p.add_argument("--w8a8-linears", nargs="+", default=None, metavar="PATTERN",
@@ -49,7 +52,7 @@ def quant_config_from_args(args):
     over = {}
     rotation = ("rotation", "rotation_loss") + tuple(f for f, _ in ROTATION_OPTIONS)
     for field in STEP_FLAGS + rotation + ("kv_bits", "smooth_alpha", "calib_samples", "calib_seq_len",
-                                          "w8a8_linears"):
+                                          "w8a8_linears", "seed"):
         value = getattr(args, field, None)
         if value is not None:
             over[field] = tuple(value) if isinstance(value, list) else value
