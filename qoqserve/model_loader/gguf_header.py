@@ -41,9 +41,7 @@ class GGUFTensor:
         return tuple(reversed(self.dims))
 
 
-_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
-
-
+_U64 = struct.Struct("<Q")
 _FIRST_READ = 8 << 20  # header bytes read at first; a longer header is read again, 4x as much
 
 
