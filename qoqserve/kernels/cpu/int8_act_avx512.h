@@ -15,7 +15,6 @@
 #define AVX512_FN
 #endif
 
-
 AVX512_FN static inline __m512 load_f32(const void *x, int bf16, int64_t i, __mmask16 k) {
     if (bf16) {
         __m256i h = _mm256_maskz_loadu_epi16(k, (const uint16_t *)x + i);

@@ -161,11 +161,11 @@ static inline __attribute__((always_inline)) void chunk_impl(const job *j, int b
             float *sh = sc + hq * ct;
             __m512 mv = _mm512_set1_ps(-INFINITY), lv = _mm512_setzero_ps();
             for (int t = 0; t < T; t += BLOCK)
-                mv = _mm512_mask_max_ps(mv, lane_mask(T - t < BLOCK ? T - t : BLOCK), mv,
+                mv = _mm512_mask_max_ps(mv, lane_mask(T - t), mv,
                                         _mm512_loadu_ps(sh + t));
             const float mx = _mm512_reduce_max_ps(mv);
             for (int t = 0; t < T; t += BLOCK) {
-                const __mmask16 k = lane_mask(T - t < BLOCK ? T - t : BLOCK);
+                const __mmask16 k = lane_mask(T - t);
                 const __m512 e = _mm512_maskz_mov_ps(k, exp2_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sh + t),
                                                                               _mm512_set1_ps(mx))));
                 _mm512_mask_storeu_ps(sh + t, k, e);

@@ -67,7 +67,6 @@ static inline __m512i planar_low(void) {
     return _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
 }
 
-
 /* one query row [D] times scale -> dst[np] in slot order, zero past D */
 static inline __attribute__((always_inline)) void load_query(const float *src, const int fmt, const int D,
                                                               const int np, const __m512 scale, float *dst) {
