@@ -195,3 +195,53 @@ def test_the_packed_method_fuses_silu_mul_only_where_it_rounds_alike():
     # torch's silu rounds its own way; per channel the epilogue needs the product's torch row sum
     for method, op in ((QoQPackedMethod(64), TorchTokenOps().silu_mul), (QoQPackedMethod(0), CpuTokenOps().silu_mul)):
         assert torch.equal(method.input_from_silu_mul(gate_up, op), op(gate_up))
+
+
+@pytest.mark.parametrize("isa", ["avx512-vnni", "scalar"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_fused_into_the_input_is_bit_identical_to_the_op_then_the_gemm(monkeypatch, dtype, isa):
+    from qoqserve.kernels.cpu import elementwise
+    from qoqserve.kernels.cpu.w4a8_gemm import NormInput
+    monkeypatch.setenv(w4a8_gemm.ISA_ENV, isa)
+    k = 320
+    mod = _packed(_checkpoint(40, k, 64, seed=6), 64)
+    weight = (torch.rand(k, generator=torch.Generator().manual_seed(1)) + 0.5).to(dtype)
+    for m in (1, 2, 7, 33):
+        h = _input(m, k, torch.float32, seed=m).to(dtype)
+        delta = _input(m, k, torch.float32, seed=100 + m).to(dtype)
+        if m > 2:
+            h[2], delta[2] = 0, 0  # an all-zero row: eps alone under the root
+        # with the residual add: h is updated in place, as add_rms_norm updates it
+        h_op, h_fused = h.clone(), h.clone()
+        want = mod(elementwise.add_rms_norm(h_op, delta, weight, 1e-5)[0])
+        got = mod(NormInput(h_fused, delta, weight, 1e-5))
+        assert torch.equal(got, want), (m, dtype, isa)
+        assert torch.equal(h_fused, h_op) and not torch.equal(h_fused, h)
+        # without it (the first layer's norm): h is left as it was
+        h_alone = h.clone()
+        assert torch.equal(mod(NormInput(h_alone, None, weight, 1e-6)), mod(elementwise.rms_norm(h, weight, 1e-6)))
+        assert torch.equal(h_alone, h) and got.dtype == dtype
+    with pytest.raises(ValueError, match="h's dtype"):
+        mod(NormInput(h, delta.float() if dtype == torch.bfloat16 else delta.bfloat16(), weight, 1e-5))
+    with pytest.raises(ValueError, match="group layout"):
+        _packed(_checkpoint(40, k, 0, seed=5), 0)(NormInput(h, delta, weight, 1e-5))
+
+
+def test_the_packed_method_fuses_the_norm_only_where_it_rounds_alike():
+    from qoqserve.kernels.cpu.w4a8_gemm import NormInput
+    from qoqserve.layers.norm import RMSNorm
+    from qoqserve.layers.quantization.qoq_methods import QoQPackedMethod
+    from qoqserve.layers.token_ops import CpuTokenOps
+    h, delta = torch.randn(3, 128), torch.randn(3, 128)
+    c_norm, torch_norm = RMSNorm(128, 1e-5, torch.float32, CpuTokenOps()), RMSNorm(128, 1e-5, torch.float32)
+    for norm in (c_norm, torch_norm):
+        norm.weight.data.uniform_(0.5, 1.5)
+    x, h_out = QoQPackedMethod(64).input_from_norm(c_norm, h, delta)
+    assert isinstance(x, NormInput) and h_out is h and x.delta is delta  # the add happens in the GEMM
+    # torch's norm rounds its own way; per channel the epilogue needs the input's torch row sum;
+    # a strided h is not what the kernel reads
+    for method, norm, hh, d in ((QoQPackedMethod(64), torch_norm, h, delta), (QoQPackedMethod(0), c_norm, h, delta),
+                                (QoQPackedMethod(64), c_norm, torch.randn(3, 256)[:, :128], None)):
+        want, h_want = (norm(hh), hh) if d is None else norm(hh.clone(), d)  # the C add is in place
+        x, h_out = method.input_from_norm(norm, hh if d is None else hh.clone(), d)
+        assert torch.equal(x, want) and torch.equal(h_out, h_want)

@@ -20,42 +20,9 @@
 #endif
 #include "bf16.h"
 #include "silu_mul_row.h"
+#include "norm_row.h"
 
-enum { LANES = 16, MAX_ROW = 16384 };
-
-/* a row to fp32 / from fp32 (bf16: rounded to nearest even) */
-static void load_row(const void *x, int bf16, int64_t i, int64_t n, float *out) {
-    if (!bf16) { memcpy(out, (const float *)x + i, sizeof(float) * (size_t)n); return; }
-    const uint16_t *h = (const uint16_t *)x + i;
-    for (int64_t k = 0; k < n; k++) {
-        uint32_t bits = (uint32_t)h[k] << 16;
-        memcpy(out + k, &bits, 4);
-    }
-}
-
-static void store_row(const float *v, int64_t n, void *y, int bf16, int64_t i) {
-    if (!bf16) { memcpy((float *)y + i, v, sizeof(float) * (size_t)n); return; }
-    for (int64_t k = 0; k < n; k++) ((uint16_t *)y)[i + k] = float_to_bf16(v[k]);
-}
-
-/* the values a bf16 tensor would hold (no-op for fp32) */
-static void round_row(float *v, int64_t n, int bf16) {
-    if (!bf16) return;
-    for (int64_t k = 0; k < n; k++) v[k] = as_stored(v[k], 1);
-}
-
-/* sum of squares in a fixed order: 16 lanes (lane l: k = l mod 16), then
- * pairwise l + 8, + 4, + 2, + 1; written so the lanes vectorize */
-static float sum_squares(const float *v, int64_t n) {
-    float s[LANES] = {0};
-    int64_t k = 0;
-    for (; k + LANES <= n; k += LANES)
-        for (int l = 0; l < LANES; l++) s[l] += v[k + l] * v[k + l];
-    for (int l = 0; k + l < n; l++) s[l] += v[k + l] * v[k + l];
-    for (int h = LANES / 2; h >= 1; h /= 2)
-        for (int l = 0; l < h; l++) s[l] = s[l] + s[l + h];
-    return s[0];
-}
+enum { MAX_ROW = 16384 };
 
 /* rows are tiny; threads only pay off for prompt-sized batches */
 #define PAR_ROWS(T) if ((T) >= 8)
@@ -63,15 +30,6 @@ static float sum_squares(const float *v, int64_t n) {
 void embed_rows(const int64_t *ids, const void *table, void *h, int64_t T, int64_t row_bytes) {
     for (int64_t t = 0; t < T; t++)
         memcpy((char *)h + t * row_bytes, (const char *)table + ids[t] * row_bytes, (size_t)row_bytes);
-}
-
-/* xv (fp32, the row as stored) -> y row yi: w * round(x / rms(x)) */
-static void norm_row(float *xv, const float *wv, void *y, int64_t yi, int64_t K, float eps, int bf16) {
-    const float r = 1.0f / sqrtf(sum_squares(xv, K) / (float)K + eps);
-    for (int64_t k = 0; k < K; k++) xv[k] = xv[k] * r;
-    round_row(xv, K, bf16);
-    for (int64_t k = 0; k < K; k++) xv[k] = wv[k] * xv[k];
-    store_row(xv, K, y, bf16, yi);
 }
 
 /* y = w * x / rms(x); x rows `x_stride` elements apart, y contiguous [T, K] */
@@ -82,7 +40,8 @@ void rms_norm(const void *x, int64_t x_stride, const void *w, void *y, int64_t T
         float xv[MAX_ROW], wv[MAX_ROW];
         load_row(w, bf16, 0, K, wv);
         load_row(x, bf16, t * x_stride, K, xv);
-        norm_row(xv, wv, y, t * K, K, eps, bf16);
+        norm_row(xv, wv, K, eps, bf16);
+        store_row(xv, K, y, bf16, t * K);
     }
 }
 
@@ -91,14 +50,10 @@ void add_rms_norm(void *h, const void *d, const void *w, void *y, int64_t T, int
                   int bf16, int threads) {
     #pragma omp parallel for num_threads(threads) PAR_ROWS(T)
     for (int64_t t = 0; t < T; t++) {
-        float xv[MAX_ROW], dv[MAX_ROW], wv[MAX_ROW];
-        load_row(h, bf16, t * K, K, xv);
-        load_row(d, bf16, t * K, K, dv);
-        for (int64_t k = 0; k < K; k++) xv[k] = xv[k] + dv[k];
-        round_row(xv, K, bf16);
-        store_row(xv, K, h, bf16, t * K);
+        float xv[MAX_ROW], wv[MAX_ROW];
         load_row(w, bf16, 0, K, wv);
-        norm_row(xv, wv, y, t * K, K, eps, bf16);
+        add_norm_row(h, d, wv, t, K, eps, bf16, xv);
+        store_row(xv, K, y, bf16, t * K);
     }
 }
 

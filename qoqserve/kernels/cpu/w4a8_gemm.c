@@ -69,6 +69,7 @@ typedef struct {
 #include "bf16.h"
 #include "thread_scratch.h"
 #include "silu_mul_row.h"
+#include "norm_row.h"
 
 /* the max/min below pick their second operand on NaN, as vmaxps/vminps do */
 static void quantize_row_scalar(const void *x, int bf16, int64_t K, int64_t Kp, int8_t *q,
@@ -152,6 +153,11 @@ static void blocks_scalar(const Job *j, int64_t nb_lo, int64_t nb_hi, int8_t *ro
 
 SIMD static void silu_mul_row_simd(const void *gate, const void *up, int bf16, int64_t n, float *out) {
     silu_mul_row(gate, up, bf16, n, out);
+}
+
+SIMD static void add_norm_row_simd(void *h, const void *d, const float *wv, int64_t t, int64_t K, float eps,
+                                   int bf16, float *xv) {
+    add_norm_row(h, d, wv, t, K, eps, bf16, xv);
 }
 
 /* epilogue of one row of one weight block from its INT32 accumulator: x_q . w
@@ -363,19 +369,28 @@ int w4a8_gemm_simd(void) { return simd_supported(); }
 static __thread void *tl_main, *tl_panel, *tl_row;
 static __thread size_t tl_main_size, tl_panel_size, tl_row_size;
 
-/* x [M, K] fp32/bf16 -> y [M, N] fp32/bf16 on packed codes (layout above):
- * (x_silu: x is [M, 2K], gate | up, and the input row is silu(gate) * up,
- * rounded as silu_mul_row.h rounds it; never written out, only quantized)
+/* x [M, K] fp32/bf16 -> y [M, N] fp32/bf16 on packed codes (layout above).
+ * The input row is x's row (x_mode 0), or made from x and only quantized,
+ * never written out, rounded as the standalone op rounds it:
+ *   x_mode 1 (X_SILU): x is [M, 2K], gate | up; the row is silu(gate) * up
+ *            (silu_mul_row.h);
+ *   x_mode 2 (X_NORM): x is the residual stream h [M, K]; h += delta in
+ *            place (delta [M, K], or NULL: no add), the row is
+ *            rms_norm(h) * norm_w with eps (norm_row.h); norm_w [K] in x's dtype.
  *   y = (x_q . w) * s_a[m] * s1[n] (- rowsum[m] * zs1[n]) (+ bias[n]),
  * w = s2*(u - z) per group (gp != NULL; group % 8 == 0, K % group == 0) or u
  * (per channel: gp NULL, group 0). rowsum/zs1 and bias may be NULL.
  * Returns 0; -1: out of memory; -2: SIMD asked for where it cannot run;
- * -3: a group size or K the layout does not allow. */
-int w4a8_gemm(const void *x, int x_bf16, int x_silu, int64_t M, int64_t K, const uint8_t *w, const uint8_t *gp,
+ * -3: a group size or K the layout does not allow; -4: an unknown x_mode. */
+enum { X_PLAIN = 0, X_SILU = 1, X_NORM = 2 };
+
+int w4a8_gemm(const void *x, int x_bf16, int x_mode, const void *delta, const void *norm_w, float eps,
+              int64_t M, int64_t K, const uint8_t *w, const uint8_t *gp,
               int64_t group, int64_t N, const float *s1, const float *rowsum, const float *zs1,
               const float *bias, void *y, int out_bf16, int simd, int threads) {
     if (simd && !simd_supported()) return -2;
     if ((gp != NULL) != (group > 0) || (group && (group % 8 || K % group))) return -3;
+    if (x_mode < X_PLAIN || x_mode > X_NORM || (x_mode == X_NORM && !norm_w)) return -4;
     if (M <= 0 || N <= 0) return 0;  /* nothing to write (an empty batch) */
     const int64_t Kp = (K + 7) & ~(int64_t)7, nblocks = (N + NB - 1) / NB;
     const size_t xq_bytes = ((size_t)(M * Kp) + 63) & ~(size_t)63;
@@ -397,22 +412,27 @@ int w4a8_gemm(const void *x, int x_bf16, int x_silu, int64_t M, int64_t K, const
         T = omp_get_num_threads();
 #endif
         const size_t es = x_bf16 ? 2 : 4;
-        float *row = x_silu ? (float *)grow_scratch(&tl_row, &tl_row_size, sizeof(float) * (size_t)K) : NULL;
-        if (x_silu && !row) {
+        /* the made row, and for X_NORM the norm weight as fp32 after it */
+        float *row = x_mode ? (float *)grow_scratch(&tl_row, &tl_row_size,
+                                                    sizeof(float) * (size_t)K * (x_mode == X_NORM ? 2 : 1)) : NULL;
+        if (x_mode && !row) {
             #pragma omp atomic write
             failed = 1;
         }
+        if (x_mode == X_NORM && row) load_row(norm_w, x_bf16, 0, K, row + K);
         #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++) {
-            const void *xm = (const char *)x + (size_t)(m * K * (x_silu ? 2 : 1)) * es;
+            const void *xm = (const char *)x + (size_t)(m * K * (x_mode == X_SILU ? 2 : 1)) * es;
             int bf16 = x_bf16;
-            if (x_silu) {  /* bf16 rows come out bf16-valued in fp32: quantize them as fp32 */
+            if (x_mode) {  /* bf16 rows come out bf16-valued in fp32: quantize them as fp32 */
                 if (!row) continue;
 #if HAVE_SIMD
-                if (simd) silu_mul_row_simd(xm, (const char *)xm + (size_t)K * es, x_bf16, K, row);
+                if (simd && x_mode == X_SILU) silu_mul_row_simd(xm, (const char *)xm + (size_t)K * es, x_bf16, K, row);
+                else if (simd) add_norm_row_simd((void *)x, delta, row + K, m, K, eps, x_bf16, row);
                 else
 #endif
-                    silu_mul_row(xm, (const char *)xm + (size_t)K * es, x_bf16, K, row);
+                if (x_mode == X_SILU) silu_mul_row(xm, (const char *)xm + (size_t)K * es, x_bf16, K, row);
+                else add_norm_row((void *)x, delta, row + K, m, K, eps, x_bf16, row);
                 xm = row;
                 bf16 = 0;
             }

@@ -23,13 +23,15 @@ from qoqserve.kernels.cpu.weight_layout import interleave_tiles
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _SIGNATURES = {
     "w4a8_gemm_simd": (_I, []),
-    "w4a8_gemm": (_I, [_P, _I, _I, _L, _L, _P, _P, _L, _L, _P, _P, _P, _P, _P, _I, _I, _I]),
+    "w4a8_gemm": (_I, [_P, _I, _I, _P, _P, ctypes.c_float, _L, _L, _P, _P, _L, _L, _P, _P, _P, _P, _P, _I, _I,
+                       _I]),
 }
 BLOCK_N, OCTET_K = 16, 8
 DTYPES = (torch.float32, torch.bfloat16)  # of the input and output
 ISA_ENV = "QOQSERVE_CPU_ISA"
 _ERRORS = {-1: "could not allocate its scratch buffers", -2: "AVX-512 VNNI is not available on this CPU",
-           -3: "got a group size or K its layout does not allow"}
+           -3: "got a group size or K its layout does not allow", -4: "got an unknown input mode"}
+X_PLAIN, X_SILU, X_NORM = 0, 1, 2  # how the kernel makes its input rows (w4a8_gemm.c)
 
 
 class SiluMulInput(NamedTuple):
@@ -37,6 +39,17 @@ class SiluMulInput(NamedTuple):
     the kernel makes each row and quantizes it in one pass, never writing it out.
     Its rounding is elementwise.silu_mul's, bit for bit."""
     gate_up: torch.Tensor
+
+
+class NormInput(NamedTuple):
+    """A linear's input given as rms_norm(h + delta) * weight (delta None: of h):
+    the kernel adds delta into the residual stream h in place, then makes each
+    normalized row and quantizes it in one pass, never writing it out. Its
+    rounding is elementwise.add_rms_norm's (rms_norm's), bit for bit."""
+    h: torch.Tensor
+    delta: torch.Tensor | None
+    weight: torch.Tensor
+    eps: float
 
 
 def load():
@@ -114,7 +127,7 @@ def w4a8_linear(x2: torch.Tensor, codes: torch.Tensor, gparams: torch.Tensor | N
         simd = isa() != "scalar"
     y = graph.empty(m, n, dtype=x2.dtype)
     bf16 = int(x2.dtype == torch.bfloat16)
-    rc = graph.launch(load().w4a8_gemm, x2.data_ptr(), bf16, 0, m, k, codes.data_ptr(),
+    rc = graph.launch(load().w4a8_gemm, x2.data_ptr(), bf16, X_PLAIN, None, None, 0.0, m, k, codes.data_ptr(),
                           None if gparams is None else gparams.data_ptr(), group_size, n, s1.data_ptr(),
                           None if rowsum is None else rowsum.data_ptr(),
                           None if zs1 is None else zs1.data_ptr(),
@@ -186,13 +199,23 @@ class PackedW4A8Gemm(nn.Module):
     def resident_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
-    def forward(self, x: torch.Tensor | SiluMulInput) -> torch.Tensor:
-        silu = isinstance(x, SiluMulInput)
-        if silu:
-            x = x.gate_up
-            if self._per_channel or torch.compiler.is_compiling() or x.dtype not in DTYPES:
-                raise ValueError("a SiluMulInput needs a group layout, fp32/bf16 and eager mode "
-                                 "(the per-channel epilogue needs torch's row sum of the product)")
+    def forward(self, x: torch.Tensor | SiluMulInput | NormInput) -> torch.Tensor:
+        mode, delta, norm_w, eps = X_PLAIN, None, None, 0.0
+        if isinstance(x, (SiluMulInput, NormInput)):
+            if self._per_channel or torch.compiler.is_compiling():
+                raise ValueError(f"a {type(x).__name__} needs a group layout and eager mode "
+                                 "(the per-channel epilogue needs torch's row sum of the input)")
+            if isinstance(x, SiluMulInput):
+                mode, x = X_SILU, x.gate_up
+            else:
+                mode, x, delta, norm_w, eps = X_NORM, x.h, x.delta, x.weight, x.eps
+                if (x.dim() != 2 or not x.is_contiguous() or norm_w.dtype != x.dtype
+                        or (delta is not None and (delta.shape != x.shape or delta.dtype != x.dtype
+                                                   or not delta.is_contiguous()))):
+                    raise ValueError("a NormInput needs a contiguous 2-D h, and delta and the weight "
+                                     "in h's dtype (delta contiguous, h's shape)")
+            if x.dtype not in DTYPES:
+                raise ValueError(f"a fused input needs fp32/bf16 activations, got {x.dtype}")
         elif x.dtype not in DTYPES:  # fp16: exact in fp32, and the reference rounds at the end
             return self(x.float()).to(x.dtype)
         x2 = (x if x.dim() == 2 else x.reshape(-1, x.shape[-1])).contiguous()
@@ -201,14 +224,16 @@ class PackedW4A8Gemm(nn.Module):
                              self.s1, self.zs1, self.bias, self.simd)
             return y if x.dim() == 2 else y.reshape(*x.shape[:-1], -1)
         m, k = x2.shape
-        if k != self.in_features * (2 if silu else 1) or x2.device.type != "cpu":
-            want = f"2 x {self.in_features} (gate | up)" if silu else self.in_features
+        if k != self.in_features * (2 if mode == X_SILU else 1) or x2.device.type != "cpu":
+            want = f"2 x {self.in_features} (gate | up)" if mode == X_SILU else self.in_features
             raise ValueError(f"expected a CPU input [..., {want}], got {tuple(x.shape)} on {x.device}")
         # the per-channel epilogue needs torch's own row sum to match the reference bit for bit
         rowsum = qoq_ref.act_row_sum(x2) if self._per_channel else None
         y = graph.empty(m, self.out_features, dtype=x2.dtype)
         bf16 = int(x2.dtype == torch.bfloat16)
-        rc = graph.launch(load().w4a8_gemm, x2.data_ptr(), bf16, int(silu), m, self.in_features, *self._args,
+        rc = graph.launch(load().w4a8_gemm, x2.data_ptr(), bf16, mode,
+                          None if delta is None else delta.data_ptr(),
+                          None if norm_w is None else norm_w.data_ptr(), eps, m, self.in_features, *self._args,
                           None if rowsum is None else rowsum.data_ptr(), *self._tail, y.data_ptr(),
                           bf16, int(self.simd), torch.get_num_threads())
         if rc != 0:

@@ -27,7 +27,7 @@ import torch
 
 from qoqserve.kernels import qoq_ref
 from qoqserve.kernels.cpu import w4a8_gemm
-from qoqserve.kernels.cpu.w4a8_gemm import PackedW4A8Gemm, SiluMulInput
+from qoqserve.kernels.cpu.w4a8_gemm import NormInput, PackedW4A8Gemm, SiluMulInput
 from qoqserve.layers.linear import Linear, LinearMethod, add_param
 from qoqserve.layers.quantization.int8_gemm import install_packed_gemm, int8_linear
 from qoqserve.layers.token_ops import CpuTokenOps
@@ -175,11 +175,22 @@ class QoQPackedMethod(QoQLinearMethod):
         for name in ("qweight", "s1", "s2", "zeros", "bias"):  # the kernel keeps its own copies
             layer._parameters.pop(name, None)
 
+    def _fuses(self, ops) -> bool:
+        # only where the fused row rounds as the model's own op (the C one) and
+        # the epilogue needs no torch row sum of the input (group layouts)
+        return bool(self.group_size) and isinstance(ops, CpuTokenOps) and not torch.compiler.is_compiling()
+
+    def input_from_norm(self, norm, h, delta=None):
+        if (self._fuses(getattr(norm, "ops", None)) and h.dim() == 2 and h.is_contiguous()
+                and h.dtype in w4a8_gemm.DTYPES and norm.weight.dtype == h.dtype
+                and (delta is None or (delta.shape == h.shape and delta.dtype == h.dtype
+                                       and delta.is_contiguous()))):
+            # h += delta happens in place when this layer runs, before anything reads h
+            return NormInput(h, delta, norm.weight, norm.eps), h
+        return super().input_from_norm(norm, h, delta)
+
     def input_from_silu_mul(self, gate_up, silu_mul):
-        # fused only where it rounds as the model's own op (the C one) and the
-        # epilogue needs no torch row sum of the product (group layouts)
-        if (self.group_size and isinstance(getattr(silu_mul, "__self__", None), CpuTokenOps)
-                and not torch.compiler.is_compiling()):
+        if self._fuses(getattr(silu_mul, "__self__", None)):
             return SiluMulInput(gate_up)
         return silu_mul(gate_up)
 
