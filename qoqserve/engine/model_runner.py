@@ -13,6 +13,7 @@ from qoqserve.engine.captured_step import CapturedDecode, default_capture_sizes
 from qoqserve.engine.parallel_world import ParallelWorld
 from qoqserve.engine.scheduler import ScheduledBatch
 from qoqserve.engine.staging import HostStaging
+from qoqserve.kernels.cpu.one_shot import OneShotSteps
 from qoqserve.layers.attention import AttentionMetadata
 from qoqserve.layers.kv_cache import KVCacheLayout
 from qoqserve.layers.linear import Linear
@@ -139,6 +140,8 @@ class ModelRunner:
             self.captured.capture_all()
             if self.captured.disabled:
                 self.captured = None
+        # eager steps (prefills, mixed batches) of the same kernels: planned and run back to back
+        self.one_shot = OneShotSteps() if self.captured is not None else None
 
     def _log_load(self) -> None:
         paths: dict[str, int] = {}
@@ -218,7 +221,9 @@ class ModelRunner:
             self.executor.send(("step", step))
         try:
             ids, positions, meta = self._tensors(step)
-            hidden = self.model(ids, positions, meta, self.kv_caches)
+            hidden = (self.model(ids, positions, meta, self.kv_caches) if self.one_shot is None
+                      else self.one_shot(self.model, ids, positions, meta, self.kv_caches,
+                                         kind="mixed" if meta.num_decodes else "prefill"))
         except Exception as e:
             if self.executor is not None:
                 raise self.executor.failure(e) from e

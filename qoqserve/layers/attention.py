@@ -68,7 +68,7 @@ class PagedAttention(nn.Module):
             out = self._prefill(qp, kp, vp, meta, cache)
         if d:
             dec = self.backend.decode(q[:d], cache, meta.block_tables[:d], meta.context_lens, self.scale)
-            out = torch.cat([dec, out])
+            out = self.backend.join(dec, out)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
     def _prefill(self, q, k, v, meta, cache):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from qoqserve.kernels.cpu import kv4_write, paged_decode, paged_prefill
+from qoqserve.kernels.cpu import elementwise, kv4_write, paged_decode, paged_prefill
 from qoqserve.layers.kv_cache import (
     DenseKVCacheLayout,
     Int4KVCacheLayout,
@@ -61,6 +61,10 @@ class AttentionBackend:
         attention layer then attends the fresh values in torch)."""
         return None
 
+    def join(self, decodes: torch.Tensor, prefills: torch.Tensor) -> torch.Tensor:
+        """A mixed step's attention outputs, its decodes' rows first."""
+        return torch.cat([decodes, prefills])
+
     def decode(self, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                context_lens: torch.Tensor, scale: float) -> torch.Tensor:
         """q [B, H, D], one query per sequence over its pages -> [B, H, D]."""
@@ -98,6 +102,7 @@ class CpuAttention(AttentionBackend):
         self._c_write = isinstance(layout, Int4KVCacheLayout) and kv4_write.available()
         self._c_copy = isinstance(layout, DenseKVCacheLayout) and kv4_write.available()
         self._c_prefill = paged_prefill.available()
+        self._c_join = elementwise.available()
 
     def write(self, cache, k, v, slot_mapping) -> None:
         if self._c_write:
@@ -116,6 +121,12 @@ class CpuAttention(AttentionBackend):
         k_rows, v_rows = self.layout.page_rows(cache)
         return paged_prefill.paged_prefill_attention(q, k_rows, v_rows, self.layout.name, self.layout.block_size,
                                                      block_tables, query_starts, first_positions, scale)
+
+    def join(self, decodes, prefills):
+        if (self._c_join and decodes.dtype == prefills.dtype and decodes.is_contiguous()
+                and prefills.is_contiguous()):
+            return elementwise.concat_rows(decodes, prefills)  # one C call: a one-shot step records it
+        return super().join(decodes, prefills)
 
     def decode(self, q, cache, block_tables, context_lens, scale):
         k_rows, v_rows = self.layout.page_rows(cache)

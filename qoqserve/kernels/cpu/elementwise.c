@@ -32,6 +32,12 @@ void embed_rows(const int64_t *ids, const void *table, void *h, int64_t T, int64
         memcpy((char *)h + t * row_bytes, (const char *)table + ids[t] * row_bytes, (size_t)row_bytes);
 }
 
+/* out = a's bytes then b's: rows of two tensors one after the other */
+void concat_rows(const void *a, int64_t a_bytes, const void *b, int64_t b_bytes, void *out) {
+    memcpy(out, a, (size_t)a_bytes);
+    memcpy((char *)out + a_bytes, b, (size_t)b_bytes);
+}
+
 /* y = w * x / rms(x); x rows `x_stride` elements apart, y contiguous [T, K] */
 void rms_norm(const void *x, int64_t x_stride, const void *w, void *y, int64_t T, int64_t K, float eps,
               int bf16, int threads) {

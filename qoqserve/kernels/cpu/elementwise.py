@@ -14,6 +14,7 @@ from qoqserve.kernels.cpu.build import load_library
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "embed_rows": (None, [_P, _P, _P, _L, _L]),
+    "concat_rows": (None, [_P, _L, _P, _L, _P]),
     "rms_norm": (None, [_P, _L, _P, _P, _L, _L, _F, _I, _I]),
     "add_rms_norm": (None, [_P, _P, _P, _P, _L, _L, _F, _I, _I]),
     "silu_mul": (None, [_P, _P, _L, _L, _I, _I]),
@@ -45,6 +46,18 @@ def embed(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     out = graph.empty(t, k, dtype=table.dtype)
     graph.launch(load().embed_rows, ids.data_ptr(), table.data_ptr(), out.data_ptr(), t,
                  k * table.element_size())
+    return out
+
+
+def concat_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.cat([a, b]) of two contiguous CPU tensors of one dtype and row shape,
+    as one C call (a captured or one-shot step may not run torch.cat)."""
+    if (a.dtype != b.dtype or a.shape[1:] != b.shape[1:] or not (a.is_contiguous() and b.is_contiguous())
+            or a.device.type != "cpu" or b.device.type != "cpu"):
+        raise ValueError("concat_rows: contiguous CPU tensors of one dtype and row shape")
+    out = graph.empty(a.shape[0] + b.shape[0], *a.shape[1:], dtype=a.dtype)
+    graph.launch(load().concat_rows, a.data_ptr(), a.numel() * a.element_size(), b.data_ptr(),
+                 b.numel() * b.element_size(), out.data_ptr())
     return out
 
 

@@ -76,17 +76,19 @@ class _OnlyViews(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
         out = func(*args, **(kwargs or {}))
-        if name in _ALLOWED:
-            return out
-        if not name.endswith("_") and _storages(out) <= _storages(list(args) + list((kwargs or {}).values())):
-            return out
-        raise CaptureError(f"aten::{name} ran in the step: a replay would not repeat it")
+        if name not in _ALLOWED and (name.endswith("_") or not _storages(out) <= _storages(
+                list(args) + list((kwargs or {}).values()))):
+            raise CaptureError(f"aten::{name} ran in the step: a replay would not repeat it")
+        if _recording is not None and _recording.kept is not None:
+            _recording.kept.append(out)
+        return out
 
 
 class StepGraph:
     def __init__(self, arena: "StepGraph | None" = None):
         self.ops: list[tuple] = []
         self.buffers: list[torch.Tensor] = []
+        self.kept: list | None = None  # a list: every tensor the recording makes is kept in it
         self._arena = arena.buffers if arena is not None else []
         self.output = None
         self._plan = None
@@ -103,6 +105,13 @@ class StepGraph:
     def capture(self, fn, *args):
         """Trace fn(*args) once, recording its kernel calls without running
         them; returns its output buffer, which each replay writes in place."""
+        self.record(fn, *args)
+        self._freeze()
+        self._native()
+        return self.output
+
+    def record(self, fn, *args):
+        """Only the tracing: self.ops and self.buffers, fn's output in self.output."""
         global _recording
         if _recording is not None:
             raise CaptureError("captures do not nest")
@@ -112,8 +121,6 @@ class StepGraph:
                 self.output = fn(*args)
         finally:
             _recording = None
-        self._freeze()
-        self._native()
         return self.output
 
     def _freeze(self) -> None:

@@ -1,0 +1,113 @@
+"""An eager CPU step (a prefill, a mixed batch) recorded, planned into one
+arena and run back to back: its kernels run with no Python between them.
+
+A kernel that streams tens of MB evicts the caches the interpreter and
+torch's dispatcher run from, so the Python between two kernels of a prefill
+runs cold: ~0.3 ms a gap, ~50 ms of a 1024-token prefill that takes 8 ms
+when no kernel runs (docs/benchmarks.md). Here the step's Python runs first,
+warm, under graph.StepGraph's recording rules (no torch op may compute: the
+recording runs no kernel), and then its calls run from a plain loop.
+
+The recording allocates every intermediate buffer of the step at once, which
+would hold them all (1.6 GB at a 2,048-token step); but it writes none of
+them, so they stay untouched virtual memory. From the calls' pointer
+arguments each buffer's first and last use is known; buffers whose uses
+overlap get disjoint places in one arena (largest first, first fit), the
+calls' pointers are moved there, and the arena, kept from step to step,
+holds only the step's peak live set. A buffer is used by a call iff the call
+is passed a pointer into it, so a buffer no later call reads can be reused:
+the step's output is read after the step and keeps a place of its own.
+"""
+from __future__ import annotations
+
+import bisect
+import ctypes
+import logging
+
+import torch
+
+from qoqserve.kernels.cpu import graph
+
+log = logging.getLogger(__name__)
+
+_POINTERS = (ctypes.c_void_p, ctypes.c_char_p)
+_ALIGN = 64
+
+
+def _is_pointer(t) -> bool:
+    return t in _POINTERS or (isinstance(t, type) and issubclass(t, ctypes._Pointer))
+
+
+def plan(sizes: list[int], spans: list[tuple[int, int]]) -> tuple[list[int], int]:
+    """Offsets of buffers of `sizes` bytes used over call spans (first, last),
+    two buffers overlapping in memory only if their spans do not; and the
+    arena's size. Largest first, each at the lowest offset that fits."""
+    offsets, placed, total = [0] * len(sizes), [], 0
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        size = -(-sizes[i] // _ALIGN) * _ALIGN
+        busy = sorted((offsets[j], offsets[j] + -(-sizes[j] // _ALIGN) * _ALIGN) for j in placed
+                      if spans[j][0] <= spans[i][1] and spans[i][0] <= spans[j][1])
+        at = 0
+        for lo, hi in busy:
+            if at + size <= lo:
+                break
+            at = max(at, hi)
+        offsets[i] = at
+        placed.append(i)
+        total = max(total, at + size)
+    return offsets, total
+
+
+class OneShotSteps:
+    """Runs fn(*args) as above. Steps come in kinds (the caller's key: a
+    prefill alone, or prefills mixed with decodes, take different paths);
+    `disabled[kind]` says why a kind could not be recorded: that step ran op
+    by op, as every later step of its kind does."""
+
+    def __init__(self):
+        self.disabled: dict = {}
+        self._arena = torch.empty(0, dtype=torch.uint8)
+
+    def __call__(self, fn, *args, kind=None):
+        if kind in self.disabled or graph.recording():
+            return fn(*args)
+        g = graph.StepGraph()
+        g.kept = []
+        try:
+            out = g.record(fn, *args)
+        except graph.CaptureError as e:
+            self.disabled[kind] = str(e)
+            log.info("eager steps (%s) run op by op: %s", kind, e)
+            return fn(*args)
+        return self._run(g, out)
+
+    def _run(self, g: graph.StepGraph, out: torch.Tensor) -> torch.Tensor:
+        bases = sorted({(b.untyped_storage().data_ptr(), b.untyped_storage().nbytes()) for b in g.buffers
+                        if b.untyped_storage().nbytes() > 0})
+        starts = [s for s, _ in bases]
+        out_base = out.untyped_storage().data_ptr()
+        first, last = [len(g.ops)] * len(bases), [-1] * len(bases)
+        where = []  # per call: [(arg index, buffer, offset into it)]
+        for c, (fn, args) in enumerate(g.ops):
+            moved = []
+            for a, (t, v) in enumerate(zip(fn.argtypes, args)):
+                if not (_is_pointer(t) and isinstance(v, int)):
+                    continue
+                i = bisect.bisect_right(starts, v) - 1
+                if i >= 0 and v < bases[i][0] + bases[i][1] and bases[i][0] != out_base:
+                    moved.append((a, i, v - bases[i][0]))
+                    first[i], last[i] = min(first[i], c), max(last[i], c)
+            where.append(moved)
+        used = [i for i in range(len(bases)) if last[i] >= 0]
+        offsets, total = plan([bases[i][1] for i in used], [(first[i], last[i]) for i in used])
+        if total > self._arena.numel():
+            self._arena = torch.empty(total, dtype=torch.uint8)
+        home = dict(zip(used, (self._arena.data_ptr() + o for o in offsets)))
+        for (fn, args), moved in zip(g.ops, where):
+            if moved:
+                args = list(args)
+                for a, i, off in moved:
+                    args[a] = home[i] + off
+            if fn(*args):  # every kernel returns 0 (or nothing) on success
+                raise RuntimeError(f"CPU kernel {fn.__name__} failed in an eager step")
+        return out
