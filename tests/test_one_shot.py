@@ -55,7 +55,7 @@ def test_a_step_of_c_kernels_runs_as_it_would_op_by_op():
     got = runner(step, x, d)
     assert not runner.disabled and torch.equal(got, want)
     # 14 buffers of 64 KB, a few in use at once: they share places
-    assert 0 < runner._arena.numel() <= 4 * 64 * 1024
+    assert 0 < runner.arena_bytes <= 4 * 64 * 1024
     assert torch.equal(runner(step, x, d), want)  # again, in the same arena
     # torch computing inside the step: it runs op by op, now and from then on
     other = OneShotSteps()
@@ -72,6 +72,8 @@ def _generate(model, prompts, params, one_shot, **kw):
         assert llm.engine.runner.one_shot is not None
     outs = llm.generate(prompts, params)
     runner = llm.engine.runner
+    assert llm.engine.stats()["one_shot_steps"] == (sorted({"prefill", "mixed"} - set(runner.one_shot.disabled))
+                                                    if one_shot else [])
     stats = llm.engine.stats()
     assert stats["num_free_blocks"] == stats["num_kv_blocks"]
     result = [(o.token_ids, o.logprobs) for o in outs], (dict(runner.one_shot.disabled) if runner.one_shot else None)

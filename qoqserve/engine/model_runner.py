@@ -170,7 +170,10 @@ class ModelRunner:
                 "kv_bytes_per_token": self.layout.bytes_per_token() * len(self.kv_caches),
                 "num_kv_blocks": self.num_blocks, "block_size": self.block_size,
                 "linear_paths": paths, "dtype": str(self.dtype).replace("torch.", ""),
-                "captured_decode_sizes": self.captured.sizes if self.captured else []}
+                "captured_decode_sizes": self.captured.sizes if self.captured else [],
+                # kinds of eager step run back to back (one_shot.py); the others run op by op
+                "one_shot_steps": sorted({"prefill", "mixed"} - set(self.one_shot.disabled))
+                if self.one_shot else []}
 
     def _step_inputs(self, batch: ScheduledBatch) -> StepInputs:
         """Flattened inputs of a step: one token per decode, then each prefill chunk."""

@@ -68,6 +68,10 @@ class OneShotSteps:
         self.disabled: dict = {}
         self._arena = torch.empty(0, dtype=torch.uint8)
 
+    @property
+    def arena_bytes(self) -> int:
+        return self._arena.numel()
+
     def __call__(self, fn, *args, kind=None):
         if kind in self.disabled or graph.recording():
             return fn(*args)
