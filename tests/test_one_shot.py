@@ -66,14 +66,11 @@ def test_a_step_of_c_kernels_runs_as_it_would_op_by_op():
 
 def _generate(model, prompts, params, one_shot, **kw):
     llm = LLM(model, kv_cache_gb=0.05, dtype="float32", **kw)
+    assert llm.engine.stats()["one_shot_eager_steps"]  # on wherever decode steps are captured
     if not one_shot:
         llm.engine.runner.one_shot = None
-    else:
-        assert llm.engine.runner.one_shot is not None
     outs = llm.generate(prompts, params)
     runner = llm.engine.runner
-    assert llm.engine.stats()["one_shot_steps"] == (sorted({"prefill", "mixed"} - set(runner.one_shot.disabled))
-                                                    if one_shot else [])
     stats = llm.engine.stats()
     assert stats["num_free_blocks"] == stats["num_kv_blocks"]
     result = [(o.token_ids, o.logprobs) for o in outs], (dict(runner.one_shot.disabled) if runner.one_shot else None)

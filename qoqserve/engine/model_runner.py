@@ -171,9 +171,8 @@ class ModelRunner:
                 "num_kv_blocks": self.num_blocks, "block_size": self.block_size,
                 "linear_paths": paths, "dtype": str(self.dtype).replace("torch.", ""),
                 "captured_decode_sizes": self.captured.sizes if self.captured else [],
-                # kinds of eager step run back to back (one_shot.py); the others run op by op
-                "one_shot_steps": sorted({"prefill", "mixed"} - set(self.one_shot.disabled))
-                if self.one_shot else []}
+                # eager steps recorded and run back to back (one_shot.py; a kind that cannot be is logged)
+                "one_shot_eager_steps": self.one_shot is not None}
 
     def _step_inputs(self, batch: ScheduledBatch) -> StepInputs:
         """Flattened inputs of a step: one token per decode, then each prefill chunk."""
