@@ -51,6 +51,14 @@ class NormInput(NamedTuple):
     weight: torch.Tensor
     eps: float
 
+    @staticmethod
+    def fits(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> bool:
+        """What the kernel reads: a contiguous 2-D fp32/bf16 h, delta and the
+        weight in its dtype, delta contiguous and of h's shape."""
+        return (h.dim() == 2 and h.is_contiguous() and h.dtype in DTYPES and weight.dtype == h.dtype
+                and (delta is None or (delta.shape == h.shape and delta.dtype == h.dtype
+                                       and delta.is_contiguous())))
+
 
 def load():
     # no FMA contraction: the reference rounds each product and sum on its own;
@@ -209,11 +217,9 @@ class PackedW4A8Gemm(nn.Module):
                 mode, x = X_SILU, x.gate_up
             else:
                 mode, x, delta, norm_w, eps = X_NORM, x.h, x.delta, x.weight, x.eps
-                if (x.dim() != 2 or not x.is_contiguous() or norm_w.dtype != x.dtype
-                        or (delta is not None and (delta.shape != x.shape or delta.dtype != x.dtype
-                                                   or not delta.is_contiguous()))):
-                    raise ValueError("a NormInput needs a contiguous 2-D h, and delta and the weight "
-                                     "in h's dtype (delta contiguous, h's shape)")
+                if not NormInput.fits(x, delta, norm_w):
+                    raise ValueError("a NormInput needs a contiguous 2-D fp32/bf16 h, and delta and the "
+                                     "weight in h's dtype (delta contiguous, h's shape)")
             if x.dtype not in DTYPES:
                 raise ValueError(f"a fused input needs fp32/bf16 activations, got {x.dtype}")
         elif x.dtype not in DTYPES:  # fp16: exact in fp32, and the reference rounds at the end

@@ -181,10 +181,7 @@ class QoQPackedMethod(QoQLinearMethod):
         return bool(self.group_size) and isinstance(ops, CpuTokenOps) and not torch.compiler.is_compiling()
 
     def input_from_norm(self, norm, h, delta=None):
-        if (self._fuses(getattr(norm, "ops", None)) and h.dim() == 2 and h.is_contiguous()
-                and h.dtype in w4a8_gemm.DTYPES and norm.weight.dtype == h.dtype
-                and (delta is None or (delta.shape == h.shape and delta.dtype == h.dtype
-                                       and delta.is_contiguous()))):
+        if self._fuses(getattr(norm, "ops", None)) and NormInput.fits(h, delta, norm.weight):
             # h += delta happens in place when this layer runs, before anything reads h
             return NormInput(h, delta, norm.weight, norm.eps), h
         return super().input_from_norm(norm, h, delta)
