@@ -57,6 +57,21 @@ def test_a_step_of_c_kernels_runs_as_it_would_op_by_op():
     # 14 buffers of 64 KB, a few in use at once: they share places
     assert 0 < runner.arena_bytes <= 4 * 64 * 1024
     assert torch.equal(runner(step, x, d), want)  # again, in the same arena
+    # a recording that cannot allocate (address space): that step runs op by op
+    real_empty, refused = graph.empty, []
+
+    def no_memory(*shape, dtype):
+        if graph.recording():
+            refused.append(shape)
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+        return real_empty(*shape, dtype=dtype)
+
+    graph.empty = no_memory
+    try:
+        assert torch.equal(runner(step, x, d), want) and not runner.disabled
+    finally:
+        graph.empty = real_empty
+    assert refused  # the recording did fail
     # torch computing inside the step: it runs op by op, now and from then on
     other = OneShotSteps()
     assert torch.equal(other(lambda x, d: step(x * 2, d), x, d), step(x * 2, d))

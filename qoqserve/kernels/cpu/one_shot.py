@@ -83,6 +83,12 @@ class OneShotSteps:
             self.disabled[kind] = str(e)
             log.info("eager steps (%s) run op by op: %s", kind, e)
             return fn(*args)
+        except (RuntimeError, MemoryError):
+            # e.g. no address space for every buffer at once (strict overcommit):
+            # the recording ran nothing, so this step runs op by op (and a real
+            # error in the forward raises there)
+            del g
+            return fn(*args)
         return self._run(g, out)
 
     def _run(self, g: graph.StepGraph, out: torch.Tensor) -> torch.Tensor:
