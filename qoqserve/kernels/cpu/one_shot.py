@@ -21,31 +21,27 @@ the step's output is read after the step and keeps a place of its own.
 from __future__ import annotations
 
 import bisect
-import ctypes
 import logging
 
 import torch
 
 from qoqserve.kernels.cpu import graph
+from qoqserve.kernels.cpu.replay import arg_code
 
 log = logging.getLogger(__name__)
 
-_POINTERS = (ctypes.c_void_p, ctypes.c_char_p)
 _ALIGN = 64
-
-
-def _is_pointer(t) -> bool:
-    return t in _POINTERS or (isinstance(t, type) and issubclass(t, ctypes._Pointer))
 
 
 def plan(sizes: list[int], spans: list[tuple[int, int]]) -> tuple[list[int], int]:
     """Offsets of buffers of `sizes` bytes used over call spans (first, last),
     two buffers overlapping in memory only if their spans do not; and the
     arena's size. Largest first, each at the lowest offset that fits."""
+    aligned = [-(-s // _ALIGN) * _ALIGN for s in sizes]
     offsets, placed, total = [0] * len(sizes), [], 0
     for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-        size = -(-sizes[i] // _ALIGN) * _ALIGN
-        busy = sorted((offsets[j], offsets[j] + -(-sizes[j] // _ALIGN) * _ALIGN) for j in placed
+        size = aligned[i]
+        busy = sorted((offsets[j], offsets[j] + aligned[j]) for j in placed
                       if spans[j][0] <= spans[i][1] and spans[i][0] <= spans[j][1])
         at = 0
         for lo, hi in busy:
@@ -101,7 +97,7 @@ class OneShotSteps:
         for c, (fn, args) in enumerate(g.ops):
             moved = []
             for a, (t, v) in enumerate(zip(fn.argtypes, args)):
-                if not (_is_pointer(t) and isinstance(v, int)):
+                if not (arg_code(t) == "p" and isinstance(v, int)):
                     continue
                 i = bisect.bisect_right(starts, v) - 1
                 if i >= 0 and v < bases[i][0] + bases[i][1] and bases[i][0] != out_base:

@@ -22,7 +22,8 @@ def load():
     return load_library("replay", ["-lffi"], _SIGNATURES, fallback="a replay of the calls from Python")
 
 
-def _code(t) -> str | None:
+def arg_code(t) -> str | None:
+    """A ctypes argument type's slot code: 'p' for pointers, 'i' 'l' 'f' 'd', None for others."""
     if t in _CODES:
         return _CODES[t]
     return "p" if isinstance(t, type) and issubclass(t, ctypes._Pointer) else None
@@ -56,7 +57,7 @@ class NativePlan:
             ret = {ctypes.c_int: "i", None: "v"}.get(getattr(fn, "restype", "?"), None)
             if types is None or len(types) != len(args) or ret is None:
                 raise ValueError(f"{getattr(fn, '__name__', fn)}: no signature to replay natively")
-            arg_codes = [_code(t) for t in types]
+            arg_codes = [arg_code(t) for t in types]
             arg_bits = [None if c is None else _bits(c, a) for c, a in zip(arg_codes, args)]
             if None in arg_codes or None in arg_bits:
                 raise ValueError(f"{fn.__name__}: an argument replay.c cannot encode")
