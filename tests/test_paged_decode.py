@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import cpu_has_avx512, make_pages, page_layout
 
-from qoqserve.kernels.cpu import paged_decode
+from qoqserve.kernels.cpu import paged_decode, w4a8_gemm
 from qoqserve.layers.attention import AttentionMetadata, PagedAttention
 from qoqserve.layers.attention_backends import AttentionBackend, CpuAttention
 
@@ -53,6 +53,55 @@ def test_decode_attention_matches_the_fp64_reference(fmt, heads, hkv, d, bs, isa
     got = c_layout.decode(q, cache, tables, ctx, d ** -0.5)
     ref = _reference(layout, heads, hkv, d, q, cache, tables, ctx)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def _cpu_has_vnni() -> bool:
+    return cpu_has_avx512() and "avx512_vnni" in open("/proc/cpuinfo").read()
+
+
+def test_kv4_scores_take_vnni_where_the_cpu_has_it(monkeypatch):
+    monkeypatch.delenv("QOQSERVE_CPU_ISA", raising=False)
+    assert paged_decode.kv4_scores() == ("vnni" if _cpu_has_vnni() else "fp32" if cpu_has_avx512() else "scalar")
+    monkeypatch.setenv("QOQSERVE_CPU_ISA", "avx512")  # AVX-512 without VNNI, for every CPU kernel
+    assert paged_decode.kv4_scores() == ("fp32" if cpu_has_avx512() else "scalar")
+    assert paged_decode.isa() == ("avx512" if cpu_has_avx512() else "scalar")
+    assert w4a8_gemm.isa() == "scalar"  # the packed GEMM has no AVX-512 path without VNNI
+
+
+@pytest.fixture(params=["vnni", "fp32"])
+def kv4_scores(request, monkeypatch):
+    """Both vector paths of the KV4 scores, each checked to be the one taken."""
+    if not (_cpu_has_vnni() if request.param == "vnni" else cpu_has_avx512()):
+        pytest.skip(f"no {request.param} KV4 scores on this CPU")
+    if request.param == "fp32":
+        monkeypatch.setenv("QOQSERVE_CPU_ISA", "avx512")
+    else:
+        monkeypatch.delenv("QOQSERVE_CPU_ISA", raising=False)
+    assert paged_decode.kv4_scores() == request.param
+    return request.param
+
+
+@pytest.mark.parametrize("bs", [16, 8])
+@pytest.mark.parametrize("heads,hkv,d", SHAPES + [(6, 2, 24), (16, 1, 256)])
+def test_kv4_scores_of_either_vector_path_match_the_fp64_reference(heads, hkv, d, bs, kv4_scores):
+    # 24: one partial 8-dword segment; 80/96/256: several segments; page size 8: blocks shorter than 16 rows
+    layout, c_layout, cache, tables, ctx, q = _case("int4", heads, hkv, d, bs, seed=5)
+    q = q * 4  # scores of several units: the query's integer digits must keep them to fp32 precision
+    got = c_layout.decode(q, cache, tables, ctx, d ** -0.5)
+    ref = _reference(layout, heads, hkv, d, q, cache, tables, ctx)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_the_kv4_score_paths_are_two_and_agree(monkeypatch):
+    if not _cpu_has_vnni():
+        pytest.skip("one KV4 score path only on this CPU")
+    _, c_layout, cache, tables, ctx, q = _case("int4", 12, 3, 64, 16, seed=3)
+    monkeypatch.delenv("QOQSERVE_CPU_ISA", raising=False)
+    vnni = c_layout.decode(q, cache, tables, ctx, 0.125)
+    monkeypatch.setenv("QOQSERVE_CPU_ISA", "avx512")
+    fp32 = c_layout.decode(q, cache, tables, ctx, 0.125)
+    torch.testing.assert_close(vnni, fp32, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(vnni, fp32)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

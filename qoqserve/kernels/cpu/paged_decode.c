@@ -7,6 +7,8 @@
  * Two paths in one library, chosen at run time: AVX-512 (paged_decode_avx512.h,
  * compiled for that target whatever the build flags) when the CPU has it, and
  * the portable scalar loops below otherwise or when QOQSERVE_CPU_ISA=scalar.
+ * Within the AVX-512 path, KV4 scores are integer dot products where the CPU
+ * has VNNI (paged_decode_vnni.h; QOQSERVE_CPU_ISA=avx512 keeps them fp32).
  *
  * Work split: a sequence is cut into chunks of whole pages (CHUNK_TOKENS, a
  * constant: never derived from the batch or the thread count); one task is
@@ -37,6 +39,7 @@ typedef struct {
     const int64_t *tables, *lens;
     int fmt, B, H, Hkv, G, D, bs, width, chunk_pages, max_chunks;
     float qscale;  /* sm_scale * log2(e) */
+    int kv4_vnni;  /* KV4 scores by integer dot products (paged_decode_vnni.h) */
     float *part;   /* per (sequence, chunk, query head): m, l, acc[D] in channel order */
 } job;
 
@@ -122,8 +125,20 @@ static void merge(const job *j, int b, int hq, float *out) {
 static __thread void *tl_scratch, *tl_part;
 static __thread size_t tl_scratch_size, tl_part_size;
 
-/* Which path paged_decode_attention takes now: 512 (AVX-512) or 0 (scalar). */
-int paged_decode_isa(void) { return kv_vector_path() ? 512 : 0; }
+/* whether KV4 scores take VNNI now: the vector path, a CPU with VNNI, and
+ * QOQSERVE_CPU_ISA=avx512 not asking for the fp32 scores */
+static int kv4_vnni_path(void) {
+#ifdef PD_AVX512
+    const char *isa = getenv("QOQSERVE_CPU_ISA");
+    return kv_vector_path() && vnni_supported() && !(isa && strcmp(isa, "avx512") == 0);
+#else
+    return 0;
+#endif
+}
+
+/* Which path paged_decode_attention takes now: 513 (AVX-512, KV4 scores by
+ * VNNI), 512 (AVX-512) or 0 (scalar). */
+int paged_decode_isa(void) { return kv4_vnni_path() ? 513 : kv_vector_path() ? 512 : 0; }
 
 /* q, out: float [B, H, D]. The row of (slot, head) for K starts at
  * k + slot * slot_stride + head * head_stride bytes, for V at v + the same;
@@ -134,7 +149,8 @@ int paged_decode_attention(const float *q, const uint8_t *k, const uint8_t *v, i
                            float *out, int B, int H, int Hkv, int D, int bs, int width,
                            float sm_scale, int threads) {
     job j = {q, k, v, slot_stride, head_stride, tables, lens, fmt, B, H, Hkv, H / Hkv, D, bs, width,
-             CHUNK_TOKENS / bs > 0 ? CHUNK_TOKENS / bs : 1, 1, sm_scale * 1.4426950408889634f, NULL};
+             CHUNK_TOKENS / bs > 0 ? CHUNK_TOKENS / bs : 1, 1, sm_scale * 1.4426950408889634f, 0, NULL};
+    j.kv4_vnni = kv4_vnni_path();
     for (int b = 0; b < B; b++) j.max_chunks = chunks_of(&j, b) > j.max_chunks ? chunks_of(&j, b) : j.max_chunks;
     j.part = (float *)grow_scratch(&tl_part, &tl_part_size, sizeof(float) * (size_t)B * j.max_chunks * H * (D + 2));
     if (!j.part) return -1;

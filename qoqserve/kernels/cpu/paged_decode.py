@@ -38,7 +38,14 @@ def available() -> bool:
 
 def isa() -> str:
     """The path the kernel takes now: "avx512" or "scalar" (reads QOQSERVE_CPU_ISA)."""
-    return "avx512" if load().paged_decode_isa() == 512 else "scalar"
+    return "avx512" if load().paged_decode_isa() >= 512 else "scalar"
+
+
+def kv4_scores() -> str:
+    """How KV4 scores are computed now: "vnni" (integer dot products), "fp32"
+    (codes converted to fp32: CPUs without VNNI, or QOQSERVE_CPU_ISA=avx512)
+    or "scalar"."""
+    return {513: "vnni", 512: "fp32"}.get(load().paged_decode_isa(), "scalar")
 
 
 def supports_dtype(dtype: torch.dtype) -> bool:

@@ -86,6 +86,8 @@ static inline __attribute__((always_inline)) void accumulate(float *acc, const f
     }
 }
 
+#include "paged_decode_vnni.h"
+
 /* One (sequence, chunk) in three passes: all scores (K), their softmax, then
  * the weighted sum of V; the chunk's pages stay in L2 between the passes. */
 static inline __attribute__((always_inline)) void chunk_impl(const job *j, int b, int c, float *s,
@@ -94,7 +96,11 @@ static inline __attribute__((always_inline)) void chunk_impl(const job *j, int b
     const int quant = fmt == KV_INT4 || fmt == KV_INT8;
     float *q = s, *acc = q + (int64_t)H * np, *kr = acc + (int64_t)H * np, *vr = kr + BLOCK * np;
     float *w = vr + BLOCK * np, *sc = w + BLOCK, *zacc = sc + (int64_t)H * ct, *qsum = zacc + (int64_t)H * BLOCK;
-    for (int hq = 0; hq < H; hq++) {
+    /* KV4 scores by VNNI (paged_decode_vnni.h): the query as integer digits, kept where q goes */
+    const int vnni = fmt == KV_INT4 && j->kv4_vnni && kv4_vnni_fits(j, (int64_t)BLOCK * np);
+    for (int hq = 0; vnni && hq < H; hq++)
+        kv4_query_digits(j->q + ((int64_t)b * H + hq) * D, j->qscale, D, (int32_t *)q + hq * qp_stride(D));
+    for (int hq = 0; !vnni && hq < H; hq++) {
         const float *src = j->q + ((int64_t)b * H + hq) * D;
         float sum = 0.f;
         for (int i = 0; i < np; i++) {
@@ -110,8 +116,9 @@ static inline __attribute__((always_inline)) void chunk_impl(const job *j, int b
     const int64_t p0 = (int64_t)c * j->chunk_pages, pages = (L + bs - 1) / bs;
     const int64_t p1 = p0 + j->chunk_pages < pages ? p0 + j->chunk_pages : pages;
     const int T = (int)((p1 * bs < L ? p1 * bs : L) - p0 * bs);
+    if (vnni) kv4_scores_vnni(j, b, c, (const int32_t *)q, (int32_t *)kr, sc);
     for (int pass = 0; pass < 2; pass++) {
-        for (int64_t p = p0; p < p1; p++) {
+        for (int64_t p = vnni && !pass ? p1 : p0; p < p1; p++) {  /* with VNNI the K pass is done */
             const int64_t base = table[p] * bs * ss;
             const int ntok = (int)(L - p * bs < bs ? L - p * bs : bs);
             if (p + PD_PF < p1) {  /* pages are scattered: no hardware prefetcher guesses the next one */

@@ -71,10 +71,15 @@ def available() -> bool:
 
 
 def isa() -> str:
-    """The code path calls take: "avx512-vnni" or "scalar" (forced by QOQSERVE_CPU_ISA=scalar)."""
+    """The code path calls take: "avx512-vnni" or "scalar". QOQSERVE_CPU_ISA
+    caps what every CPU kernel may use: scalar, avx512 (F/BW/VL/DQ without
+    VNNI: this kernel's scalar path, the attention kernels' AVX-512 one) or
+    avx512-vnni (as auto, but an error where the CPU lacks it)."""
     want = os.environ.get(ISA_ENV, "").strip().lower()
-    if want not in ("", "auto", "scalar", "avx512-vnni"):
-        raise ValueError(f"{ISA_ENV}={want!r}: use auto, scalar or avx512-vnni")
+    if want not in ("", "auto", "scalar", "avx512", "avx512-vnni"):
+        raise ValueError(f"{ISA_ENV}={want!r}: use auto, scalar, avx512 or avx512-vnni")
+    if want == "avx512":
+        want = "scalar"  # no VNNI: the only other path here
     lib = load()
     if lib is None:
         raise RuntimeError("the packed W4A8 kernel could not be built here (no C compiler? see the log)")
