@@ -9,8 +9,9 @@ KV4, KV8, bf16, fp16 and fp32 pages and prints ms per call, the bytes of K+V
 it must read, GB/s and that as a fraction of a stream read (torch.sum over
 512 MB) measured in the same run, and the bandwidth floor (bytes / stream)
 and MAC floor (its fp32 multiply-adds at torch's fp32 GEMM rate) it is
-bounded by. --baseline OLD.c also times another build of
-the kernel (e.g. an earlier commit's, same C signature) side by side:
+bounded by. --baseline OLD.c (or a checkout: a git worktree of an earlier
+commit) also times another build of the kernel side by side and says
+whether its outputs are the same bits:
 
     git show 261e195:qoqserve/kernels/cpu/paged_decode.c > /tmp/old_paged_decode.c
     OMP_NUM_THREADS=2 python scripts/cpu_decode_attention.py --baseline /tmp/old_paged_decode.c --repeat 3 \\
@@ -21,6 +22,7 @@ import ctypes
 import os
 import platform
 import subprocess
+import sys
 import tempfile
 from unittest import mock
 
@@ -50,8 +52,16 @@ def matmul_gflops(n: int = 2048) -> float:
 
 
 def build_baseline(source: str):
-    out = os.path.join(tempfile.mkdtemp(), "old_paged_decode.so")
-    subprocess.run(["cc", *_OLD_FLAGS, "-o", out, source, "-lm"], check=True)
+    """The kernel of `source`: a paged_decode.c (built here with its old
+    flags), or a checkout of qoqserve (e.g. `git worktree add /tmp/base
+    HEAD`), whose own loader builds it with the flags of that checkout."""
+    if os.path.isdir(source):
+        find = "from qoqserve.kernels.cpu import paged_decode as p; print(p.load()._name)"
+        out = subprocess.run([sys.executable, "-c", find], env={**os.environ, "PYTHONPATH": source}, cwd=source,
+                             capture_output=True, text=True, check=True).stdout.strip()
+    else:
+        out = os.path.join(tempfile.mkdtemp(), "old_paged_decode.so")
+        subprocess.run(["cc", *_OLD_FLAGS, "-o", out, source, "-lm"], check=True)
     lib = ctypes.CDLL(out)
     restype, argtypes = paged_decode._SIGNATURES["paged_decode_attention"]
     lib.paged_decode_attention.restype, lib.paged_decode_attention.argtypes = restype, argtypes
@@ -83,18 +93,23 @@ def run_shape(b, n, old_lib, scattered, heads=9, hkv=3, d=64, bs=16):
         def call(attention=attention, cache=cache):
             return attention.decode(q, cache, tables, lens, d ** -0.5)
         reps = max(3, int(2e6 // (b * n)))
-        new = best_of_rounds(call, reps, rounds=5)
-        old = float("nan")
-        if old_lib is not None:
-            with mock.patch.object(paged_decode, "load", lambda: old_lib):
-                old = best_of_rounds(call, reps, rounds=5)
-        rows.append((name, layout.bytes_per_token() * b * n / 1e6, old, new))
+        new, old, same, new_out = float("inf"), float("nan"), "", call()
+        for _ in range(5):  # the two builds take turns, round by round: the host's load moves both alike
+            new = min(new, best_of_rounds(call, reps, rounds=1))
+            if old_lib is not None:
+                with mock.patch.object(paged_decode, "load", lambda: old_lib):
+                    old = min(best_of_rounds(call, reps, rounds=1), old if old == old else float("inf"))
+                    same = "yes" if torch.equal(call(), new_out) else "no"
+        rows.append((name, layout.bytes_per_token() * b * n / 1e6, old, new, same))
     return rows
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--baseline", help="another paged_decode.c (same C signature) to time side by side")
+    ap.add_argument("--baseline", help="another paged_decode.c, or a qoqserve checkout (same C signature), "
+                    "to time side by side")
+    ap.add_argument("--shapes", nargs="+", default=[f"{b}x{n}" for b, n in SHAPES],
+                    help="sequences x tokens, e.g. 32x72 (default: %(default)s)")
     ap.add_argument("--scattered", action="store_true", help="shuffle the page order")
     ap.add_argument("--repeat", type=int, default=1, help="measure everything N times, keep each best")
     args = ap.parse_args()
@@ -103,16 +118,17 @@ def main():
     before, gflops = stream_gbs(), matmul_gflops()
     results = {}
     for _ in range(args.repeat):  # other load on a shared machine only adds time: keep each entry's best
-        for shape in SHAPES:
+        for shape in [tuple(int(v) for v in s.split("x")) for s in args.shapes]:
             rows = run_shape(*shape, old_lib, args.scattered)
             best = results.setdefault(shape, rows)
-            results[shape] = [(f, mb, min(o, bo), min(nw, bn)) for (f, mb, o, nw), (_, _, bo, bn) in zip(rows, best)]
+            results[shape] = [(f, mb, min(o, bo), min(nw, bn), same)
+                              for (f, mb, o, nw, same), (_, _, bo, bn, _) in zip(rows, best)]
     after = stream_gbs()
     gflops = max(gflops, matmul_gflops())
     stream = max(before, after)  # the machine's best seen: the fraction is not flattered by a slow moment
     print(f"# {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
-          f"kernel path {paged_decode.isa()}; 9 query / 3 KV heads, head_dim 64; "
-          f"best of 5 rounds x {args.repeat} repeats")
+          f"kernel path {paged_decode.isa()} (KV4 scores: {paged_decode.kv4_scores()}); 9 query / 3 KV heads, "
+          f"head_dim 64; best of 5 rounds (old and new taking turns) x {args.repeat} repeats")
     print(f"# stream read (torch.sum over 512 MB): {before:.1f} GB/s before, {after:.1f} after; "
           f"'of stream' = GB/s / {stream:.1f}")
     print(f"# fp32 matmul 2048^3: {gflops:.0f} GFLOP/s; 'MAC floor' = the kernel's 2*B*L*H*D multiply-adds "
@@ -123,11 +139,11 @@ def main():
         print(f"\n## {b} sequences x {n} tokens ({'scattered' if args.scattered else 'contiguous'} pages of 16); "
               f"MAC floor {1e3 * floor:.3f} ms")
         print(f"{'pages':>9} {'K+V MB':>7} {'old ms':>7} {'new ms':>7} {'speedup':>7} {'GB/s':>6} {'of stream':>9} "
-              f"{'bw floor':>8} {'of MACs':>7}")
-        for name, mb, old, new in rows:
+              f"{'bw floor':>8} {'of MACs':>7} {'same bits':>9}")
+        for name, mb, old, new, same in rows:
             gbs = mb / 1e3 / new
-            print(f"{name:>9} {mb:>7.1f} {1e3 * old:>7.2f} {1e3 * new:>7.3f} {old / new:>6.1f}x "
-                  f"{gbs:>6.1f} {gbs / stream:>8.0%} {mb / stream:>8.3f} {floor / new:>6.0%}")
+            print(f"{name:>9} {mb:>7.1f} {1e3 * old:>7.3f} {1e3 * new:>7.3f} {old / new:>6.1f}x "
+                  f"{gbs:>6.1f} {gbs / stream:>8.0%} {mb / stream:>8.3f} {floor / new:>6.0%} {same:>9}")
 
 
 if __name__ == "__main__":

@@ -60,6 +60,51 @@ static inline __m512 exp2_ps(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* Planar rows (KV4, bf16) hold channels 32c + 2i in slot 32c + i and 32c + 2i + 1
+ * in slot 32c + 16 + i (channel_of): these move 32 channels between the two orders. */
+static inline __m512i planar_even(void) {
+    return _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+}
+static inline __m512i planar_low(void) {
+    return _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+}
+
+/* one query row [D] times scale -> dst[np] in slot order, zero past D */
+static inline __attribute__((always_inline)) void load_query(const float *src, const int fmt, const int D,
+                                                              const int np, const __m512 scale, float *dst) {
+    if (!planar(fmt)) {
+        for (int c = 0; c < np; c += 16)
+            _mm512_store_ps(dst + c, _mm512_mul_ps(_mm512_maskz_loadu_ps(lane_mask(D - c), src + c), scale));
+        return;
+    }
+    const __m512i even = planar_even(), odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    for (int c = 0; c < np; c += 32) {
+        const __m512 a = _mm512_mul_ps(_mm512_maskz_loadu_ps(lane_mask(D - c), src + c), scale);
+        const __m512 b = _mm512_mul_ps(_mm512_maskz_loadu_ps(lane_mask(D - c - 16), src + c + 16), scale);
+        _mm512_store_ps(dst + c, _mm512_permutex2var_ps(a, even, b));
+        _mm512_store_ps(dst + c + 16, _mm512_permutex2var_ps(a, odd, b));
+    }
+}
+
+/* (src[np] in slot order - offset) * scale -> the D channels of dst; by
+ * vector permutes (per element, this was a visible share of both kernels) */
+static inline __attribute__((always_inline)) void store_output(const float *src, const int fmt, const int D,
+                                                                const int np, const __m512 offset,
+                                                                const __m512 scale, float *dst) {
+    if (!planar(fmt)) {
+        for (int c = 0; c < np; c += 16)
+            _mm512_mask_storeu_ps(dst + c, lane_mask(D - c), _mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(src + c), offset), scale));
+        return;
+    }
+    const __m512i low = planar_low(), high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
+    for (int c = 0; c < np; c += 32) {
+        const __m512 e = _mm512_sub_ps(_mm512_load_ps(src + c), offset), o = _mm512_sub_ps(_mm512_load_ps(src + c + 16), offset);
+        _mm512_mask_storeu_ps(dst + c, lane_mask(D - c), _mm512_mul_ps(_mm512_permutex2var_ps(e, low, o), scale));
+        _mm512_mask_storeu_ps(dst + c + 16, lane_mask(D - c - 16),
+                              _mm512_mul_ps(_mm512_permutex2var_ps(e, high, o), scale));
+    }
+}
+
 /* one row -> dst[padded(fmt, D)] fp32 (masked loads: never past the row): KV4
  * codes - 8 and KV8 codes as they are (their scale and zero are applied per
  * block by block_meta), dense values as they are */

@@ -41,6 +41,7 @@ typedef struct {
     float qscale;  /* sm_scale * log2(e) */
     int kv4_vnni;  /* KV4 scores by integer dot products (paged_decode_vnni.h) */
     float *part;   /* per (sequence, chunk, query head): m, l, acc[D] in channel order */
+    float *out;    /* [B, H, D]; the vector path writes a one-chunk sequence's rows itself */
 } job;
 
 static inline float *partial(const job *j, int b, int c, int hq) {
@@ -149,12 +150,14 @@ int paged_decode_attention(const float *q, const uint8_t *k, const uint8_t *v, i
                            float *out, int B, int H, int Hkv, int D, int bs, int width,
                            float sm_scale, int threads) {
     job j = {q, k, v, slot_stride, head_stride, tables, lens, fmt, B, H, Hkv, H / Hkv, D, bs, width,
-             CHUNK_TOKENS / bs > 0 ? CHUNK_TOKENS / bs : 1, 1, sm_scale * 1.4426950408889634f, 0, NULL};
+             CHUNK_TOKENS / bs > 0 ? CHUNK_TOKENS / bs : 1, 1, sm_scale * 1.4426950408889634f, 0, NULL, out};
     j.kv4_vnni = kv4_vnni_path();
     for (int b = 0; b < B; b++) j.max_chunks = chunks_of(&j, b) > j.max_chunks ? chunks_of(&j, b) : j.max_chunks;
     j.part = (float *)grow_scratch(&tl_part, &tl_part_size, sizeof(float) * (size_t)B * j.max_chunks * H * (D + 2));
     if (!j.part) return -1;
     const int vec = kv_vector_path();
+    int merges = !vec;
+    for (int b = 0; b < B; b++) merges |= chunks_of(&j, b) != 1;
     int failed = 0;
     /* one task (a short context at batch 1): no team to wake and wait for */
     #pragma omp parallel num_threads(threads) if (B * j.max_chunks > 1)
@@ -173,9 +176,13 @@ int paged_decode_attention(const float *q, const uint8_t *k, const uint8_t *v, i
 #endif
         chunk_scalar(&j, b, c, s);
     }
-    #pragma omp for schedule(static)
-    for (int task = 0; task < B * H; task++) merge(&j, task / H, task % H, out + (int64_t)task * D);
+    /* the vector path has written every one-chunk sequence: with only
+     * those, no merge pass (and no second barrier) at all */
+    if (merges) {
+        #pragma omp for schedule(static)
+        for (int task = 0; task < B * H; task++)
+            if (!vec || chunks_of(&j, task / H) != 1) merge(&j, task / H, task % H, out + (int64_t)task * D);
     }
-    (void)vec;
+    }
     return failed ? -1 : 0;
 }

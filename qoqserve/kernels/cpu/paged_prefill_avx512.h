@@ -6,8 +6,8 @@
  * are one vector built by D broadcast-FMAs; blocks of 8 query rows share each
  * loaded K vector. V rows stay row-major and blocks of 4 query rows share each
  * loaded V vector. KV4 and bf16 rows come out planar per 32 channels, so q is
- * permuted into that order once per task and the output permuted back, by
- * vector permutes (per element, this was a visible share of the kernel).
+ * permuted into that order once per task and the output permuted back
+ * (load_query, store_output: kv_rows_avx512.h).
  */
 #include "kv_rows_avx512.h"
 #ifdef KV_AVX512
@@ -55,49 +55,6 @@ static inline __attribute__((always_inline)) void transpose16(const float *src, 
         _mm512_store_ps(dst + 16 * (8 + k), _mm512_shuffle_f32x4(x0, y0, 0xdd));
         _mm512_store_ps(dst + 16 * (4 + k), _mm512_shuffle_f32x4(x1, y1, 0x88));
         _mm512_store_ps(dst + 16 * (12 + k), _mm512_shuffle_f32x4(x1, y1, 0xdd));
-    }
-}
-
-/* Planar rows (KV4, bf16) hold channels 32c + 2i in slot 32c + i and 32c + 2i + 1
- * in slot 32c + 16 + i (channel_of): these move 32 channels between the two orders. */
-static inline __m512i planar_even(void) {
-    return _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-}
-static inline __m512i planar_low(void) {
-    return _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-}
-
-/* one query row [D] times scale -> dst[np] in slot order, zero past D */
-static inline __attribute__((always_inline)) void load_query(const float *src, const int fmt, const int D,
-                                                              const int np, const __m512 scale, float *dst) {
-    if (!planar(fmt)) {
-        for (int c = 0; c < np; c += 16)
-            _mm512_store_ps(dst + c, _mm512_mul_ps(_mm512_maskz_loadu_ps(lane_mask(D - c), src + c), scale));
-        return;
-    }
-    const __m512i even = planar_even(), odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-    for (int c = 0; c < np; c += 32) {
-        const __m512 a = _mm512_mul_ps(_mm512_maskz_loadu_ps(lane_mask(D - c), src + c), scale);
-        const __m512 b = _mm512_mul_ps(_mm512_maskz_loadu_ps(lane_mask(D - c - 16), src + c + 16), scale);
-        _mm512_store_ps(dst + c, _mm512_permutex2var_ps(a, even, b));
-        _mm512_store_ps(dst + c + 16, _mm512_permutex2var_ps(a, odd, b));
-    }
-}
-
-/* src[np] in slot order times scale -> the D channels of dst */
-static inline __attribute__((always_inline)) void store_output(const float *src, const int fmt, const int D,
-                                                                const int np, const __m512 scale, float *dst) {
-    if (!planar(fmt)) {
-        for (int c = 0; c < np; c += 16)
-            _mm512_mask_storeu_ps(dst + c, lane_mask(D - c), _mm512_mul_ps(_mm512_load_ps(src + c), scale));
-        return;
-    }
-    const __m512i low = planar_low(), high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
-    for (int c = 0; c < np; c += 32) {
-        const __m512 e = _mm512_load_ps(src + c), o = _mm512_load_ps(src + c + 16);
-        _mm512_mask_storeu_ps(dst + c, lane_mask(D - c), _mm512_mul_ps(_mm512_permutex2var_ps(e, low, o), scale));
-        _mm512_mask_storeu_ps(dst + c + 16, lane_mask(D - c - 16),
-                              _mm512_mul_ps(_mm512_permutex2var_ps(e, high, o), scale));
     }
 }
 
@@ -179,7 +136,7 @@ static inline __attribute__((always_inline)) void task_impl(const pjob *j, int s
     for (int r = 0; r < R; r++) {
         float *dst = j->out + ((base + t0 + r / G) * j->H + h * G + r % G) * D;
         const float inv = 1.f / _mm512_reduce_add_ps(_mm512_load_ps(lv + (int64_t)r * TILE));
-        store_output(o + (int64_t)r * np, fmt, D, np, _mm512_set1_ps(inv), dst);
+        store_output(o + (int64_t)r * np, fmt, D, np, _mm512_setzero_ps(), _mm512_set1_ps(inv), dst);
     }
 }
 
