@@ -53,6 +53,10 @@ static inline int chunks_of(const job *j, int b) {
     return (int)((pages + j->chunk_pages - 1) / j->chunk_pages);
 }
 
+/* whether merge() makes sequence b's output: on the vector path a sequence
+ * of one chunk is written by its task (chunk_impl) */
+static inline int merged_apart(const job *j, int b, int vec) { return !vec || chunks_of(j, b) != 1; }
+
 /* tokens of a full chunk, rounded up to whole blocks */
 static inline int chunk_tokens(const job *j) { return (j->chunk_pages * j->bs + BLOCK - 1) / BLOCK * BLOCK; }
 
@@ -156,8 +160,8 @@ int paged_decode_attention(const float *q, const uint8_t *k, const uint8_t *v, i
     j.part = (float *)grow_scratch(&tl_part, &tl_part_size, sizeof(float) * (size_t)B * j.max_chunks * H * (D + 2));
     if (!j.part) return -1;
     const int vec = kv_vector_path();
-    int merges = !vec;
-    for (int b = 0; b < B; b++) merges |= chunks_of(&j, b) != 1;
+    int merges = 0;
+    for (int b = 0; b < B; b++) merges |= merged_apart(&j, b, vec);
     int failed = 0;
     /* one task (a short context at batch 1): no team to wake and wait for */
     #pragma omp parallel num_threads(threads) if (B * j.max_chunks > 1)
@@ -181,7 +185,7 @@ int paged_decode_attention(const float *q, const uint8_t *k, const uint8_t *v, i
     if (merges) {
         #pragma omp for schedule(static)
         for (int task = 0; task < B * H; task++)
-            if (!vec || chunks_of(&j, task / H) != 1) merge(&j, task / H, task % H, out + (int64_t)task * D);
+            if (merged_apart(&j, task / H, vec)) merge(&j, task / H, task % H, out + (int64_t)task * D);
     }
     }
     return failed ? -1 : 0;
