@@ -11,6 +11,13 @@ latency-vs-load plot in --out.
     python scripts/bench_serving.py --out docs/benchmarks/serving_cpu \
         --peer "llama.cpp=llama-server -m MODEL.gguf --port {port} -np 32 -c 16384 -t 2" \
         --peer "vLLM-CPU=vllm serve HF_DIR --port {port} --dtype bfloat16"
+
+--vllm-bench "PYTHON -m vllm.entrypoints.cli.main bench serve" (with
+--vllm-bench-tokenizer HF_DIR) also drives every system, while it is up and
+after our own sweep, with vLLM's load tool at the same concurrencies and
+request counts (its random dataset: --vllm-bench-input-len tokens in,
+--output-len out, EOS ignored); its result JSONs go to OUT/vllm_bench/ and
+its figures into a second table.
 """
 from __future__ import annotations
 
@@ -99,12 +106,55 @@ def bench_system(name: str, cmd: str, args) -> list[dict]:
             s["command"] = cmd
             print(f"## {name}, {c} concurrent streams\n{format_summary(s)}", flush=True)
             summaries.append(s)
+        if args.vllm_bench:
+            vllm_bench(name, base, args)
     finally:
         stop(proc)
         log.close()
     with open(os.path.join(args.out, f"{slug(name)}.json"), "w") as f:
         json.dump(summaries, f, indent=2)
     return summaries
+
+
+def vllm_bench(name: str, base: str, args) -> None:
+    """vLLM's own load tool against the server that is up, one run per concurrency."""
+    model = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]["id"]
+    out = os.path.join(args.out, "vllm_bench")
+    os.makedirs(out, exist_ok=True)
+    for c in args.concurrency:
+        n = max(args.requests_per_stream * c, args.min_requests)
+        cmd = shlex.split(args.vllm_bench) + [
+            "--backend", "openai", "--base-url", base, "--endpoint", "/v1/completions", "--model", model,
+            "--tokenizer", args.vllm_bench_tokenizer, "--dataset-name", "random",
+            "--random-input-len", str(args.vllm_bench_input_len), "--random-output-len", str(args.output_len),
+            "--random-range-ratio", "0", "--num-prompts", str(n), "--max-concurrency", str(c),
+            "--ignore-eos", "--temperature", "0", "--num-warmups", str(min(c, 8)), "--seed", str(args.seed),
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+            "--save-result", "--result-dir", out, "--result-filename", f"{slug(name)}_c{c}.json"]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        print(f"## {name}, vllm bench serve, {c} concurrent streams (rc {done.returncode})\n"
+              + "\n".join(done.stdout.splitlines()[-30:]), flush=True)
+        if done.returncode:
+            print(done.stderr[-3000:], flush=True)
+
+
+def vllm_table(names, out: str, concurrency) -> str:
+    lines = ["| system | streams | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | ITL p50 / p99 ms | "
+             "completed / failed |", "| --- | ---: | ---: | --- | --- | --- | --- |"]
+    for name in names:
+        for c in concurrency:
+            path = os.path.join(out, "vllm_bench", f"{slug(name)}_c{c}.json")
+            if not os.path.exists(path):
+                continue
+            with open(path) as f:
+                r = json.load(f)
+            pair = " / ".join
+            lines.append(f"| {name} | {c} | {r['output_throughput']:.1f} | "
+                         f"{pair(f'{r[k]:.0f}' for k in ('median_ttft_ms', 'p99_ttft_ms'))} | "
+                         f"{pair(f'{r[k]:.1f}' for k in ('median_tpot_ms', 'p99_tpot_ms'))} | "
+                         f"{pair(f'{r[k]:.1f}' for k in ('median_itl_ms', 'p99_itl_ms'))} | "
+                         f"{r['completed']} / {r.get('failed', 0)} |")
+    return "\n".join(lines)
 
 
 def slug(name: str) -> str:
@@ -143,7 +193,13 @@ def main() -> int:
     ap.add_argument("--long-streams", type=int, default=0,
                     help="a mixed load: clients sending long prompts beside each sweep's streams")
     ap.add_argument("--long-input-words", type=int, default=1500)
+    ap.add_argument("--vllm-bench", default=None,
+                    help="command that runs `vllm bench serve` (e.g. 'PY -m vllm.entrypoints.cli.main bench serve')")
+    ap.add_argument("--vllm-bench-tokenizer", default=None, help="HF dir of the served model's tokenizer")
+    ap.add_argument("--vllm-bench-input-len", type=int, default=80, help="prompt tokens of its random dataset")
     args = ap.parse_args()
+    if args.vllm_bench and not args.vllm_bench_tokenizer:
+        ap.error("--vllm-bench needs --vllm-bench-tokenizer")
     os.makedirs(args.out, exist_ok=True)
     systems = dict(OURS)
     for item in args.peer:
@@ -159,6 +215,9 @@ def main() -> int:
             print(f"## {name}: FAILED: {e}", flush=True)
     # earlier runs of systems not rerun this time are not mixed in: one run, one table
     md = table(results, max(args.concurrency))
+    if args.vllm_bench:
+        md += "\n\n`vllm bench serve` (vLLM's load tool, random prompts):\n\n" + vllm_table(
+            results, args.out, args.concurrency)
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(md + "\n")
     print(md)
