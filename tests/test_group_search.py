@@ -84,3 +84,54 @@ def test_smooth_attention_strength_search():
     # but must return a grid value either way
     rot = search_key_alpha(q, k, v, grid, absmax, k.mean(0), key_rotation(d))
     assert rot in grid
+
+
+def test_c_search_chooses_what_the_reference_chooses_bit_for_bit():
+    """The C search (kernels/cpu/group_search.c) replays the reference's float
+    operations in its order, so it must pick the same (s2, z) for every row:
+    group sizes 32/64/128, unweighted, weighted, weights spanning 1e4, and
+    integer inputs (where many candidates tie)."""
+    from qoqserve.kernels.cpu import group_search as cpu_kernel
+    gen = torch.Generator().manual_seed(5)
+    for g in (32, 64, 128):
+        x = _rows(seed=g, n=700, g=g)
+        assert cpu_kernel.handles(x)
+        for rows in (x, torch.round(x), x[:1]):
+            for weight in (None, torch.rand(g, generator=gen) ** 4, torch.rand(g, generator=gen) * 1e4):
+                s2_c, z_c = search_group_params(rows, weight)
+                s2_t, z_t = search_group_params(rows, weight, kernel=False)
+                assert torch.equal(s2_c, s2_t) and torch.equal(z_c, z_t)
+
+
+def test_c_search_sum_order_is_torchs():
+    """What the C kernel's bit-exactness rests on: torch sums a contiguous row of
+    g floats (g % 32 == 0) in four 8-lane accumulators over 32-float chunks,
+    added in order, then the 8 lanes in order. If a torch release changes
+    that, this fails first (and the C search would then only be close)."""
+    gen = torch.Generator().manual_seed(6)
+    for g in (32, 64, 128):
+        t = torch.rand(300, 7, g, generator=gen) ** 3 * 100
+        acc = t.reshape(300, 7, g // 32, 4, 8)
+        lanes = acc[..., 0, :, :].clone()
+        for c in range(1, g // 32):
+            lanes = lanes + acc[..., c, :, :]
+        four = ((lanes[..., 0, :] + lanes[..., 1, :]) + lanes[..., 2, :]) + lanes[..., 3, :]
+        total = four[..., 0]
+        for lane in range(1, 8):
+            total = total + four[..., lane]
+        assert torch.equal(total, t.sum(dim=-1))
+
+
+def test_group_sizes_the_c_search_does_not_take_use_the_reference():
+    from qoqserve.kernels.cpu import group_search as cpu_kernel
+    x = _rows(seed=7, n=64, g=48)
+    assert not cpu_kernel.handles(x)
+    s2, z = search_group_params(x)
+    s2_t, z_t = search_group_params(x, kernel=False)
+    assert torch.equal(s2, s2_t) and torch.equal(z, z_t)
+    try:
+        cpu_kernel.group_search(x, torch.ones(48), 0.55)
+    except ValueError as e:
+        assert "multiple of 32" in str(e)
+    else:
+        raise AssertionError("a group of 48 must be refused")
