@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qoqserve.kernels.cpu import dense_attention_f64
 from qoqserve.layers.attention_backends import AttentionBackend
 
 
@@ -90,8 +91,12 @@ class PagedAttention(nn.Module):
     def _sdpa(self, q, k, v, offset: int):
         # fp64 on CPU (as in _decode): a prompt computed whole and one whose prefix
         # came from the cache go through different kernels and query counts; in
-        # fp64 their rounding differences vanish when cast back.
+        # fp64 their rounding differences vanish when cast back. Where it runs, the C
+        # kernel computes the same in fp64, faster than torch's SDPA (the
+        # quantizer's calibration passes spend much of their time here).
         out_dtype = q.dtype
+        if dense_attention_f64.handles(q, k, v, offset):
+            return dense_attention_f64.attention(q, k, v, offset, self.scale).to(out_dtype)
         if q.device.type == "cpu":
             q, k, v = q.double(), k.double(), v.double()
         # [L, H, D] -> [1, H, L, D]
