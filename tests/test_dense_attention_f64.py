@@ -66,5 +66,9 @@ def test_what_it_does_not_take_goes_to_torch(monkeypatch):
     assert not K.handles(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0)
     assert not K.handles(q[..., :60], k[..., :60], v[..., :60], 0)  # head_dim not a multiple of 8
     assert not K.handles(q, k[:10], v[:10], 0)                    # keys must be offset + queries
+    qg = q.clone().requires_grad_()
+    assert not K.handles(qg, k, v, 0)  # it has no backward: autograd keeps torch's SDPA
+    with torch.no_grad():
+        assert K.handles(qg, k, v, 0)
     monkeypatch.setenv("QOQSERVE_CPU_ISA", "scalar")
     assert not K.handles(q, k, v, 0)

@@ -19,6 +19,8 @@ def load():
 
 def handles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> bool:
     """Whether attention() runs for these inputs here (else: torch's fp64 SDPA)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return False  # no backward here: training (the learned rotation) needs torch's
     lib = load()
     return (lib is not None and bool(lib.dense_attention_f64_supported())
             and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 3 for t in (q, k, v))
