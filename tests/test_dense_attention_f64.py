@@ -1,5 +1,5 @@
 """Causal fp64 attention over dense fp32 q/k/v (kernels/cpu/dense_attention_f64.c),
-the CPU path of Attention._sdpa: against torch's fp64 SDPA."""
+the CPU path of PagedAttention._sdpa: against torch's fp64 SDPA."""
 import pytest
 import torch
 import torch.nn.functional as F

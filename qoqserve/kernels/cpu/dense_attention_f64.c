@@ -1,9 +1,9 @@
 /* Causal attention over dense fp32 q/k/v, computed in fp64, for the CPU
  * paths that attend without pages: the quantizer's calibration passes and
- * the reference simulation (layers/attention.py: Attention._sdpa). They ran
- * torch's fp64 SDPA, which reaches a fifth of this CPU's fp64 FMA rate; fp64
- * stays because fp32 attention there measurably moved the quantizer's
- * choices (docs/accuracy.md). The result is rounded to fp32 once, as the
+ * the reference simulation (layers/attention.py: PagedAttention._sdpa). They
+ * ran torch's fp64 SDPA, far below this CPU's fp64 FMA rate (docs/accuracy.md
+ * has the measurements); fp64 stays because fp32 attention there measurably
+ * moved the quantizer's choices. The result is rounded to fp32 once, as the
  * fp64 SDPA's was, so the two agree except where an fp64 value lies within
  * its last bits of an fp32 rounding boundary.
  *
