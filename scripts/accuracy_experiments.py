@@ -53,7 +53,7 @@ def patch_attention(args) -> None:
         if args.qk_had:
             h = (hadamard_matrix(q.shape[-1]) / q.shape[-1] ** 0.5).to(q.dtype)
             q, k = q @ h, k @ h
-        if not (meta.is_prefill and self.layout.quantized_prefill):
+        if not (meta.is_prefill and self.backend.quantized_prefill):
             return original(self, q, k, v, meta, cache)
         kq = k if args.kv == "v" else self.layout.fake_quant(k)
         vq = v if args.kv == "k" else self.layout.fake_quant(v)
@@ -69,7 +69,8 @@ def main():
     args = parse_args()
     cfg = get_preset(args.preset, **{k: ast.literal_eval(v) for k, v in
                                      (item.split("=", 1) for item in args.set)})
-    patch_attention(args)
+    if args.kv != "kv" or args.sink or args.kmean or args.qk_had:
+        patch_attention(args)
     src = load_model_source(None)
     ids = src.tokenizer.encode(read_texts(list(LICENSE_TEXTS)))
     ids = ids[:args.tokens] if args.tokens else ids

@@ -233,7 +233,7 @@ def test_c_kernels_are_torch_custom_ops_with_fake_implementations():
     gp = w4a8_gemm.pack_group_params(torch.ones(n, k // gs, dtype=torch.uint8),
                                      torch.full((n, k // gs), 8, dtype=torch.uint8))
     torch.library.opcheck(w4a8_gemm.w4a8_gemm_op, (x, codes, gp, gs, n, torch.rand(n, generator=g),
-                                                   None, None, w4a8_gemm.isa() != "scalar"))
+                                                   None, None, w4a8_gemm.simd_level()))
     cache = torch.zeros(2, 16, 2, 2, 16 // 2 + 4, dtype=torch.uint8)
     kk, vv = torch.randn(3, 2, 16, generator=g), torch.randn(3, 2, 16, generator=g)
     torch.library.opcheck(kv4_write.kv4_write_op, (cache, kk, vv, torch.tensor([0, 1, 17])))

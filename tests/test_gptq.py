@@ -4,7 +4,7 @@ import torch
 
 from qoqserve.kernels import qoq_ref as Q
 from qoqserve.quant.clip import DEFAULT_GRID, search_clip_ratios
-from qoqserve.quant.gptq import HessianAccumulator, gptq_quantize, gram
+from qoqserve.quant.gptq import CrossAccumulator, HessianAccumulator, asymmetric_target, gptq_quantize, gram
 
 
 def correlated_layer(n=64, k=256, t=2048, seed=0):
@@ -121,3 +121,29 @@ def test_gram_from_the_upper_triangle_is_the_full_product():
         torch.testing.assert_close(h, x.t() @ x, rtol=1e-6, atol=1e-4)
         assert torch.equal(h, h.t())
 
+
+
+def test_cross_accumulator_and_asymmetric_target():
+    """W* is the least-squares weight mapping the quantized model's inputs x to
+    the FP model's outputs y W^T (up to GPTQ's damping), and W itself when the
+    two streams agree."""
+    w, y = correlated_layer(t=4096)
+    g = torch.Generator().manual_seed(1)
+    x = y + 0.3 * torch.randn(y.shape, generator=g) * y.std(0)  # the quantized stream: y plus drift
+    acc, cross = HessianAccumulator(x.shape[1]), CrossAccumulator(x.shape[1])
+    for xs, ys in zip(x.chunk(5), y.chunk(5)):
+        acc.add(xs)
+        cross.add_pair(ys, xs)
+    torch.testing.assert_close(cross.hessian(), 2 / x.shape[0] * y.t() @ x, rtol=1e-5, atol=1e-4)
+    h = acc.hessian()
+    target = asymmetric_target(w, h, cross.hessian(), percdamp=1e-6)  # the whole way (alpha 1)
+    exact = torch.linalg.lstsq(x.double(), (y @ w.t()).double()).solution.t().float()
+    assert (target - exact).abs().max() <= 1e-3 * exact.abs().max()
+    # it fits the FP outputs far better than W does on the drifted inputs
+    fp_out = y @ w.t()
+    assert (x @ target.t() - fp_out).norm() < 0.7 * (x @ w.t() - fp_out).norm()
+    # no drift: W comes back exactly, whatever the damping
+    torch.testing.assert_close(asymmetric_target(w, h, h, percdamp=0.01), w)
+    # alpha takes that share of the correction
+    half = asymmetric_target(w, h, cross.hessian(), alpha=0.5, percdamp=1e-6)
+    torch.testing.assert_close(half, (w + target) / 2, rtol=1e-4, atol=1e-5)

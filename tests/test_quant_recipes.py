@@ -122,3 +122,45 @@ def test_mixed_recipe_round_trips_through_the_checkpoint(source, tmp_path):
     (tmp_path / "quant_config.json").write_text(json.dumps(quant))
     with pytest.raises(ModelLoadError, match="layers.1.mlp.down_proj"):
         load_model_source(str(tmp_path))
+
+
+def test_asymmetric_calibration_targets_the_fp_stream(monkeypatch, source):
+    """Each GPTQ call gets the weight that maps the quantized model's inputs to
+    the FP model's outputs: unchanged where the two streams still agree (layer
+    0's qkv_proj sees the FP embedding either way), moved wherever an earlier
+    quantized step (KV4 in layer 0's attention, all of layer 0 for layer 1)
+    made them drift. The FP inputs follow the layer's permutations and scales:
+    in the wrong basis the two streams would differ by more than their norm."""
+    real_gptq, real_stats = pipeline.gptq_quantize, layer_passes.transformed_statistics
+    drift = []
+
+    def stats_spy(layer, hidden, seq_len, arch, cap):
+        real_stats(layer, hidden, seq_len, arch, cap)
+        for name in pipeline.LINEARS:  # ||x - y||^2 / ||y||^2 from H = x^T x, G = y^T x (same 2/n scale)
+            y = cap.targets[name].double()
+            yy = (y * y).sum() * 2 / y.shape[0]
+            h, g = cap.hessians[name].hessian().double(), cap.cross[name].hessian().double()
+            drift.append(float((torch.trace(h) - 2 * torch.trace(g) + yy).clamp(min=0).sqrt() / yy.sqrt()))
+
+    def record(asymmetric):
+        seen = []
+
+        def spy(w, hessian, quantizer):
+            seen.append(w.clone())
+            return real_gptq(w, hessian, quantizer)
+
+        monkeypatch.setattr(pipeline, "gptq_quantize", spy)
+        cfg = get_preset("g64", calib_samples=8, calib_seq_len=64, asymmetric_calibration=asymmetric)
+        return pipeline.quantize_model(source, cfg, calib(), progress=False), seen
+
+    monkeypatch.setattr(layer_passes, "transformed_statistics", stats_spy)
+    result, seen = record(True)
+    assert "asymmetric_calibration" in result.steps
+    plain, seen_plain = record(False)
+    assert len(seen) == len(seen_plain) == len(drift) == 2 * len(pipeline.LINEARS)
+    assert drift[0] < 1e-3 and max(drift[1:]) < 0.5 and min(drift[1:]) > 0.05, drift
+    torch.testing.assert_close(seen[0], seen_plain[0])
+    for i in range(1, len(seen)):
+        assert (seen[i] - seen_plain[i]).norm() > 1e-3 * seen_plain[i].norm(), i
+    with pytest.raises(ValueError, match="cannot be combined"):
+        get_preset("g64", asymmetric_calibration=True, true_sequential=True)

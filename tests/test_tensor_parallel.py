@@ -40,12 +40,33 @@ def greedy(llm: LLM, prompts=PROMPTS, n=N_TOKENS):
     return [o.token_ids for o in outs], [o.logprobs for o in outs]
 
 
-def compare(ref: LLM, split: LLM, logprob_tol: float) -> None:
+def cut_at_near_ties(ref: LLM, got: list, want: list, tol: float) -> list[int]:
+    """Per prompt, how many greedy tokens to compare: all, or those before the
+    first where the split engine picked another token than ref, which must be a
+    near tie for ref (its two tokens' logprobs within 2 tol in ref's scored pass)."""
+    keep = []
+    for prompt, g, w in zip(PROMPTS, got, want):
+        t = next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(w))
+        if t < len(w):
+            lp = torch.log_softmax(ref.engine.prompt_logits(prompt + w[:t + 1])[-1].double(), -1)
+            assert lp[w[t]] - lp[g[t]] <= 2 * tol, (prompt, t, w[t], g[t], float(lp[w[t]] - lp[g[t]]))
+        keep.append(t)
+    return keep
+
+
+def compare(ref: LLM, split: LLM, logprob_tol: float, near_ties: bool = False) -> None:
     """Greedy tokens of the split engine == the whole one's (ref), token for
-    token; logprobs of the generated and of every prompt token within logprob_tol."""
+    token; logprobs of the generated and of every prompt token within logprob_tol.
+    near_ties: the split may pick another token where ref's top two are within
+    2 logprob_tol (its continuation then differs and is not compared)."""
     assert split.engine.stats()["tensor_parallel_size"] > 1
     want_tokens, want_lp = greedy(ref)
     tokens, lp = greedy(split)
+    if near_ties:
+        keep = cut_at_near_ties(ref, tokens, want_tokens, logprob_tol)
+        tokens, lp = [t[:k] for t, k in zip(tokens, keep)], [x[:k] for x, k in zip(lp, keep)]
+        want_tokens, want_lp = [t[:k] for t, k in zip(want_tokens, keep)], [x[:k] for x, k in zip(want_lp, keep)]
+        assert sum(keep) >= len(PROMPTS) * N_TOKENS // 2, keep  # most of the tokens still compared
     assert tokens == want_tokens
     diff = max(abs(a - b) for x, y in zip(lp, want_lp) for a, b in zip(x, y))
     assert diff <= logprob_tol, diff
@@ -99,9 +120,11 @@ def test_two_ranks_match_one_quantized(fmt, request):
     ref = LLM(model, **SMALL, **kw)
     # QoQ's default INT8 LM head rounds the final hidden state to INT8 per
     # token, which widens the ranks' differences: 0.059 here, 0.044 with
-    # lm_head_dtype="float" (measured)
+    # lm_head_dtype="float" (measured). The tiny random model's next-token
+    # distributions are nearly flat, so the ranks' own activation scales can
+    # tip a near tie (on an Intel Xeon: one of 18 greedy tokens, a 0.03 margin)
     with LLM(model, tensor_parallel_size=2, **SMALL, **kw) as split:
-        compare(ref, split, 0.05 if fmt == "w8a8kv8" else 0.08)
+        compare(ref, split, 0.05 if fmt == "w8a8kv8" else 0.08, near_ties=fmt == "w4a8kv4")
         if fmt == "w4a8kv4":
             plan_matches(split, "w4a8kv4", full=False)
 

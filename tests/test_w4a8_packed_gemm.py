@@ -1,7 +1,8 @@
 """The W4A8 GEMM on packed 4-bit weights (kernels/cpu/w4a8_gemm.c) against the
 torch reference (qoq_ref) and today's fused kernel on the INT8 expansion:
 bit-identical outputs for ragged shapes, every group size, per channel, both
-code paths (AVX-512 VNNI and the scalar fallback)."""
+code paths (AMX-INT8 tiles where the CPU has them, AVX-512 VNNI and the
+scalar fallback)."""
 import pytest
 import torch
 
@@ -55,9 +56,50 @@ def _check(m, n, k, group, dtype, seed=0):
         assert torch.equal(got, PackedInt8Gemm(c["w8"], c["s1"], c["zref"], b)(x))
 
 
+def cpu_has_amx() -> bool:
+    flags = open("/proc/cpuinfo").read().split()
+    return "amx_tile" in flags and "amx_int8" in flags
+
+
+def _need(isa):
+    if isa == "amx" and not cpu_has_amx():
+        pytest.skip("no AMX-INT8 on this CPU")
+
+
 def test_the_simd_path_is_taken_here():
     assert w4a8_gemm.available()
-    assert w4a8_gemm.isa() == "avx512-vnni"  # this CPU has AVX-512 VNNI: no silent fallback
+    # this CPU has AVX-512 VNNI (and maybe AMX-INT8): no silent fallback
+    assert w4a8_gemm.isa() == ("amx" if cpu_has_amx() else "avx512-vnni")
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_amx_tiles_are_bit_identical_to_the_vnni_loops(monkeypatch, group):
+    """Rows from one 16-row tile up, past the 32 of one pass, ragged N (one and
+    two blocks left of a 4-block tile), K of whole 64-byte tile rows and not
+    (those keep the VNNI loops); both threads' ranges split a tile."""
+    _need("amx")
+    for m, n in ((16, 17), (17, 100), (32, 48), (33, 470), (130, 50), (64, 576)):
+        for k in ((768, 1536) if group in (128, 256) else (576, 1536, 520) if group == 0 else (576, 1536)):
+            c = _checkpoint(n, k, group, seed=m + n + k)
+            x = _input(m, k, torch.bfloat16, seed=m)
+            monkeypatch.setenv(w4a8_gemm.ISA_ENV, "amx")
+            got = _packed(c, group)(x)
+            monkeypatch.setenv(w4a8_gemm.ISA_ENV, "avx512-vnni")
+            want = _packed(c, group)(x)
+            assert torch.equal(got, want), (m, n, k, group)
+            assert torch.equal(got, int8_linear(x, c["w8"], c["s1"], c["zref"], c["bias"], cpu_ops=False))
+
+
+def test_isa_caps_and_refusals(monkeypatch):
+    for cap, level in (("scalar", 0), ("avx512", 0), ("avx512-vnni", 1)):
+        monkeypatch.setenv(w4a8_gemm.ISA_ENV, cap)
+        assert w4a8_gemm.simd_level() == level
+    monkeypatch.setenv(w4a8_gemm.ISA_ENV, "amx")
+    if cpu_has_amx():
+        assert w4a8_gemm.simd_level() == 2
+    else:
+        with pytest.raises(RuntimeError, match="AMX"):
+            w4a8_gemm.isa()
 
 
 # M across the 6-row tile and the panel reuse (>6), N across 16-channel blocks
@@ -164,18 +206,19 @@ def test_resident_bytes_of_the_embedded_model_stay_under_0_56_per_weight(default
             assert mod.resident_bytes >= n * k // 2  # it is the whole weight, not a view of part
 
 
-@pytest.mark.parametrize("isa", ["avx512-vnni", "scalar"])
+@pytest.mark.parametrize("isa", ["amx", "avx512-vnni", "scalar"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul_fused_into_the_input_is_bit_identical_to_the_op_then_the_gemm(monkeypatch, dtype, isa):
+    _need(isa)
     from qoqserve.kernels.cpu import elementwise
     from qoqserve.kernels.cpu.w4a8_gemm import SiluMulInput
     monkeypatch.setenv(w4a8_gemm.ISA_ENV, isa)
     k = 320
     c = _checkpoint(40, k, 64, seed=5)
     mod = _packed(c, 64)
-    for m in (1, 2, 7, 33):
+    for m in (1, 2, 7, 33, 48):
         gate_up = _input(m, 2 * k, torch.float32, seed=m) * 2
-        gate_up[:, 5] = torch.tensor([-100.0, 100.0, 0.0, -0.0, 1e-30, -1e-30, 88.5, -88.5] * 5)[:m]
+        gate_up[:, 5] = torch.tensor([-100.0, 100.0, 0.0, -0.0, 1e-30, -1e-30, 88.5, -88.5] * 6)[:m]
         gate_up = gate_up.to(dtype)
         got = mod(SiluMulInput(gate_up))
         assert torch.equal(got, mod(elementwise.silu_mul(gate_up))), (m, dtype, isa)
@@ -197,16 +240,17 @@ def test_the_packed_method_fuses_silu_mul_only_where_it_rounds_alike():
         assert torch.equal(method.input_from_silu_mul(gate_up, op), op(gate_up))
 
 
-@pytest.mark.parametrize("isa", ["avx512-vnni", "scalar"])
+@pytest.mark.parametrize("isa", ["amx", "avx512-vnni", "scalar"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_add_rms_norm_fused_into_the_input_is_bit_identical_to_the_op_then_the_gemm(monkeypatch, dtype, isa):
+    _need(isa)
     from qoqserve.kernels.cpu import elementwise
     from qoqserve.kernels.cpu.w4a8_gemm import NormInput
     monkeypatch.setenv(w4a8_gemm.ISA_ENV, isa)
     k = 320
     mod = _packed(_checkpoint(40, k, 64, seed=6), 64)
     weight = (torch.rand(k, generator=torch.Generator().manual_seed(1)) + 0.5).to(dtype)
-    for m in (1, 2, 7, 33):
+    for m in (1, 2, 7, 33, 48):
         h = _input(m, k, torch.float32, seed=m).to(dtype)
         delta = _input(m, k, torch.float32, seed=100 + m).to(dtype)
         if m > 2:

@@ -6,7 +6,7 @@ import sys
 
 # QuantConfig switches that get --STEP / --no-STEP flags
 STEP_FLAGS = ("rotate", "smooth_attention", "key_transform", "smooth_out", "reorder", "clip", "gptq",
-              "group_search", "true_sequential", "rotation_act_quant", "rotation_kv_quant",
+              "group_search", "true_sequential", "asymmetric_calibration", "rotation_act_quant", "rotation_kv_quant",
               "rotation_lr_decay")
 # the learned rotation's training (--rotation learned), each a QuantConfig field
 ROTATION_OPTIONS = (("rotation_steps", int), ("rotation_lr", float), ("rotation_samples", int),

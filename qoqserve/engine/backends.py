@@ -65,9 +65,9 @@ def resolve_kernels(config: EngineConfig) -> str:
 
 
 def packed_w4a8_available() -> bool:
-    """The packed W4A8 kernel builds here and runs its VNNI path (its scalar
-    fallback is for checking, slower than the INT8-expanded kernel)."""
-    return w4a8_gemm.available() and w4a8_gemm.isa() == "avx512-vnni"
+    """The packed W4A8 kernel builds here and runs its VNNI path, or AMX (its
+    scalar fallback is for checking, slower than the INT8-expanded kernel)."""
+    return w4a8_gemm.available() and w4a8_gemm.isa() != "scalar"
 
 
 def kernel_choice(config: EngineConfig) -> KernelChoice:

@@ -54,6 +54,14 @@ class QuantConfig:
     # inputs that the already-quantized linears before it produce; off: it did
     # not help on SmolLM2 (docs/accuracy.md)
     true_sequential: bool = False
+    # asymmetric calibration (GPTAQ-style): GPTQ matches each linear's output on
+    # the quantized model's inputs to the FP model's output on its own inputs
+    # (an extra FP pass per layer); off: standard GPTQ, the FP layer's output
+    # on the quantized model's inputs
+    asymmetric_calibration: bool = False
+    # the share of the least-squares correction toward the FP outputs it applies
+    # (gptq.asymmetric_target)
+    asymmetric_alpha: float = 0.25
     # the mixed recipe: linears kept at W8A8 (per-channel INT8 weights, per-token
     # INT8 activations), fnmatch patterns over "layers.{i}.{linear}", e.g.
     # "layers.0.*", "*.mlp.down_proj" (bytes and accuracy: docs/accuracy.md)
@@ -76,6 +84,8 @@ class QuantConfig:
         if self.rotation_loss not in ROTATION_LOSSES:
             raise ValueError(f"rotation_loss must be one of {', '.join(ROTATION_LOSSES)}, "
                              f"got {self.rotation_loss!r}")
+        if self.asymmetric_calibration and self.true_sequential:
+            raise ValueError("asymmetric_calibration and true_sequential cannot be combined")
         if min(self.rotation_steps, self.rotation_samples, self.rotation_seq_len, self.rotation_batch) < 1:
             raise ValueError("rotation_steps, rotation_samples, rotation_seq_len and rotation_batch "
                              "must be >= 1")

@@ -51,6 +51,34 @@ class HessianAccumulator:
         return (self.sum * (2.0 / self.n)).float()
 
 
+class CrossAccumulator(HessianAccumulator):
+    """Running G = 2/n * sum_t y_t^T x_t: the FP model's inputs y of a linear
+    against the quantized model's inputs x, token by token (asymmetric
+    calibration, `asymmetric_target`)."""
+
+    def add_pair(self, y: torch.Tensor, x: torch.Tensor) -> None:
+        self.sum += (y.t() @ x).double()
+        self.n += x.shape[0]
+
+
+def asymmetric_target(w: torch.Tensor, hessian: torch.Tensor, cross: torch.Tensor,
+                      alpha: float = 1.0, percdamp: float = 0.01) -> torch.Tensor:
+    """The weight W* whose outputs on the quantized model's inputs x best match
+    the FP model's outputs on its own inputs y: argmin ||x W*^T - y W^T||^2
+    = W G H^-1 with G = y^T x, H = x^T x. GPTQ on W* with H then minimizes that
+    asymmetric objective (GPTAQ-style): ||x Q^T - y W^T||^2 = ||x (Q - W*)^T||^2
+    + a constant. Written as W + alpha W (G - H) (H + damp I)^-1 so that the
+    damping (GPTQ's) only shrinks the correction: where y = x, W* = W exactly.
+    alpha < 1 takes part of the way: the whole least-squares correction grows
+    with the drift of the deeper layers' inputs and fits the calibration text
+    (GPTAQ scales its asymmetric term the same way, by 0.25)."""
+    h = hessian.double()
+    damped = h + percdamp * torch.diag(h).mean() * torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    # correction C = W (G - H) H_d^-1  <=>  H_d C^T = (G - H)^T W^T (H_d symmetric)
+    rhs = (cross.double() - h).t() @ w.double().t()
+    return (w.double() + alpha * torch.linalg.solve(damped, rhs).t()).to(w.dtype)
+
+
 def _inverse_cholesky(h: torch.Tensor, percdamp: float) -> torch.Tensor:
     """Upper Cholesky factor of (H + damp*I)^-1, raising damping if H is too ill-posed."""
     k = h.shape[0]

@@ -53,6 +53,37 @@ def run_layer(layer, hidden: torch.Tensor, seq_len: int, stop_at: str | None = N
     return out
 
 
+def fp_layer_inputs(layer, hidden: torch.Tensor, seq_len: int, names=LINEARS):
+    """The FP model's own pass through one still-unquantized layer: its exact
+    KV (no cache quantization) and every named linear's inputs [T, K], in
+    token order. Returns (output, {name: inputs})."""
+    store = {n: [] for n in names}
+    hooks = [layer.get_submodule(n).register_forward_pre_hook(
+        lambda module, args, n=n: store[n].append(args[0].detach().float().reshape(-1, args[0].shape[-1])))
+        for n in names]
+    backend = layer.self_attn.attn.backend
+    lossy, backend.quantized_prefill = backend.quantized_prefill, False
+    try:
+        out = run_layer(layer, hidden, seq_len)
+    finally:
+        backend.quantized_prefill = lossy
+        for h in hooks:
+            h.remove()
+    return out, {n: torch.cat(parts) for n, parts in store.items()}
+
+
+def transformed_statistics(layer, hidden: torch.Tensor, seq_len: int, arch, cap: LayerCapture) -> None:
+    """Asymmetric calibration's Hessians and cross products, from a pass of the
+    layer as its transforms left it (smoothed, reordered, keys centred and
+    rotated), so the quantized model's inputs carry the KV4 error it will
+    really have, not that of the raw keys the measuring pass quantized; the FP
+    inputs (cap.targets) already follow the same permutations and scales."""
+    again = LayerCapture(layer, LINEARS, arch, hessians=True, skip_outputs=LINEARS[-1:], targets=cap.targets)
+    with again:
+        run_layer(layer, hidden, seq_len)
+    cap.hessians, cap.cross = again.hessians, again.cross
+
+
 def sequential_layer(layer, hidden: torch.Tensor, seq_len: int, arch, hessians: bool,
                       first: LayerCapture, quantize) -> torch.Tensor:
     """Quantize the layer's linears in order (quantize(name, capture)), each from

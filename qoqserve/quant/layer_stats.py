@@ -6,7 +6,7 @@ from typing import Callable, Sequence
 import torch
 
 from qoqserve.kernels.qoq_ref import dequantize_kv4, quantize_kv4
-from qoqserve.quant.gptq import HessianAccumulator
+from qoqserve.quant.gptq import CrossAccumulator, HessianAccumulator
 from qoqserve.quant.sim import fake_quant_act_int8
 from qoqserve.quant.transforms.smooth import smooth_attention_lambda
 
@@ -19,11 +19,16 @@ class LayerCapture:
     """
 
     def __init__(self, layer, linear_names: Sequence[str], arch, hessians: bool,
-                 sample_every: int = 16, skip_outputs: Sequence[str] = ()):
+                 sample_every: int = 16, skip_outputs: Sequence[str] = (),
+                 targets: dict[str, torch.Tensor] | None = None):
         """skip_outputs: linears whose inputs are measured but whose outputs
         nothing measured depends on (the last one, mlp.down_proj): inside the
         context they return zeros instead of their product, so the layer's
-        output is not its real one there."""
+        output is not its real one there.
+        targets: per linear, the FP model's own inputs [T, K] for the same
+        tokens, in the order the forward passes see them; they follow the
+        linear's input permutations and scales, and with hessians their cross
+        product with the inputs seen here is accumulated (self.cross)."""
         self.layer = layer
         self.names = list(linear_names)
         self.skip_outputs = list(skip_outputs)
@@ -33,6 +38,9 @@ class LayerCapture:
         self._parts: dict[str, list[torch.Tensor]] = {n: [] for n in self.names}
         self.hessians = ({n: HessianAccumulator(layer.get_submodule(n).in_features)
                           for n in self.names} if hessians else {})
+        self.targets = dict(targets or {})
+        self.cross = {n: CrossAccumulator(layer.get_submodule(n).in_features)
+                      for n in self.names if n in self.targets and hessians}
         # post-RoPE key range and mean: SmoothAttention and the KeyTransform shift
         self.key_min = torch.full((arch.num_kv_heads, arch.head_dim), float("inf"))
         self.key_max = torch.full((arch.num_kv_heads, arch.head_dim), float("-inf"))
@@ -52,6 +60,9 @@ class LayerCapture:
             self._parts[name].append(x[::self.sample_every].clone())
             if name in self.hessians:
                 self.hessians[name].add(x)
+            if name in self.cross:
+                acc = self.cross[name]
+                acc.add_pair(self.targets[name][acc.n:acc.n + x.shape[0]], x)
         return hook
 
     def _key_hook(self, module, args):
@@ -110,18 +121,22 @@ class LayerCapture:
         """The linear's inputs were reordered: new channel i is old channel perm[i]."""
         self.absmax[name] = self.absmax[name][perm]
         self.samples[name] = self.samples[name][:, perm]
-        if name in self.hessians:
-            acc = self.hessians[name]
-            acc.sum = acc.sum[perm][:, perm]
+        for acc in (self.hessians.get(name), self.cross.get(name)):
+            if acc is not None:
+                acc.sum = acc.sum[perm][:, perm]
+        if name in self.targets:
+            self.targets[name] = self.targets[name][:, perm]
 
     def scale_inputs(self, name: str, factor: torch.Tensor) -> None:
         """The linear's input channel j is now multiplied by factor[j]."""
         f = factor.to(self.samples[name].device)
         self.absmax[name] = self.absmax[name] * f.float()
         self.samples[name] = self.samples[name] * f.float()
-        if name in self.hessians:
-            acc = self.hessians[name]
-            acc.sum = acc.sum * f.double()[:, None] * f.double()[None, :]
+        for acc in (self.hessians.get(name), self.cross.get(name)):
+            if acc is not None:  # both the FP and the quantized inputs are rescaled
+                acc.sum = acc.sum * f.double()[:, None] * f.double()[None, :]
+        if name in self.targets:
+            self.targets[name] = self.targets[name] * f.float()
 
 
 def search_alpha(x: torch.Tensor, w: torch.Tensor, grid: Sequence[float],

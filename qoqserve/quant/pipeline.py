@@ -26,7 +26,7 @@ from qoqserve.quant import layer_passes, sim
 from qoqserve.quant.calibration import CalibrationSet
 from qoqserve.quant.clip import search_clip_ratios
 from qoqserve.quant.config import LINEARS, QuantConfig
-from qoqserve.quant.gptq import gptq_quantize
+from qoqserve.quant.gptq import asymmetric_target, gptq_quantize
 from qoqserve.quant.group_search import search_group_params
 from qoqserve.quant.layer_stats import LayerCapture, search_alpha, search_key_alpha
 from qoqserve.quant.transforms._common import expand_groups, group_max
@@ -85,11 +85,13 @@ def _quantize_linear(linear, cap, cfg: QuantConfig, info: dict, name: str, key: 
         sim.convert_to_fake(linear, sim.rtn_weight(w, cfg.w_bits, cfg.group_size), cfg.a_bits == 8, label)
         return
     g = cfg.group_size
+    hessian = cap.hessians[name].hessian() if name in cap.hessians else None
+    if name in cap.cross:
+        w = asymmetric_target(w, hessian, cap.cross[name].hessian(), cfg.asymmetric_alpha)
     clip = None
     if cfg.clip:
         clip = search_clip_ratios(w, cap.samples[name], lambda rows, r: sim.qoq_rtn(rows, g, r))
         info[f"{name}.clip_mean"] = round(float(clip.mean()), 4)
-    hessian = cap.hessians[name].hessian() if name in cap.hessians else None
     group_params = None
     if cfg.group_search and g:
         hdiag = None if hessian is None else torch.diag(hessian)
@@ -180,7 +182,7 @@ def _layer_steps(cfg: QuantConfig) -> list[str]:
     """The per-layer steps that ran: switched on and meaningful for this format."""
     applies = {"smooth_attention": cfg.kv_bits == 4, "key_transform": cfg.kv_bits == 4,
                "reorder": cfg.group_size > 0, "smooth_out": True, "clip": True, "gptq": True,
-               "true_sequential": True,
+               "true_sequential": True, "asymmetric_calibration": True,
                "group_search": cfg.group_size > 0 and cfg.w_bits == 4}
     return [step for step, ok in applies.items() if ok and getattr(cfg, step)]
 
@@ -223,6 +225,7 @@ def quantize_model(source, cfg: QuantConfig, calib: CalibrationSet, device: str 
         seq_len = len(calib.samples[0])
         ids = torch.tensor(calib.samples, device=device).reshape(-1)
         hidden = torch.nn.functional.embedding(ids, model.embed_tokens)
+        hidden_fp = hidden if cfg.asymmetric_calibration else None
         layers = tqdm(model.layers, desc=f"quantize {cfg.name}", unit="layer", disable=not progress)
         infos = []
         for index, layer in enumerate(layers):
@@ -234,14 +237,20 @@ def quantize_model(source, cfg: QuantConfig, calib: CalibrationSet, device: str 
             # True-sequential: only the first linear's Hessian comes from it, the
             # others' from the quantized linears before them (layer_passes.sequential_layer).
             # Its output is not used (the layer runs again once quantized), so
-            # down_proj's product is skipped
-            cap = LayerCapture(layer, LINEARS, arch, hessians=hessians and not sequential,
-                               skip_outputs=LINEARS[-1:])
+            # down_proj's product is skipped. Asymmetric calibration: an FP pass
+            # first (the targets), and the Hessians from a pass after the transforms
+            targets = None
+            if hidden_fp is not None and hessians:
+                hidden_fp, targets = layer_passes.fp_layer_inputs(layer, hidden_fp, seq_len)
+            cap = LayerCapture(layer, LINEARS, arch, hessians=hessians and not sequential and targets is None,
+                               skip_outputs=LINEARS[-1:], targets=targets)
             first = LayerCapture(layer, LINEARS[:1], arch, hessians=hessians) if sequential else cap
             if _needs_statistics(cfg):
                 with cap, first if sequential else contextlib.nullcontext():
                     layer_passes.run_layer(layer, hidden, seq_len)
                 _transform_layer(layer, cap, cfg, arch, info)
+            if targets is not None:
+                layer_passes.transformed_statistics(layer, hidden, seq_len, arch, cap)
 
             def quantize(name, linear_cap, index=index, layer=layer, info=info):
                 layers.set_postfix_str(name.split(".")[-1])

@@ -94,6 +94,26 @@ static void run_tile(const Job *j, int64_t m0, int64_t nb0, int mr, int nr) {
     }
 }
 
+/* Many rows, where the CPU has AMX-INT8 (amx_tiles.h): the packed weight is
+ * AMX's B layout as it is (block b's k-quads nr * 64 bytes apart in its
+ * layout tile), so the tiles read it in place. */
+#include "amx_tiles.h"
+
+#define STORE_AMX(m, b, acc) store(j, m, nb0 + (b), acc)
+
+AMX_FN static void chunk_amx(const Job *j, int64_t nb0, int nr, int32_t *acc) {
+    const int64_t Kp = j->Kp, block = Kp / 4 * 64, step = nr * 64;
+    const uint8_t *w = j->w + nb0 * block;
+    for (int b = 0; b < nr; b += 2)
+        for (int64_t m0 = 0; m0 < j->M; m0 += 32)
+            AMX_PASS_ANY(j->xq + m0 * Kp, Kp, w + b * 64, step, 64, acc, m0, j->M, b,
+                         j->M - m0 <= 16, b + 1 == nr, STORE_AMX);
+}
+
+/* 1 where calls of AMX_MIN_ROWS rows or more take the AMX tiles (the CPU has
+ * them and QOQSERVE_CPU_ISA does not cap it below) */
+int int8_linear_amx(void) { return amx_allowed(); }
+
 /* x [M, K] fp32/bf16 -> y [M, N] fp32/bf16:
  *   y = (x_q . w) * s_a[m] * s1[n] (- rowsum[m] * zs1[n]) (+ bias[n])
  * rowsum/zs1 (per-channel zero points) and bias may be NULL.
@@ -103,7 +123,9 @@ int int8_linear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *
                 const float *bias, void *y, int out_bf16, int threads) {
     const int64_t Kp = (K + 3) & ~(int64_t)3, nblocks = (N + NB - 1) / NB;
     const int64_t chunks = (nblocks + NR - 1) / NR;
-    int8_t *xq = malloc((size_t)(M * Kp) + 64);
+    const int amx = amx_rows(amx_allowed(), M, Kp);
+    /* AMX loads 16 rows a tile: rows past M are allocated, never stored */
+    int8_t *xq = malloc((size_t)((amx ? (M + 15) / 16 * 16 : M) * Kp) + 64);
     float *sa = malloc(sizeof(float) * (size_t)M);
     int32_t *qsum = malloc(sizeof(int32_t) * (size_t)M);
     if (!xq || !sa || !qsum) {
@@ -116,12 +138,19 @@ int int8_linear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *
         #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++) quantize_row_avx512((const char *)x + m * K * (x_bf16 ? 2 : 4), x_bf16,
                                                      K, Kp, xq + m * Kp, sa + m, qsum + m);
+        int32_t acc[256] __attribute__((aligned(64)));
+        if (amx) amx_begin();
         #pragma omp for schedule(static)
         for (int64_t c = 0; c < chunks; c++) {
             const int64_t nb0 = c * NR, nr = nblocks - nb0 < NR ? nblocks - nb0 : NR;
+            if (amx) {
+                chunk_amx(&job, nb0, (int)nr, acc);
+                continue;
+            }
             for (int64_t m0 = 0; m0 < M; m0 += MR)
                 run_tile(&job, m0, nb0, M - m0 < MR ? (int)(M - m0) : MR, (int)nr);
         }
+        if (amx) amx_end();
     }
     free(xq); free(sa); free(qsum);
     return 0;
@@ -129,5 +158,6 @@ int int8_linear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *
 
 #else
 int int8_linear_available(void) { return 0; }
+int int8_linear_amx(void) { return 0; }
 int int8_linear(void) { return -2; }
 #endif

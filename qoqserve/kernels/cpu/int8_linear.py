@@ -1,7 +1,8 @@
 """The fused INT8 linear of the CPU path (int8_linear.c), via ctypes: weights
-packed once at load for AVX-512 VNNI, then quantize + GEMM + epilogue in one
-call. Where the CPU or compiler lacks VNNI, `available()` is False and the
-caller keeps the torch._int_mm path."""
+packed once at load for AVX-512 VNNI (and, as they are, AMX-INT8 for calls of
+many rows), then quantize + GEMM + epilogue in one call. Where the CPU or
+compiler lacks VNNI, `available()` is False and the caller keeps the
+torch._int_mm path."""
 from __future__ import annotations
 
 import ctypes
@@ -15,6 +16,7 @@ from qoqserve.kernels.cpu.weight_layout import interleave_tiles
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _SIGNATURES = {
     "int8_linear_available": (_I, []),
+    "int8_linear_amx": (_I, []),
     "int8_linear": (_I, [_P, _I, _L, _L, _P, _L, _I, _P, _P, _P, _P, _P, _I, _I]),
 }
 BLOCK_N, QUAD_K = 16, 4
@@ -29,6 +31,13 @@ def load():
 
 def available() -> bool:
     return load() is not None
+
+
+def uses_amx() -> bool:
+    """Whether calls of 16+ rows take the AMX-INT8 tiles here (the CPU has
+    them and QOQSERVE_CPU_ISA does not cap the kernels below AMX)."""
+    lib = load()
+    return lib is not None and bool(lib.int8_linear_amx())
 
 
 def pack_weight(w: torch.Tensor, offset: int) -> torch.Tensor:

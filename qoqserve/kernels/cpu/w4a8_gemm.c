@@ -327,8 +327,11 @@ SIMD static void run_codes(const Job *j, int64_t m0, int64_t nb0, int mr, int nr
     switch (mr * 8 + nr) { ROW(CASE_C, 1) ROW(CASE_C, 2) }
 }
 
+/* mr = 0: no rows, only the panel written (the AMX path's expansion) */
 SIMD static void run_packed(const Job *j, int64_t m0, int64_t nb0, int mr, int nr, uint8_t *panel) {
-    switch (mr * 8 + nr) { ROW(CASE_P, 1) ROW(CASE_P, 2) ROW(CASE_P, 3) ROW(CASE_P, 4) ROW(CASE_P, 5) ROW(CASE_P, 6) }
+    switch (mr * 8 + nr) {
+        ROW(CASE_P, 0) ROW(CASE_P, 1) ROW(CASE_P, 2) ROW(CASE_P, 3) ROW(CASE_P, 4) ROW(CASE_P, 5) ROW(CASE_P, 6)
+    }
 }
 
 SIMD static void run_panel(const Job *j, int64_t m0, int64_t nb0, int mr, int nr, const uint8_t *panel) {
@@ -352,6 +355,30 @@ SIMD static void blocks_simd(const Job *j, int64_t nb_lo, int64_t nb_hi, uint8_t
     }
 }
 
+/* ------------------------------------------------------------ AMX-INT8
+ * Many rows (prefill, large batches): the layout tile's expanded operand is
+ * written to the panel (tile_packed with no rows), which is AMX's B layout,
+ * and amx_tiles.h's passes run over it: 32 rows x 32 channels each. */
+#include "amx_tiles.h"
+
+#define STORE_AMX(m, b, acc) store_exact(j, m, nb0 + (b), acc, j->gp != NULL)
+
+AMX_FN static void blocks_amx(const Job *j, int64_t nb_lo, int64_t nb_hi, uint8_t *panel) {
+    const int64_t Kp = j->Kp, pblock = Kp * NB;
+    int32_t acc[256] __attribute__((aligned(64)));
+    amx_begin();
+    for (int64_t nb0 = nb_lo, end; nb0 < nb_hi; nb0 = end) {
+        end = (nb0 / NR + 1) * NR < nb_hi ? (nb0 / NR + 1) * NR : nb_hi;
+        const int nr = (int)(end - nb0);
+        run_packed(j, 0, nb0, 0, nr, panel);
+        for (int b = 0; b < nr; b += 2)
+            for (int64_t m0 = 0; m0 < j->M; m0 += 32)
+                AMX_PASS_ANY(j->xq + m0 * Kp, Kp, panel + b * pblock, 64, pblock, acc, m0, j->M, b,
+                             j->M - m0 <= 16, b + 1 == nr, STORE_AMX);
+    }
+    amx_end();
+}
+
 static int simd_supported(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -360,10 +387,13 @@ static int simd_supported(void) {
 #else
 #define HAVE_SIMD 0
 static int simd_supported(void) { return 0; }
+static int amx_supported(void) { return 0; }
+static inline int amx_rows(int amx, int64_t M, int64_t Kp) { (void)amx; (void)M; (void)Kp; return 0; }
 #endif
 
-/* 1 when this CPU runs the AVX-512 VNNI path */
-int w4a8_gemm_simd(void) { return simd_supported(); }
+/* 2 when this CPU runs the AMX-INT8 path (and the AVX-512 VNNI one), 1 when
+ * only the VNNI path, 0 when neither */
+int w4a8_gemm_simd(void) { return simd_supported() ? 1 + amx_supported() : 0; }
 
 /* per-thread scratch (thread_scratch.h): activations, panel, SiLU row */
 static __thread void *tl_main, *tl_panel, *tl_row;
@@ -380,6 +410,8 @@ static __thread size_t tl_main_size, tl_panel_size, tl_row_size;
  *   y = (x_q . w) * s_a[m] * s1[n] (- rowsum[m] * zs1[n]) (+ bias[n]),
  * w = s2*(u - z) per group (gp != NULL; group % 8 == 0, K % group == 0) or u
  * (per channel: gp NULL, group 0). rowsum/zs1 and bias may be NULL.
+ * simd: 0 the scalar code, 1 AVX-512 VNNI, 2 also AMX-INT8 for calls of
+ * AMX_MIN_ROWS rows or more (the same numbers on every path).
  * Returns 0; -1: out of memory; -2: SIMD asked for where it cannot run;
  * -3: a group size or K the layout does not allow; -4: an unknown x_mode. */
 enum { X_PLAIN = 0, X_SILU = 1, X_NORM = 2 };
@@ -388,12 +420,15 @@ int w4a8_gemm(const void *x, int x_bf16, int x_mode, const void *delta, const vo
               int64_t M, int64_t K, const uint8_t *w, const uint8_t *gp,
               int64_t group, int64_t N, const float *s1, const float *rowsum, const float *zs1,
               const float *bias, void *y, int out_bf16, int simd, int threads) {
-    if (simd && !simd_supported()) return -2;
+    if ((simd && !simd_supported()) || (simd > 1 && !amx_supported())) return -2;
     if ((gp != NULL) != (group > 0) || (group && (group % 8 || K % group))) return -3;
     if (x_mode < X_PLAIN || x_mode > X_NORM || (x_mode == X_NORM && !norm_w)) return -4;
     if (M <= 0 || N <= 0) return 0;  /* nothing to write (an empty batch) */
     const int64_t Kp = (K + 7) & ~(int64_t)7, nblocks = (N + NB - 1) / NB;
-    const size_t xq_bytes = ((size_t)(M * Kp) + 63) & ~(size_t)63;
+    const int amx = amx_rows(simd > 1, M, Kp);
+    /* AMX loads 16 rows a tile: rows past M are allocated, never stored */
+    const int64_t rows = amx ? (M + 15) / 16 * 16 : M;
+    const size_t xq_bytes = ((size_t)(rows * Kp) + 63) & ~(size_t)63;
     uint8_t *main_buf = grow_scratch(&tl_main, &tl_main_size, xq_bytes + 8 * (size_t)M);
     if (!main_buf) return -1;
     int8_t *xq = (int8_t *)main_buf;
@@ -401,7 +436,7 @@ int w4a8_gemm(const void *x, int x_bf16, int x_mode, const void *delta, const vo
     int32_t *qsum = (int32_t *)(sa + M);
     /* the SIMD panel holds NR blocks of 16 channels x Kp, needed only past one
      * row tile; the scalar path keeps one channel's Kp weights */
-    const size_t panel_bytes = simd ? (M > MR ? (size_t)(NR * NB * Kp) : 0) : (size_t)Kp;
+    const size_t panel_bytes = simd ? (M > MR || amx ? (size_t)(NR * NB * Kp) : 0) : (size_t)Kp;
     Job job = {xq, sa, qsum, M, Kp, N, w, gp, group, s1, rowsum, zs1, bias, y, out_bf16};
     int failed = 0;
     #pragma omp parallel num_threads(threads > 0 ? threads : 1) if (M * N * K > (1 << 18))
@@ -449,7 +484,8 @@ int w4a8_gemm(const void *x, int x_bf16, int x_mode, const void *delta, const vo
             /* contiguous, balanced ranges of blocks: one block finer than the tile */
             const int64_t lo = nblocks * t / T, hi = nblocks * (t + 1) / T;
 #if HAVE_SIMD
-            if (simd) blocks_simd(&job, lo, hi, mine);
+            if (amx) blocks_amx(&job, lo, hi, mine);
+            else if (simd) blocks_simd(&job, lo, hi, mine);
             else
 #endif
                 blocks_scalar(&job, lo, hi, (int8_t *)mine);

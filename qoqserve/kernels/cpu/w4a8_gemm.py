@@ -3,8 +3,9 @@
 The checkpoint's codes ([N, K/2] bytes, docs/format.md) are repacked once at
 load into the kernel's layout (still 4 bits per weight; see the C file's
 header) and stay packed: the GEMM unpacks and expands them in registers. One
-library holds the AVX-512 VNNI path and a scalar one; the CPU is probed at run
-time, and QOQSERVE_CPU_ISA=scalar forces the scalar path (same numbers).
+library holds the AVX-512 VNNI path, an AMX-INT8 one for calls of many rows
+and a scalar one; the CPU is probed at run time, and QOQSERVE_CPU_ISA caps
+the path (same numbers on every one).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ _SIGNATURES = {
 BLOCK_N, OCTET_K = 16, 8
 DTYPES = (torch.float32, torch.bfloat16)  # of the input and output
 ISA_ENV = "QOQSERVE_CPU_ISA"
-_ERRORS = {-1: "could not allocate its scratch buffers", -2: "AVX-512 VNNI is not available on this CPU",
+_ERRORS = {-1: "could not allocate its scratch buffers", -2: "AVX-512 VNNI (or AMX) is not available on this CPU",
            -3: "got a group size or K its layout does not allow", -4: "got an unknown input mode"}
 X_PLAIN, X_SILU, X_NORM = 0, 1, 2  # how the kernel makes its input rows (w4a8_gemm.c)
 
@@ -70,23 +71,33 @@ def available() -> bool:
     return load() is not None
 
 
+ISAS = ("scalar", "avx512-vnni", "amx")  # by the kernel's simd level 0, 1, 2
+
+
 def isa() -> str:
-    """The code path calls take: "avx512-vnni" or "scalar". QOQSERVE_CPU_ISA
-    caps what every CPU kernel may use: scalar, avx512 (F/BW/VL/DQ without
-    VNNI: this kernel's scalar path, the attention kernels' AVX-512 one) or
-    avx512-vnni (as auto, but an error where the CPU lacks it)."""
+    """The code path calls take: "amx" (AMX-INT8 tiles for calls of 16+ rows,
+    AVX-512 VNNI below), "avx512-vnni" or "scalar". QOQSERVE_CPU_ISA caps what
+    every CPU kernel may use: scalar, avx512 (F/BW/VL/DQ without VNNI: this
+    kernel's scalar path, the attention kernels' AVX-512 one), avx512-vnni
+    (no AMX) or amx; the last two are errors where the CPU lacks them."""
     want = os.environ.get(ISA_ENV, "").strip().lower()
-    if want not in ("", "auto", "scalar", "avx512", "avx512-vnni"):
-        raise ValueError(f"{ISA_ENV}={want!r}: use auto, scalar, avx512 or avx512-vnni")
+    if want not in ("", "auto", "scalar", "avx512", "avx512-vnni", "amx"):
+        raise ValueError(f"{ISA_ENV}={want!r}: use auto, scalar, avx512, avx512-vnni or amx")
     if want == "avx512":
         want = "scalar"  # no VNNI: the only other path here
     lib = load()
     if lib is None:
         raise RuntimeError("the packed W4A8 kernel could not be built here (no C compiler? see the log)")
-    simd = bool(lib.w4a8_gemm_simd())
-    if want == "avx512-vnni" and not simd:
-        raise RuntimeError(f"{ISA_ENV}=avx512-vnni, but this CPU lacks AVX-512 F/BW/VL/VNNI")
-    return "scalar" if want == "scalar" or not simd else "avx512-vnni"
+    have = int(lib.w4a8_gemm_simd())
+    if want in ISAS[1:] and have < ISAS.index(want):
+        raise RuntimeError(f"{ISA_ENV}={want}, but this CPU lacks "
+                           + ("AMX-INT8 (or the kernel its tile state)" if want == "amx" else "AVX-512 F/BW/VL/VNNI"))
+    return ISAS[min(have, ISAS.index(want)) if want in ISAS else have]
+
+
+def simd_level() -> int:
+    """isa() as the kernel's simd argument."""
+    return ISAS.index(isa())
 
 
 def check_group_size(k: int, group_size: int) -> None:
@@ -128,16 +139,17 @@ def pack_group_params(s2: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
 def w4a8_linear(x2: torch.Tensor, codes: torch.Tensor, gparams: torch.Tensor | None, group_size: int,
                 n: int, s1: torch.Tensor, rowsum: torch.Tensor | None = None,
                 zs1: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                simd: bool | None = None) -> torch.Tensor:
+                simd: int | None = None) -> torch.Tensor:
     """x2 [M, K] fp32/bf16 -> [M, n] in x2's dtype on the repacked codes: per-token
     INT8 x2, then acc * s_a * s1 (- rowsum * zs1) (+ bias). s1, zs1, bias: fp32 [n];
-    rowsum: fp32 [M] of the unquantized rows (per channel). simd: None = isa()."""
+    rowsum: fp32 [M] of the unquantized rows (per channel). simd: the path,
+    0 scalar, 1 VNNI, 2 AMX (ISAS); None = isa()'s."""
     x2 = x2.contiguous()
     m, k = x2.shape
     if codes.shape[1] * OCTET_K < k or codes.shape[0] * BLOCK_N < n:
         raise ValueError(f"packed codes {tuple(codes.shape)} do not cover [{n}, {k}]")
     if simd is None:
-        simd = isa() != "scalar"
+        simd = simd_level()
     y = graph.empty(m, n, dtype=x2.dtype)
     bf16 = int(x2.dtype == torch.bfloat16)
     rc = graph.launch(load().w4a8_gemm, x2.data_ptr(), bf16, X_PLAIN, None, None, 0.0, m, k, codes.data_ptr(),
@@ -154,7 +166,7 @@ def w4a8_linear(x2: torch.Tensor, codes: torch.Tensor, gparams: torch.Tensor | N
 @torch.library.custom_op("qoqserve::w4a8_gemm", mutates_args=())
 def w4a8_gemm_op(x2: torch.Tensor, codes: torch.Tensor, gparams: torch.Tensor | None, group_size: int,
                  n: int, s1: torch.Tensor, zs1: torch.Tensor | None, bias: torch.Tensor | None,
-                 simd: bool) -> torch.Tensor:
+                 simd: int) -> torch.Tensor:
     """w4a8_linear as one opaque op of a captured graph (torch.compile)."""
     rowsum = qoq_ref.act_row_sum(x2) if zs1 is not None else None
     return w4a8_linear(x2, codes, gparams, group_size, n, s1, rowsum, zs1, bias, simd)
@@ -178,7 +190,7 @@ class PackedW4A8Gemm(nn.Module):
         self.out_features, self.in_features = qweight.shape[0], 2 * qweight.shape[1]
         check_group_size(self.in_features, group_size)
         self.group_size = group_size
-        self.simd = isa() != "scalar"  # QOQSERVE_CPU_ISA is read once, here
+        self.simd = simd_level()  # QOQSERVE_CPU_ISA is read once, here
         self.register_buffer("codes", repack_codes(qweight), persistent=False)
         self.register_buffer("gparams", pack_group_params(s2, zeros) if group_size else None,
                              persistent=False)

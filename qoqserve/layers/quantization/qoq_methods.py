@@ -165,8 +165,8 @@ class QoQPackedMethod(QoQLinearMethod):
 
     def __init__(self, group_size: int, cpu_ops: bool = False, fused: bool = False):
         super().__init__(group_size, cpu_ops)
-        # the path its calls take (forced to scalar by QOQSERVE_CPU_ISA, or on CPUs without VNNI)
-        self.name += "+vnni" if w4a8_gemm.isa() == "avx512-vnni" else "+scalar"
+        # the path its calls take (capped by QOQSERVE_CPU_ISA; scalar on CPUs without VNNI)
+        self.name += {"amx": "+amx", "avx512-vnni": "+vnni"}.get(w4a8_gemm.isa(), "+scalar")
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         super().process_weights_after_loading(layer)
