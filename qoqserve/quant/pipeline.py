@@ -182,7 +182,7 @@ def _layer_steps(cfg: QuantConfig) -> list[str]:
     """The per-layer steps that ran: switched on and meaningful for this format."""
     applies = {"smooth_attention": cfg.kv_bits == 4, "key_transform": cfg.kv_bits == 4,
                "reorder": cfg.group_size > 0, "smooth_out": True, "clip": True, "gptq": True,
-               "true_sequential": True, "asymmetric_calibration": True,
+               "true_sequential": True, "asymmetric_calibration": cfg.gptq and cfg.w_bits != 16,
                "group_search": cfg.group_size > 0 and cfg.w_bits == 4}
     return [step for step, ok in applies.items() if ok and getattr(cfg, step)]
 
