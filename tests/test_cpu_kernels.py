@@ -156,15 +156,16 @@ def test_fused_int8_linear_is_bit_identical_to_the_three_pass_path(m, n, k, dtyp
 
 @pytest.mark.parametrize("channel", [False, True])
 def test_fused_int8_linear_on_amx_tiles_is_bit_identical(monkeypatch, channel):
-    """Rows from one 16-row tile up and past one 32-row pass, N ending in one
-    or two blocks of a 4-block tile, K of whole 64-byte tile rows (576, 1536:
-    the tiles) and not (100: the VNNI loops); against the VNNI loops and torch."""
+    """Rows from the fewest the tiles take (12, padded to 16) up and past one
+    32-row pass, N ending in one or two blocks of a 4-block tile, K of whole
+    64-byte tile rows (576, 1536: the tiles) and not (100: the VNNI loops);
+    against the VNNI loops and torch."""
     monkeypatch.delenv("QOQSERVE_CPU_ISA", raising=False)
     flags = open("/proc/cpuinfo").read().split()
     assert fused.uses_amx() == ("amx_tile" in flags and "amx_int8" in flags)
     if not fused.uses_amx():
         pytest.skip("no AMX-INT8 on this CPU")
-    for m, n, k in ((16, 17, 576), (17, 100, 1536), (33, 48, 576), (130, 200, 576), (64, 96, 100), (16, 576, 576)):
+    for m, n, k in ((12, 40, 576), (16, 17, 576), (17, 100, 1536), (33, 48, 576), (130, 200, 576), (64, 96, 100), (16, 576, 576)):
         w, s1, zeros, bias = _int8_case(n, k, channel, seed=m + n + k)
         x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3).bfloat16()
         x[2] = 0

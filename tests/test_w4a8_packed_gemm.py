@@ -74,11 +74,12 @@ def test_the_simd_path_is_taken_here():
 
 @pytest.mark.parametrize("group", GROUPS)
 def test_amx_tiles_are_bit_identical_to_the_vnni_loops(monkeypatch, group):
-    """Rows from one 16-row tile up, past the 32 of one pass, ragged N (one and
-    two blocks left of a 4-block tile), K of whole 64-byte tile rows and not
-    (those keep the VNNI loops); both threads' ranges split a tile."""
+    """Rows from the fewest the tiles take (12, padded to a 16-row tile) up,
+    past the 32 of one pass, ragged N (one and two blocks left of a 4-block
+    tile), K of whole 64-byte tile rows and not (those keep the VNNI loops);
+    both threads' ranges split a tile."""
     _need("amx")
-    for m, n in ((16, 17), (17, 100), (32, 48), (33, 470), (130, 50), (64, 576)):
+    for m, n in ((12, 100), (16, 17), (17, 100), (32, 48), (33, 470), (130, 50), (64, 576)):
         for k in ((768, 1536) if group in (128, 256) else (576, 1536, 520) if group == 0 else (576, 1536)):
             c = _checkpoint(n, k, group, seed=m + n + k)
             x = _input(m, k, torch.bfloat16, seed=m)

@@ -21,7 +21,9 @@
 #include <unistd.h>
 
 #define AMX_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")))
-#define AMX_MIN_ROWS 16  /* one whole A tile; fewer rows were not measured (VNNI loops below) */
+/* from here the tiles (rows padded to 16) beat the VNNI loops: measured 1.2-1.3x
+ * at 12 rows, a tie at 8, 0.8-0.9x at 4 (docs/benchmarks/cpu_gemm.md) */
+#define AMX_MIN_ROWS 12
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];

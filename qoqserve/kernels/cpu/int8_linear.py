@@ -34,7 +34,7 @@ def available() -> bool:
 
 
 def uses_amx() -> bool:
-    """Whether calls of 16+ rows take the AMX-INT8 tiles here (the CPU has
+    """Whether calls of 12+ rows take the AMX-INT8 tiles here (the CPU has
     them and QOQSERVE_CPU_ISA does not cap the kernels below AMX)."""
     lib = load()
     return lib is not None and bool(lib.int8_linear_amx())

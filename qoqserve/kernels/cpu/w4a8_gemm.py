@@ -75,7 +75,7 @@ ISAS = ("scalar", "avx512-vnni", "amx")  # by the kernel's simd level 0, 1, 2
 
 
 def isa() -> str:
-    """The code path calls take: "amx" (AMX-INT8 tiles for calls of 16+ rows,
+    """The code path calls take: "amx" (AMX-INT8 tiles for calls of 12+ rows,
     AVX-512 VNNI below), "avx512-vnni" or "scalar". QOQSERVE_CPU_ISA caps what
     every CPU kernel may use: scalar, avx512 (F/BW/VL/DQ without VNNI: this
     kernel's scalar path, the attention kernels' AVX-512 one), avx512-vnni
