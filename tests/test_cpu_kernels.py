@@ -165,7 +165,8 @@ def test_fused_int8_linear_on_amx_tiles_is_bit_identical(monkeypatch, channel):
     assert fused.uses_amx() == ("amx_tile" in flags and "amx_int8" in flags)
     if not fused.uses_amx():
         pytest.skip("no AMX-INT8 on this CPU")
-    for m, n, k in ((12, 40, 576), (16, 17, 576), (17, 100, 1536), (33, 48, 576), (130, 200, 576), (64, 96, 100), (16, 576, 576)):
+    for m, n, k in ((12, 40, 576), (16, 17, 576), (17, 100, 1536), (33, 48, 576), (130, 200, 576),
+                    (64, 96, 100), (16, 576, 576)):
         w, s1, zeros, bias = _int8_case(n, k, channel, seed=m + n + k)
         x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3).bfloat16()
         x[2] = 0
