@@ -123,7 +123,8 @@ int int8_linear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *
                 const float *bias, void *y, int out_bf16, int threads) {
     const int64_t Kp = (K + 3) & ~(int64_t)3, nblocks = (N + NB - 1) / NB;
     const int64_t chunks = (nblocks + NR - 1) / NR;
-    const int amx = amx_rows(amx_allowed(), M, Kp);
+    /* the cap (getenv) is read only for calls the tiles could take, not per decode row */
+    const int amx = amx_rows(1, M, Kp) && amx_allowed();
     /* AMX loads 16 rows a tile: rows past M are allocated, never stored */
     int8_t *xq = malloc((size_t)((amx ? (M + 15) / 16 * 16 : M) * Kp) + 64);
     float *sa = malloc(sizeof(float) * (size_t)M);
