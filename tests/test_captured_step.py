@@ -30,11 +30,32 @@ def test_float_linear_is_batch_invariant_and_isa_independent(wdtype, n):
     w = torch.randn(n, 77, generator=g).to(wdtype)  # N, K not multiples of the tiles or lanes
     x = torch.randn(37, 77, generator=g)
     y = float_linear.float_linear(x, w)
-    assert torch.equal(y, float_linear.float_linear(x, w, use_simd=False))  # same bits, any ISA
+    have = int(float_linear.load().float_linear_simd())
+    for path in range(have + 1):  # the scalar loops and every vector path this CPU runs: same bits
+        assert torch.equal(y, float_linear.float_linear(x, w, use_simd=path)), float_linear.PATHS[path]
     for rows in (slice(0, 1), slice(3, 5), slice(10, 33)):
         assert torch.equal(float_linear.float_linear(x[rows], w), y[rows])  # nothing depends on M
     ref = x.double() @ w.double().T
     assert (y.double() - ref).abs().max() < 1e-5 * ref.abs().max()
+
+
+@needs_c
+def test_float_linear_paths_follow_the_isa_cap(monkeypatch):
+    have = int(float_linear.load().float_linear_simd())
+    if have < 1:
+        pytest.skip("this CPU has neither AVX2 + FMA nor AVX-512: only the scalar loops (tested above)")
+    monkeypatch.setenv("QOQSERVE_CPU_ISA", "scalar")
+    assert float_linear.path() == "scalar"
+    monkeypatch.setenv("QOQSERVE_CPU_ISA", "avx2")
+    assert float_linear.path() == "avx2"
+    monkeypatch.delenv("QOQSERVE_CPU_ISA")
+    assert float_linear.path() == float_linear.PATHS[have]
+    if have < 2:
+        with pytest.raises(RuntimeError, match="avx512"):
+            float_linear.float_linear(torch.ones(2, 16), torch.ones(3, 16), use_simd=2)
+    monkeypatch.setenv("QOQSERVE_CPU_ISA", "avx9000")
+    with pytest.raises(ValueError, match="QOQSERVE_CPU_ISA"):
+        float_linear.path()
 
 
 @needs_c

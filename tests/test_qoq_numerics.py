@@ -240,6 +240,35 @@ def test_int8_mm_never_wraps_and_padding():
         Q.int8_mm(torch.zeros(1, kmax + 1, dtype=torch.int8), torch.zeros(1, kmax + 1, dtype=torch.int8))
 
 
+def test_exact_fp32_int_mm_equals_integer_sums():
+    # the route for CPUs whose torch has no INT8 GEMM kernel: fp32 GEMMs over
+    # K slices, each exact; worst-case magnitudes at and past a slice boundary
+    torch.manual_seed(5)
+    kmax = Q.INT8_MM_MAX_K
+    big = torch.full((2, kmax), -128, dtype=torch.int8)
+    assert Q.exact_fp32_int_mm(big, big).eq(kmax * 128 * 128).all()
+    for m, k, n in [(1, 1, 1), (5, Q.FP32_EXACT_K, 7), (3, Q.FP32_EXACT_K + 1, 4), (17, 3000, 33)]:
+        a = torch.randint(-128, 128, (m, k), dtype=torch.int8)
+        a[0] = -128
+        b = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+        b[0] = -128
+        ref = a.long() @ b.long().t()
+        out = Q.exact_fp32_int_mm(a, b)
+        assert out.dtype == torch.int32 and torch.equal(out.long(), ref)
+    codes = torch.randint(0, 16, (6, 1536), dtype=torch.uint8)
+    x = torch.randint(-127, 128, (4, 1536), dtype=torch.int8)
+    assert torch.equal(Q.exact_fp32_int_mm(x, codes).long(), x.long() @ codes.long().t())
+    assert Q.exact_fp32_int_mm(x[:, :0], codes[:, :0]).eq(0).all()
+
+
+def test_int8_mm_takes_the_fp32_route_without_an_int8_kernel(monkeypatch):
+    monkeypatch.setattr(Q, "cpu_has_int8_gemm", lambda: False)
+    monkeypatch.setattr(torch, "_int_mm", lambda *a: pytest.fail("_int_mm called"))
+    a = torch.randint(-127, 128, (9, 2100), dtype=torch.int8)
+    b = torch.randint(-128, 128, (11, 2100), dtype=torch.int8)
+    assert torch.equal(Q.int8_mm(a, b).long(), a.long() @ b.long().t())
+
+
 def test_gemm_with_extreme_int8_values():
     # saturated activations (+-127) times the largest level-2 weights over a long K:
     # |acc| ~ 5.8e7, far beyond exact fp32 integers, must come out exact

@@ -18,6 +18,9 @@ import torch.nn.functional as F
 PROTECT = 119  # level-1 range: with s2 <= 16, s2*(u-z) of any code stays in int8
 # |a|,|b| <= 128 -> K * 2^14 must stay below 2^31 or the int32 accumulator wraps.
 INT8_MM_MAX_K = (2**31 - 1) // (128 * 128)
+# fp32 sums integer products exactly while every partial sum stays within
+# 2^24: 1024 products of magnitude <= 128 * 128 each, in any order
+FP32_EXACT_K = 2**24 // (128 * 128)
 _FP16_TINY = 2.0**-24  # smallest positive fp16 (subnormal)
 
 
@@ -243,8 +246,11 @@ def int8_mm(a: torch.Tensor, b_t: torch.Tensor, _pad_like_cuda: bool = False) ->
     """Exact int32 a[M,K] @ b_t[N,K]^T for int8 operands.
 
     CPU torch._int_mm accepts any shape; CUDA needs M > 16 and K, N multiples
-    of 8, so there we zero-pad (exact). Where _int_mm cannot run at all we use
-    float64, exact because |sum| < 2^31 < 2^53.
+    of 8, so there we zero-pad (exact). On CPUs where torch has no INT8 GEMM
+    kernel (below AVX-512) it runs a reference loop tens of times slower than
+    fp32 matmul, so there the products are summed in fp32 over K slices short
+    enough to stay exact. Where _int_mm cannot run at all we use float64,
+    exact because |sum| < 2^31 < 2^53.
     """
     m, k = a.shape
     n = b_t.shape[0]
@@ -254,11 +260,32 @@ def int8_mm(a: torch.Tensor, b_t: torch.Tensor, _pad_like_cuda: bool = False) ->
         kp, np_ = -(-k // 8) * 8, -(-n // 8) * 8
         a = F.pad(a, (0, kp - k, 0, max(17 - m, 0)))
         b_t = F.pad(b_t, (0, kp - k, 0, np_ - n))
+    elif not cpu_has_int8_gemm():
+        return exact_fp32_int_mm(a, b_t)
     try:
         out = torch._int_mm(a, b_t.t())
     except RuntimeError:
         out = (a.double() @ b_t.double().t()).to(torch.int32)
     return out[:m, :n]
+
+
+def cpu_has_int8_gemm() -> bool:
+    """torch's CPU INT8 GEMM (oneDNN) has a vector kernel from AVX-512 on;
+    below it _int_mm is a scalar loop."""
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+def exact_fp32_int_mm(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
+    """a[M,K] @ b_t[N,K]^T for int8 / uint8 operands as fp32 GEMMs over K
+    slices of FP32_EXACT_K, each exact, added in int32: the same integers as
+    torch._int_mm, at the fp32 GEMM's speed."""
+    out = None
+    for k0 in range(0, a.shape[1], FP32_EXACT_K):
+        part = (a[:, k0:k0 + FP32_EXACT_K].float() @ b_t[:, k0:k0 + FP32_EXACT_K].float().t()).to(torch.int32)
+        out = part if out is None else out.add_(part)
+    if out is None:
+        out = torch.zeros(a.shape[0], b_t.shape[0], dtype=torch.int32)
+    return out
 
 
 def _flat(x):

@@ -19,6 +19,7 @@
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#include "isa_cap.h"
 
 #define AMX_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")))
 /* from here the tiles (rows padded to 16) beat the VNNI loops: measured 1.2-1.3x
@@ -45,11 +46,9 @@ static int amx_supported(void) {
 }
 
 /* amx_supported() and QOQSERVE_CPU_ISA does not cap the kernels below AMX
- * (scalar, avx512, avx512-vnni), for kernels that read the cap themselves */
+ * (isa_cap.h), for kernels that read the cap themselves */
 static inline int amx_allowed(void) {
-    const char *isa = getenv("QOQSERVE_CPU_ISA");
-    if (isa && (!strcmp(isa, "scalar") || !strcmp(isa, "avx512") || !strcmp(isa, "avx512-vnni"))) return 0;
-    return amx_supported();
+    return isa_cap() >= ISA_AMX && amx_supported();
 }
 
 /* whether a call of M rows and Kp-deep rows goes through the tiles */

@@ -17,6 +17,7 @@
  * QOQSERVE_CPU_ISA=scalar, the call returns -2 and the caller uses torch's
  * SDPA.
  */
+#include "isa_cap.h"
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -144,17 +145,16 @@ F64_TARGET static void task(const job *j, int h, int64_t i0, double *buf) {
 }
 
 static int vector_path(void) {
-    const char *isa = getenv("QOQSERVE_CPU_ISA");
-    if (isa && strcmp(isa, "scalar") == 0) return 0;
+    if (isa_cap() < ISA_AVX512) return 0;
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
 }
 
-/* 1 where dense_attention_f64 runs here (AVX-512 F + DQ, not QOQSERVE_CPU_ISA=scalar). */
+/* 1 where dense_attention_f64 runs here (AVX-512 F + DQ, QOQSERVE_CPU_ISA not below avx512). */
 int dense_attention_f64_supported(void) { return vector_path(); }
 
 /* Returns 0; -1 out of memory, a head_dim that is not a multiple of 8 or
  * keys that do not cover the queries (lk must be offset + lq); -2 when this
- * CPU (or QOQSERVE_CPU_ISA=scalar) rules the AVX-512 path out. */
+ * CPU (or QOQSERVE_CPU_ISA below avx512) rules the AVX-512 path out. */
 int dense_attention_f64(const float *q, const float *k, const float *v, float *out, int64_t lq, int64_t lk,
                         int64_t offset, int H, int Hkv, int D, double scale, int threads) {
     if (!vector_path()) return -2;

@@ -6,10 +6,12 @@
  * l accumulates x[k] * w[k] for k = l (mod 16) in increasing k with fused
  * multiply-adds (K zero-padded to a multiple of 16 in effect), then the lanes
  * are added pairwise l + 8, l + 4, l + 2, l + 1. The AVX-512 path and the
- * scalar one compute exactly that, so they agree bit for bit.
+ * AVX2 one (each 16-lane sum as two 8-lane halves: l + 8 is the halves' add)
+ * and the scalar one compute exactly that, so they agree bit for bit.
  *
- * The AVX-512 code (F/BW/VL) is compiled by target attributes and chosen at run
- * time; the library is built for a baseline x86-64 CPU.
+ * The AVX-512 (F/BW/VL) and AVX2 (+FMA, F16C) code is compiled by target
+ * attributes and chosen at run time; the library is built for a baseline
+ * x86-64 CPU.
  */
 #include <math.h>
 #include <stdint.h>
@@ -159,31 +161,125 @@ SIMD static void rows_simd(const float *x, int64_t M, int64_t K, const void *w, 
         }
     }
 }
+
+/* ---------------------------------------------------------------- AVX2 */
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+
+static int avx2_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+
+/* elements k..k+7 of row r as fp32 (n valid, the rest 0) */
+AVX2 static inline __m256 load8(const void *w, int w_kind, int64_t i, int64_t n) {
+    if (n < 8) {
+        float tmp[8] = {0};
+        for (int64_t e = 0; e < n; e++) tmp[e] = weight(w, w_kind, i + e);
+        return _mm256_loadu_ps(tmp);
+    }
+    if (w_kind == W_BF16) {
+        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    if (w_kind == W_FP16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + i)));
+    return _mm256_loadu_ps((const float *)w + i);
+}
+
+/* lane_tree of the 16 lanes (lo = 0..7, hi = 8..15): l + 8, l + 4, l + 2, l + 1 */
+AVX2 static inline float tree16(__m256 lo, __m256 hi) {
+    const __m256 s8 = _mm256_add_ps(lo, hi);
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+
+enum { MR2 = 2, NR2 = 3 };  /* 2 x 3 sums of two halves: 12 of the 16 ymm */
+
+AVX2 static inline __attribute__((always_inline)) void tile2(const float *x, int64_t K, const void *w, int w_kind,
+                                                             int64_t m0, int mr, int64_t n0, int nr, int64_t N,
+                                                             float *y) {
+    __m256 lo[MR2 * NR2], hi[MR2 * NR2];
+    for (int i = 0; i < MR2 * NR2; i++) lo[i] = hi[i] = _mm256_setzero_ps();
+    const float *xr = x + m0 * K;
+    int64_t k = 0;
+    for (; k + LANES <= K; k += LANES) {  /* whole 16-lane steps: plain loads */
+        __m256 xl[MR2], xh[MR2];
+        for (int i = 0; i < mr; i++) {
+            xl[i] = _mm256_loadu_ps(xr + i * K + k);
+            xh[i] = _mm256_loadu_ps(xr + i * K + k + 8);
+        }
+        for (int j = 0; j < nr; j++) {
+            const __m256 wl = load8(w, w_kind, (n0 + j) * K + k, 8), wh = load8(w, w_kind, (n0 + j) * K + k + 8, 8);
+            for (int i = 0; i < mr; i++) {
+                lo[i * NR2 + j] = _mm256_fmadd_ps(xl[i], wl, lo[i * NR2 + j]);
+                hi[i * NR2 + j] = _mm256_fmadd_ps(xh[i], wh, hi[i * NR2 + j]);
+            }
+        }
+    }
+    if (k < K) {  /* the ragged last step, zero-padded as the other paths */
+        for (int j = 0; j < nr; j++) {
+            const __m256 wl = load8(w, w_kind, (n0 + j) * K + k, K - k);
+            const __m256 wh = load8(w, w_kind, (n0 + j) * K + k + 8, K - k - 8);
+            for (int i = 0; i < mr; i++) {
+                lo[i * NR2 + j] = _mm256_fmadd_ps(load8(xr, W_FP32, i * K + k, K - k), wl, lo[i * NR2 + j]);
+                hi[i * NR2 + j] = _mm256_fmadd_ps(load8(xr, W_FP32, i * K + k + 8, K - k - 8), wh, hi[i * NR2 + j]);
+            }
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) y[(m0 + i) * N + n0 + j] = tree16(lo[i * NR2 + j], hi[i * NR2 + j]);
+}
+
+#define TILE2(a, b) tile2(x, K, w, w_kind, m0, a, n0, b, N, y)
+
+AVX2 static void rows_avx2(const float *x, int64_t M, int64_t K, const void *w, int w_kind,
+                           int64_t n_lo, int64_t n_hi, int64_t N, float *y) {
+    for (int64_t n0 = n_lo; n0 < n_hi; n0 += NR2) {
+        const int nr = n_hi - n0 < NR2 ? (int)(n_hi - n0) : NR2;
+        for (int64_t m0 = 0; m0 < M; m0 += MR2) {
+            const int mr = M - m0 < MR2 ? (int)(M - m0) : MR2;
+            switch (mr * 4 + nr) {
+            case 11: TILE2(2, 3); break;
+            case 10: TILE2(2, 2); break;
+            case 9: TILE2(2, 1); break;
+            case 7: TILE2(1, 3); break;
+            case 6: TILE2(1, 2); break;
+            default: TILE2(1, 1);
+            }
+        }
+    }
+}
 #else
 #define HAVE_SIMD 0
 static int simd_supported(void) { return 0; }
+static int avx2_supported(void) { return 0; }
 static void rows_simd(const float *x, int64_t M, int64_t K, const void *w, int w_kind,
                       int64_t n_lo, int64_t n_hi, int64_t N, float *y, float *panel) {
     (void)panel;
     rows_scalar(x, M, K, w, w_kind, n_lo, n_hi, N, y);
 }
+static void rows_avx2(const float *x, int64_t M, int64_t K, const void *w, int w_kind,
+                      int64_t n_lo, int64_t n_hi, int64_t N, float *y) {
+    rows_scalar(x, M, K, w, w_kind, n_lo, n_hi, N, y);
+}
 #endif
 
-/* 1 when this CPU runs the AVX-512 path */
-int float_linear_simd(void) { return simd_supported(); }
+/* The vector path this CPU runs: 2 AVX-512, 1 AVX2, 0 none */
+int float_linear_simd(void) { return simd_supported() ? 2 : avx2_supported() ? 1 : 0; }
 
-/* y = x W^T (+ bias, fp32 [N] or NULL). Returns 0, or -2 when simd is asked
- * for on a CPU without AVX-512, -3 when a panel could not be allocated. */
+/* y = x W^T (+ bias, fp32 [N] or NULL) on vector path `simd` (as
+ * float_linear_simd; 0 the scalar loops). Returns 0, or -2 when simd asks for
+ * a path this CPU lacks, -3 when a panel could not be allocated. */
 int float_linear(const float *x, int64_t M, int64_t K, const void *w, int w_kind, int64_t N,
                  const float *bias, float *y, int simd, int threads) {
-    if (simd && !simd_supported()) return -2;
+    if (simd > float_linear_simd()) return -2;
     if (M <= 0 || N <= 0) return 0;
     /* output columns in chunks of 64 (a multiple of NR): the chunking never
      * changes a result, only who computes it */
     const int64_t chunk = 64, chunks = (N + chunk - 1) / chunk;
     /* bf16/fp16 weights read by more than two row tiles are converted once per
      * NR rows into a per-thread fp32 panel instead of once per row tile */
-    const int use_panel = simd && w_kind != W_FP32 && M > 8;
+    const int use_panel = simd == 2 && w_kind != W_FP32 && M > 8;
     const int64_t kp = (K + LANES - 1) / LANES * LANES;
     int failed = 0;
     #pragma omp parallel num_threads(threads) if (M * N * K > (1 << 16)) reduction(|: failed)
@@ -194,7 +290,8 @@ int float_linear(const float *x, int64_t M, int64_t K, const void *w, int w_kind
         for (int64_t c = 0; c < chunks; c++) {
             const int64_t lo = c * chunk, hi = lo + chunk < N ? lo + chunk : N;
             if (use_panel && !panel) continue;
-            if (simd) rows_simd(x, M, K, w, w_kind, lo, hi, N, y, panel);
+            if (simd == 2) rows_simd(x, M, K, w, w_kind, lo, hi, N, y, panel);
+            else if (simd == 1) rows_avx2(x, M, K, w, w_kind, lo, hi, N, y);
             else rows_scalar(x, M, K, w, w_kind, lo, hi, N, y);
             if (bias)
                 for (int64_t m = 0; m < M; m++)

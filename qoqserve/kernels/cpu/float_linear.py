@@ -1,15 +1,14 @@
 """The batch-invariant dense linear (float_linear.c), via ctypes: fp32 inputs
 times fp32, bf16 or fp16 weights, fp32 out, each output summed in one fixed order
-whatever the batch. The AVX-512 path is chosen at run time;
-QOQSERVE_CPU_ISA=scalar forces the portable one (same bits)."""
+whatever the batch. The AVX-512 or AVX2 path is chosen at run time, capped by
+QOQSERVE_CPU_ISA (kernels/cpu/isa.py); every path gives the same bits."""
 from __future__ import annotations
 
 import ctypes
-import os
 
 import torch
 
-from qoqserve.kernels.cpu import graph
+from qoqserve.kernels.cpu import graph, isa
 from qoqserve.kernels.cpu.build import load_library, runtime_dispatch_flags
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
@@ -28,11 +27,18 @@ def available() -> bool:
     return load() is not None
 
 
-def simd() -> bool:
-    """Whether calls take the AVX-512 path (QOQSERVE_CPU_ISA=scalar: never)."""
-    if os.environ.get("QOQSERVE_CPU_ISA", "").strip().lower() == "scalar":
-        return False
-    return bool(load().float_linear_simd())
+PATHS = ("scalar", "avx2", "avx512")  # by the kernel's simd argument 0, 1, 2
+
+
+def path() -> str:
+    """The loops calls take: the CPU's best, capped by QOQSERVE_CPU_ISA."""
+    have = int(load().float_linear_simd())
+    return next(p for p in reversed(PATHS[:have + 1]) if isa.allows(p))
+
+
+def simd() -> int:
+    """path() as the kernel's simd argument."""
+    return PATHS.index(path())
 
 
 @torch.library.custom_op("qoqserve::float_linear", mutates_args=())
@@ -47,9 +53,9 @@ def _(x, weight, bias=None):
 
 
 def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 use_simd: bool | None = None) -> torch.Tensor:
+                 use_simd: bool | int | None = None) -> torch.Tensor:
     """x [M, K] (any float dtype, computed in fp32) @ weight[N, K].T (+ bias,
-    fp32) -> fp32 [M, N]."""
+    fp32) -> fp32 [M, N]. use_simd: a PATHS index (False: scalar), None: simd()."""
     if torch.compiler.is_compiling():
         return float_linear_op(x, weight, bias)
     return _float_linear(x, weight, bias, use_simd)
@@ -74,5 +80,5 @@ def _float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if rc == -3:
         raise MemoryError("float_linear: could not allocate the per-thread weight panel")
     if rc != 0:
-        raise RuntimeError("float_linear: AVX-512 is not available on this CPU")
+        raise RuntimeError(f"float_linear: this CPU lacks the {PATHS[int(use_simd)]} path")
     return y

@@ -174,13 +174,13 @@ KV_AVX512_END
 #endif
 
 #include <stdlib.h>
+#include "isa_cap.h"
 #include <string.h>
 
 /* whether the kernels take their AVX-512 path now: the CPU has it and
- * QOQSERVE_CPU_ISA=scalar does not ask for the portable one */
+ * QOQSERVE_CPU_ISA does not cap the kernels below AVX-512 */
 static int kv_vector_path(void) {
-    const char *isa = getenv("QOQSERVE_CPU_ISA");
-    if (isa && strcmp(isa, "scalar") == 0) return 0;
+    if (isa_cap() < ISA_AVX512) return 0;
 #ifdef KV_AVX512
     return avx512_supported();
 #else

@@ -134,8 +134,7 @@ static __thread size_t tl_scratch_size, tl_part_size;
  * QOQSERVE_CPU_ISA=avx512 not asking for the fp32 scores */
 static int kv4_vnni_path(void) {
 #ifdef PD_AVX512
-    const char *isa = getenv("QOQSERVE_CPU_ISA");
-    return kv_vector_path() && vnni_supported() && !(isa && strcmp(isa, "avx512") == 0);
+    return kv_vector_path() && vnni_supported() && isa_cap() >= ISA_AVX512_VNNI;
 #else
     return 0;
 #endif

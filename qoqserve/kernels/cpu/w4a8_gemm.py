@@ -10,14 +10,13 @@ the path (same numbers on every one).
 from __future__ import annotations
 
 import ctypes
-import os
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from qoqserve.kernels import qoq_ref
-from qoqserve.kernels.cpu import graph
+from qoqserve.kernels.cpu import graph, isa
 from qoqserve.kernels.cpu.build import load_library, runtime_dispatch_flags
 from qoqserve.kernels.cpu.weight_layout import interleave_tiles
 
@@ -29,7 +28,7 @@ _SIGNATURES = {
 }
 BLOCK_N, OCTET_K = 16, 8
 DTYPES = (torch.float32, torch.bfloat16)  # of the input and output
-ISA_ENV = "QOQSERVE_CPU_ISA"
+ISA_ENV = isa.ENV
 _ERRORS = {-1: "could not allocate its scratch buffers", -2: "AVX-512 VNNI (or AMX) is not available on this CPU",
            -3: "got a group size or K its layout does not allow", -4: "got an unknown input mode"}
 X_PLAIN, X_SILU, X_NORM = 0, 1, 2  # how the kernel makes its input rows (w4a8_gemm.c)
@@ -80,10 +79,8 @@ def isa() -> str:
     every CPU kernel may use: scalar, avx512 (F/BW/VL/DQ without VNNI: this
     kernel's scalar path, the attention kernels' AVX-512 one), avx512-vnni
     (no AMX) or amx; the last two are errors where the CPU lacks them."""
-    want = os.environ.get(ISA_ENV, "").strip().lower()
-    if want not in ("", "auto", "scalar", "avx512", "avx512-vnni", "amx"):
-        raise ValueError(f"{ISA_ENV}={want!r}: use auto, scalar, avx512, avx512-vnni or amx")
-    if want == "avx512":
+    want = isa.requested()
+    if want in ("avx2", "avx512"):
         want = "scalar"  # no VNNI: the only other path here
     lib = load()
     if lib is None:
