@@ -1,15 +1,17 @@
 """The W4A8 GEMM on packed 4-bit weights (kernels/cpu/w4a8_gemm.c) against the
 torch reference (qoq_ref) and today's fused kernel on the INT8 expansion:
 bit-identical outputs for ragged shapes, every group size, per channel, both
-code paths (AMX-INT8 tiles where the CPU has them, AVX-512 VNNI and the
-scalar fallback)."""
+code paths (AMX-INT8 tiles where the CPU has them, AVX-512 VNNI, AVX2 and
+the scalar fallback)."""
+import itertools
+
 import pytest
 import torch
 
 from qoqserve.kernels import qoq_ref
 from qoqserve.kernels.cpu import w4a8_gemm
 from qoqserve.kernels.cpu.w4a8_gemm import PackedW4A8Gemm
-from qoqserve.layers.quantization.int8_gemm import PackedInt8Gemm, int8_linear
+from qoqserve.layers.quantization.int8_gemm import PackedInt8Gemm, fused_int8_available, int8_linear
 
 GROUPS = (0, 32, 64, 128, 256)
 
@@ -52,24 +54,34 @@ def _check(m, n, k, group, dtype, seed=0):
         ref = int8_linear(x, c["w8"], c["s1"], c["zref"], b, cpu_ops=False)  # the torch reference
         assert got.dtype == dtype and got.shape == (m, n)
         assert torch.equal(got, ref), (m, n, k, group, dtype, with_bias)
-        # and today's fused kernel on the INT8 expansion
-        assert torch.equal(got, PackedInt8Gemm(c["w8"], c["s1"], c["zref"], b)(x))
+        if fused_int8_available():  # and the fused VNNI kernel on the INT8 expansion
+            assert torch.equal(got, PackedInt8Gemm(c["w8"], c["s1"], c["zref"], b)(x))
+
+
+def _cpu_flags() -> set:
+    return set(open("/proc/cpuinfo").read().split())
 
 
 def cpu_has_amx() -> bool:
-    flags = open("/proc/cpuinfo").read().split()
-    return "amx_tile" in flags and "amx_int8" in flags
+    return {"amx_tile", "amx_int8"} <= _cpu_flags()
+
+
+def best_isa_of_this_cpu() -> str:
+    """From /proc/cpuinfo, apart from the kernel's own probe."""
+    flags = _cpu_flags()
+    if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+        return "amx" if cpu_has_amx() else "avx512-vnni"
+    return "avx2" if "avx2" in flags else "scalar"
 
 
 def _need(isa):
-    if isa == "amx" and not cpu_has_amx():
-        pytest.skip("no AMX-INT8 on this CPU")
+    if w4a8_gemm.ISAS.index(isa) > w4a8_gemm.ISAS.index(best_isa_of_this_cpu()):
+        pytest.skip(f"this CPU lacks the {isa} path")
 
 
-def test_the_simd_path_is_taken_here():
+def test_the_best_path_of_this_cpu_is_taken():
     assert w4a8_gemm.available()
-    # this CPU has AVX-512 VNNI (and maybe AMX-INT8): no silent fallback
-    assert w4a8_gemm.isa() == ("amx" if cpu_has_amx() else "avx512-vnni")
+    assert w4a8_gemm.isa() == best_isa_of_this_cpu()  # no silent fallback
 
 
 @pytest.mark.parametrize("group", GROUPS)
@@ -92,12 +104,19 @@ def test_amx_tiles_are_bit_identical_to_the_vnni_loops(monkeypatch, group):
 
 
 def test_isa_caps_and_refusals(monkeypatch):
-    for cap, level in (("scalar", 0), ("avx512", 0), ("avx512-vnni", 1)):
+    have = w4a8_gemm.ISAS.index(best_isa_of_this_cpu())
+    for cap, level in (("scalar", 0), ("avx2", 1), ("avx512", 1)):  # caps: never above the CPU's best
         monkeypatch.setenv(w4a8_gemm.ISA_ENV, cap)
-        assert w4a8_gemm.simd_level() == level
+        assert w4a8_gemm.simd_level() == min(level, have)
+    monkeypatch.setenv(w4a8_gemm.ISA_ENV, "avx512-vnni")
+    if have >= 2:
+        assert w4a8_gemm.simd_level() == 2
+    else:
+        with pytest.raises(RuntimeError, match="VNNI"):
+            w4a8_gemm.isa()
     monkeypatch.setenv(w4a8_gemm.ISA_ENV, "amx")
     if cpu_has_amx():
-        assert w4a8_gemm.simd_level() == 2
+        assert w4a8_gemm.simd_level() == 3
     else:
         with pytest.raises(RuntimeError, match="AMX"):
             w4a8_gemm.isa()
@@ -158,6 +177,25 @@ def test_scalar_fallback_is_bit_identical(monkeypatch, group):
         assert torch.equal(mod(x), int8_linear(x, c["w8"], c["s1"], c["zref"], c["bias"], cpu_ops=False))
 
 
+@pytest.mark.parametrize("group", GROUPS)
+def test_avx2_path_is_bit_identical(monkeypatch, group):
+    """The AVX2 loops (vpmaddubsw on the raw codes) wherever the CPU has AVX2,
+    capped there on bigger CPUs: ragged M (row pairs and a single last row),
+    ragged N (8-channel halves past N), every input dtype."""
+    _need("avx2")
+    monkeypatch.setenv(w4a8_gemm.ISA_ENV, "avx2")
+    assert w4a8_gemm.isa() == "avx2"
+    ks = (768,) if group in (128, 256) else (576, 10) if group == 0 else (576,)  # per channel: K ragged to 8
+    for (m, n), k in itertools.product(((1, 17), (2, 9), (3, 100), (8, 40), (33, 470)), ks):
+        for dtype in (torch.float32, torch.bfloat16):
+            c = _checkpoint(n, k, group, seed=m + n + group)
+            x = _input(m, k, dtype, seed=m)
+            mod = _packed(c, group)
+            assert mod.simd == 1
+            ref = int8_linear(x, c["w8"], c["s1"], c["zref"], c["bias"], cpu_ops=False)
+            assert torch.equal(mod(x), ref), (m, n, group, dtype)
+
+
 def test_isa_env_var_rejects_unknown_values(monkeypatch):
     monkeypatch.setenv(w4a8_gemm.ISA_ENV, "avx9000")
     with pytest.raises(ValueError, match="QOQSERVE_CPU_ISA"):
@@ -207,7 +245,7 @@ def test_resident_bytes_of_the_embedded_model_stay_under_0_56_per_weight(default
             assert mod.resident_bytes >= n * k // 2  # it is the whole weight, not a view of part
 
 
-@pytest.mark.parametrize("isa", ["amx", "avx512-vnni", "scalar"])
+@pytest.mark.parametrize("isa", ["amx", "avx512-vnni", "avx2", "scalar"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul_fused_into_the_input_is_bit_identical_to_the_op_then_the_gemm(monkeypatch, dtype, isa):
     _need(isa)
@@ -241,7 +279,7 @@ def test_the_packed_method_fuses_silu_mul_only_where_it_rounds_alike():
         assert torch.equal(method.input_from_silu_mul(gate_up, op), op(gate_up))
 
 
-@pytest.mark.parametrize("isa", ["amx", "avx512-vnni", "scalar"])
+@pytest.mark.parametrize("isa", ["amx", "avx512-vnni", "avx2", "scalar"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_add_rms_norm_fused_into_the_input_is_bit_identical_to_the_op_then_the_gemm(monkeypatch, dtype, isa):
     _need(isa)

@@ -43,8 +43,9 @@
  * expanded operand of its 64 columns to a per-thread panel (64*Kp bytes) that
  * the later row tiles read, so the codes are unpacked once per call.
  *
- * The AVX-512 (F/BW/VL/VNNI) code is compiled by target attributes and chosen
- * at run time (w4a8_gemm_simd); the scalar code beside it runs anywhere.
+ * The AVX-512 (F/BW/VL/VNNI) and AVX2 (w4a8_gemm_avx2.h) code is compiled by
+ * target attributes and chosen at run time (w4a8_gemm_simd); the scalar code
+ * beside it runs anywhere.
  */
 #include <math.h>
 #include <stdint.h>
@@ -384,16 +385,19 @@ static int simd_supported(void) {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 }
+
+#include "w4a8_gemm_avx2.h"
 #else
 #define HAVE_SIMD 0
 static int simd_supported(void) { return 0; }
+static int avx2_supported(void) { return 0; }
 static int amx_supported(void) { return 0; }
 static inline int amx_rows(int amx, int64_t M, int64_t Kp) { (void)amx; (void)M; (void)Kp; return 0; }
 #endif
 
-/* 2 when this CPU runs the AMX-INT8 path (and the AVX-512 VNNI one), 1 when
- * only the VNNI path, 0 when neither */
-int w4a8_gemm_simd(void) { return simd_supported() ? 1 + amx_supported() : 0; }
+/* The best path this CPU runs, as the simd argument: 3 AMX-INT8 (and the
+ * AVX-512 VNNI loops), 2 AVX-512 VNNI, 1 AVX2, 0 the scalar code */
+int w4a8_gemm_simd(void) { return simd_supported() ? 2 + amx_supported() : avx2_supported(); }
 
 /* per-thread scratch (thread_scratch.h): activations, panel, SiLU row */
 static __thread void *tl_main, *tl_panel, *tl_row;
@@ -410,8 +414,8 @@ static __thread size_t tl_main_size, tl_panel_size, tl_row_size;
  *   y = (x_q . w) * s_a[m] * s1[n] (- rowsum[m] * zs1[n]) (+ bias[n]),
  * w = s2*(u - z) per group (gp != NULL; group % 8 == 0, K % group == 0) or u
  * (per channel: gp NULL, group 0). rowsum/zs1 and bias may be NULL.
- * simd: 0 the scalar code, 1 AVX-512 VNNI, 2 also AMX-INT8 for calls of
- * AMX_MIN_ROWS rows or more (the same numbers on every path).
+ * simd: 0 the scalar code, 1 AVX2, 2 AVX-512 VNNI, 3 also AMX-INT8 for calls
+ * of AMX_MIN_ROWS rows or more (the same numbers on every path).
  * Returns 0; -1: out of memory; -2: SIMD asked for where it cannot run;
  * -3: a group size or K the layout does not allow; -4: an unknown x_mode. */
 enum { X_PLAIN = 0, X_SILU = 1, X_NORM = 2 };
@@ -420,7 +424,9 @@ int w4a8_gemm(const void *x, int x_bf16, int x_mode, const void *delta, const vo
               int64_t M, int64_t K, const uint8_t *w, const uint8_t *gp,
               int64_t group, int64_t N, const float *s1, const float *rowsum, const float *zs1,
               const float *bias, void *y, int out_bf16, int simd, int threads) {
-    if ((simd && !simd_supported()) || (simd > 1 && !amx_supported())) return -2;
+    if (simd < 0 || simd > w4a8_gemm_simd()) return -2;
+    const int avx2 = simd == 1;
+    simd = simd > 1 ? simd - 1 : 0;  /* below: 1 the VNNI loops, 2 also AMX */
     if ((gp != NULL) != (group > 0) || (group && (group % 8 || K % group))) return -3;
     if (x_mode < X_PLAIN || x_mode > X_NORM || (x_mode == X_NORM && !norm_w)) return -4;
     if (M <= 0 || N <= 0) return 0;  /* nothing to write (an empty batch) */
@@ -436,7 +442,7 @@ int w4a8_gemm(const void *x, int x_bf16, int x_mode, const void *delta, const vo
     int32_t *qsum = (int32_t *)(sa + M);
     /* the SIMD panel holds NR blocks of 16 channels x Kp, needed only past one
      * row tile; the scalar path keeps one channel's Kp weights */
-    const size_t panel_bytes = simd ? (M > MR || amx ? (size_t)(NR * NB * Kp) : 0) : (size_t)Kp;
+    const size_t panel_bytes = simd ? (M > MR || amx ? (size_t)(NR * NB * Kp) : 0) : avx2 ? 0 : (size_t)Kp;
     Job job = {xq, sa, qsum, M, Kp, N, w, gp, group, s1, rowsum, zs1, bias, y, out_bf16};
     int failed = 0;
     #pragma omp parallel num_threads(threads > 0 ? threads : 1) if (M * N * K > (1 << 18))
@@ -473,6 +479,7 @@ int w4a8_gemm(const void *x, int x_bf16, int x_mode, const void *delta, const vo
             }
 #if HAVE_SIMD
             if (simd) { quantize_row_avx512(xm, bf16, K, Kp, xq + m * Kp, sa + m, qsum + m); continue; }
+            if (avx2) { quantize_row_avx2(xm, bf16, K, Kp, xq + m * Kp, sa + m, qsum + m); continue; }
 #endif
             quantize_row_scalar(xm, bf16, K, Kp, xq + m * Kp, sa + m, qsum + m);
         }
@@ -486,6 +493,7 @@ int w4a8_gemm(const void *x, int x_bf16, int x_mode, const void *delta, const vo
 #if HAVE_SIMD
             if (amx) blocks_amx(&job, lo, hi, mine);
             else if (simd) blocks_simd(&job, lo, hi, mine);
+            else if (avx2) blocks_avx2(&job, lo, hi);
             else
 #endif
                 blocks_scalar(&job, lo, hi, (int8_t *)mine);

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from qoqserve.kernels import qoq_ref
-from qoqserve.kernels.cpu import graph, isa
+from qoqserve.kernels.cpu import graph
+from qoqserve.kernels.cpu import isa as cpu_isa
 from qoqserve.kernels.cpu.build import load_library, runtime_dispatch_flags
 from qoqserve.kernels.cpu.weight_layout import interleave_tiles
 
@@ -28,7 +29,7 @@ _SIGNATURES = {
 }
 BLOCK_N, OCTET_K = 16, 8
 DTYPES = (torch.float32, torch.bfloat16)  # of the input and output
-ISA_ENV = isa.ENV
+ISA_ENV = cpu_isa.ENV
 _ERRORS = {-1: "could not allocate its scratch buffers", -2: "AVX-512 VNNI (or AMX) is not available on this CPU",
            -3: "got a group size or K its layout does not allow", -4: "got an unknown input mode"}
 X_PLAIN, X_SILU, X_NORM = 0, 1, 2  # how the kernel makes its input rows (w4a8_gemm.c)
@@ -70,26 +71,26 @@ def available() -> bool:
     return load() is not None
 
 
-ISAS = ("scalar", "avx512-vnni", "amx")  # by the kernel's simd level 0, 1, 2
+ISAS = ("scalar", "avx2", "avx512-vnni", "amx")  # by the kernel's simd level 0, 1, 2, 3
 
 
 def isa() -> str:
     """The code path calls take: "amx" (AMX-INT8 tiles for calls of 12+ rows,
-    AVX-512 VNNI below), "avx512-vnni" or "scalar". QOQSERVE_CPU_ISA caps what
-    every CPU kernel may use: scalar, avx512 (F/BW/VL/DQ without VNNI: this
-    kernel's scalar path, the attention kernels' AVX-512 one), avx512-vnni
-    (no AMX) or amx; the last two are errors where the CPU lacks them."""
-    want = isa.requested()
-    if want in ("avx2", "avx512"):
-        want = "scalar"  # no VNNI: the only other path here
+    AVX-512 VNNI below), "avx512-vnni", "avx2" or "scalar": the CPU's best
+    under the QOQSERVE_CPU_ISA cap (kernels/cpu/isa.py; avx512, AVX-512
+    without VNNI, is avx2 here). Naming avx512-vnni or amx where the CPU lacks
+    it is an error."""
+    want = cpu_isa.requested()
+    if want == "avx512":
+        want = "avx2"
     lib = load()
     if lib is None:
         raise RuntimeError("the packed W4A8 kernel could not be built here (no C compiler? see the log)")
     have = int(lib.w4a8_gemm_simd())
-    if want in ISAS[1:] and have < ISAS.index(want):
+    if want in ISAS[2:] and have < ISAS.index(want):
         raise RuntimeError(f"{ISA_ENV}={want}, but this CPU lacks "
                            + ("AMX-INT8 (or the kernel its tile state)" if want == "amx" else "AVX-512 F/BW/VL/VNNI"))
-    return ISAS[min(have, ISAS.index(want)) if want in ISAS else have]
+    return ISAS[have if want is None else min(have, ISAS.index(want))]
 
 
 def simd_level() -> int:
@@ -140,7 +141,7 @@ def w4a8_linear(x2: torch.Tensor, codes: torch.Tensor, gparams: torch.Tensor | N
     """x2 [M, K] fp32/bf16 -> [M, n] in x2's dtype on the repacked codes: per-token
     INT8 x2, then acc * s_a * s1 (- rowsum * zs1) (+ bias). s1, zs1, bias: fp32 [n];
     rowsum: fp32 [M] of the unquantized rows (per channel). simd: the path,
-    0 scalar, 1 VNNI, 2 AMX (ISAS); None = isa()'s."""
+    0 scalar, 1 AVX2, 2 VNNI, 3 AMX (ISAS); None = isa()'s."""
     x2 = x2.contiguous()
     m, k = x2.shape
     if codes.shape[1] * OCTET_K < k or codes.shape[0] * BLOCK_N < n:

@@ -166,7 +166,7 @@ class QoQPackedMethod(QoQLinearMethod):
     def __init__(self, group_size: int, cpu_ops: bool = False, fused: bool = False):
         super().__init__(group_size, cpu_ops)
         # the path its calls take (capped by QOQSERVE_CPU_ISA; scalar on CPUs without VNNI)
-        self.name += {"amx": "+amx", "avx512-vnni": "+vnni"}.get(w4a8_gemm.isa(), "+scalar")
+        self.name += {"amx": "+amx", "avx512-vnni": "+vnni", "avx2": "+avx2"}.get(w4a8_gemm.isa(), "+scalar")
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         super().process_weights_after_loading(layer)
