@@ -1,6 +1,8 @@
 """The C kernels of the CPU path against their torch references."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from conftest import make_pages, page_layout
@@ -121,7 +123,35 @@ from qoqserve.layers.quantization.int8_gemm import PackedInt8Gemm, int8_linear  
 
 
 def test_the_fused_kernel_builds_here():
-    assert fused.available()  # this CPU has AVX-512 VNNI, as CI's does: no silent fallback
+    # every x86-64 CPU CI runs on has AVX2 or AVX-512 VNNI: no silent fallback
+    assert fused.available()
+    flags = set(open("/proc/cpuinfo").read().split())
+    assert fused.isa() == ("avx512-vnni" if {"avx512f", "avx512bw", "avx512_vnni"} <= flags else "avx2")
+
+
+def test_the_avx2_build_is_bit_identical_to_the_reference(monkeypatch):
+    """The AVX2 loops, built as for a CPU without AVX-512 (-march=x86-64-v3
+    after -march=native), on CPUs with AVX-512 too."""
+    import ctypes
+
+    from qoqserve.kernels.cpu import build
+    if "avx2" not in open("/proc/cpuinfo").read().split():
+        pytest.skip("this CPU lacks AVX2")
+    lib = ctypes.CDLL(build._build(fused.__file__.replace(".py", ".c"), ["-ffp-contract=off", "-march=x86-64-v3"]))
+    for fn_name, (restype, argtypes) in fused._SIGNATURES.items():
+        getattr(lib, fn_name).restype, getattr(lib, fn_name).argtypes = restype, argtypes
+    assert lib.int8_linear_available() == 1
+    monkeypatch.setattr(fused, "load", lambda: lib)
+    assert fused.isa() == "avx2"
+    for (m, n, k), channel, dtype in itertools.product(((1, 576, 576), (5, 17, 13), (7, 100, 60), (33, 200, 1536)),
+                                                       (False, True), (torch.float32, torch.bfloat16)):
+        w, s1, zeros, bias = _int8_case(n, k, channel, seed=m * 1000 + n)
+        x = (torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 3).to(dtype)
+        x[0, : min(k, 4)] = torch.tensor([127.0, 0.5, -0.5, 1.5])[: min(k, 4)].to(dtype)
+        if m > 2:
+            x[2] = 0
+        got = PackedInt8Gemm(w, s1, zeros, bias)(x)
+        assert torch.equal(got, int8_linear(x, w, s1, zeros, bias, cpu_ops=False)), (m, n, k, channel, dtype)
 
 
 def _int8_case(n, k, channel, seed):
@@ -217,6 +247,7 @@ def test_c_kv4_write_is_byte_identical_to_the_torch_layout(dtype, hkv, d):
 def test_w8a8_linear_runs_on_the_fused_kernel_and_matches_its_references():
     import torch.nn.functional as F
 
+    from qoqserve.kernels.cpu import int8_linear as fused_kernel
     from qoqserve.layers.linear import Linear
     from qoqserve.layers.quantization.w8a8 import W8A8LinearMethod
 
@@ -228,7 +259,7 @@ def test_w8a8_linear_runs_on_the_fused_kernel_and_matches_its_references():
         lin.weight.copy_(w)
         lin.bias.copy_(b)
         lin.method.process_weights_after_loading(lin)
-    assert fused.method.describe(fused) == "w8a8/torch-int8+vnni"
+    assert fused.method.describe(fused) == "w8a8/torch-int8" + fused_kernel.suffix()
     assert plain.method.describe(plain) == "w8a8/torch-int8"
     x = torch.randn(7, 80)
     got = fused(x)

@@ -65,17 +65,18 @@ def resolve_kernels(config: EngineConfig) -> str:
 
 
 def packed_w4a8_available() -> bool:
-    """The packed W4A8 kernel builds here and runs its VNNI path, or AMX (its
-    scalar fallback is for checking, slower than the INT8-expanded kernel)."""
+    """The packed W4A8 kernel builds here and runs a vector path: AVX2, AVX-512
+    VNNI or AMX (its scalar fallback is for checking)."""
     return w4a8_gemm.available() and w4a8_gemm.isa() != "scalar"
 
 
 def kernel_choice(config: EngineConfig) -> KernelChoice:
     kernels = resolve_kernels(config)
-    fused = kernels == "cpu" and config.device == "cpu" and fused_int8_available()
+    c_on_cpu = kernels == "cpu" and config.device == "cpu"
+    fused = c_on_cpu and fused_int8_available()
     w4a8 = config.w4a8_backend
     if w4a8 == "auto":
-        w4a8 = "triton" if kernels == "triton" else "packed" if fused and packed_w4a8_available() \
+        w4a8 = "triton" if kernels == "triton" else "packed" if c_on_cpu and packed_w4a8_available() \
             else "torch-int8"
     return KernelChoice(kernels=kernels, w4a8=w4a8, fused_int8=fused)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from qoqserve.kernels.cpu import float_linear
+from qoqserve.kernels.cpu import int8_linear as int8_kernel
 from qoqserve.layers.linear import batch_invariant_linear
 from qoqserve.layers.quantization.int8_gemm import PackedInt8Gemm, int8_linear
 from qoqserve.layers.quantization.w8a8 import quantize_weight_per_channel
@@ -80,7 +81,7 @@ class Int8LogitsHead(LogitsHead):
 
     def __init__(self, fused: bool, cpu_ops: bool):
         self.fused, self.cpu_ops = fused, cpu_ops
-        self.name = "int8" + ("+vnni" if fused else "")
+        self.name = "int8" + (int8_kernel.suffix() if fused else "")
         self._source_ptr = None
 
     def prepare(self, weight: torch.Tensor) -> None:

@@ -4,6 +4,7 @@ load it with ctypes. One failure is logged once; callers fall back to torch."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -41,9 +42,23 @@ def _source_text(source: str) -> bytes:
     return text
 
 
+@functools.lru_cache(maxsize=1)
+def _cpu_identity() -> bytes:
+    """What -march=native builds for: the CPU's feature flags, so that a cache
+    directory shared by machines with different CPUs keeps one build each."""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            for line in f:
+                if line.startswith((b"flags", b"Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor().encode()
+
+
 def _build(source: str, flags: list[str]) -> str:
     all_flags = _BASE_FLAGS + flags
-    tag = hashlib.sha256(_source_text(source) + " ".join(all_flags).encode()).hexdigest()[:16]
+    tag = hashlib.sha256(_source_text(source) + " ".join(all_flags).encode() + _cpu_identity()).hexdigest()[:16]
     out_dir = os.path.join(cache_dir(), "kernels")
     stem = os.path.splitext(os.path.basename(source))[0]
     path = os.path.join(out_dir, f"{stem}-{tag}.so")

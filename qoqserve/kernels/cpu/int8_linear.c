@@ -26,21 +26,22 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#include <immintrin.h>
-
 #define NB 16  /* output channels per weight block: one zmm of int32 */
 #define NR 4   /* weight blocks per tile: of the layout and of the loops (TILE_BLOCKS) */
-#define MR 6   /* rows per tile: 24 accumulators + 4 weights + 1 broadcast of 32 zmm */
-
-int int8_linear_available(void) { return 1; }
-
-#include "int8_act_avx512.h"
 
 typedef struct {
     const int8_t *xq; const float *sa; const int32_t *qsum; int64_t M, Kp, N;
     const uint8_t *w; int offset; const float *s1, *rowsum, *zs1, *bias; void *y; int out_bf16;
 } Job;
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+
+#define MR 6   /* rows per tile: 24 accumulators + 4 weights + 1 broadcast of 32 zmm */
+#define HAVE_INT8 2  /* int8_linear_available(): the VNNI path */
+
+#include "int8_act_avx512.h"
+#define QUANTIZE_ROW quantize_row_avx512
 
 /* The accumulators are named registers, not an array: GCC keeps an array of
  * 24 zmm in registers only by copying them around on every iteration. Each
@@ -110,6 +111,84 @@ AMX_FN static void chunk_amx(const Job *j, int64_t nb0, int nr, int32_t *acc) {
                          j->M - m0 <= 16, b + 1 == nr, STORE_AMX);
 }
 
+#elif defined(__AVX2__)
+/* AVX2 (a CPU without AVX-512 VNNI, built for it by -march=native):
+ * vpmaddubsw multiplies unsigned by signed bytes into pairwise int16 sums.
+ * Signed weights (offset 128) go in as |w| against x_q with w's sign
+ * (vpsignb): a pair is at most 2 * 128 * 127, exact; per-channel codes
+ * (offset 0, 0..15) go in as they are. Both give x_q . w exactly, so no
+ * offset share is taken off. A 64-byte unit is two halves of 8 channels. */
+#include <immintrin.h>
+#include "bf16.h"
+#include "int8_act_avx2.h"
+#define HAVE_INT8 1  /* int8_linear_available(): the AVX2 path */
+#define QUANTIZE_ROW quantize_row_avx2
+
+static inline __m256i bcast4_avx2(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* rows m0..m0+mr-1 (mr 1 or 2) of block nb: x_q . w per channel, then the epilogue */
+static inline __attribute__((always_inline)) void block_rows(const Job *j, int64_t nb, int64_t m0, const int mr) {
+    const int64_t quads = j->Kp / 4, t0 = nb / NR * NR, left = (j->N + NB - 1) / NB - t0;
+    const int64_t step = (left < NR ? left : NR) * 64;
+    const uint8_t *w = j->w + t0 * quads * 64 + (nb - t0) * 64;
+    const int8_t *x0 = j->xq + m0 * j->Kp, *x1 = x0 + (mr > 1 ? j->Kp : 0);
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    const int sign = j->offset == 128;
+    __m256i a00 = _mm256_setzero_si256(), a01 = a00, a10 = a00, a11 = a00;
+    for (int64_t kq = 0; kq < quads; kq++) {
+        const __m256i xv0 = bcast4_avx2(x0 + 4 * kq), xv1 = bcast4_avx2(x1 + 4 * kq);
+        for (int h = 0; h < 2; h++) {
+            __m256i u = _mm256_loadu_si256((const __m256i *)(w + kq * step + 32 * h)), s0 = xv0, s1 = xv1;
+            if (sign) {
+                const __m256i ws = _mm256_xor_si256(u, flip);  /* w + 128 -> w */
+                u = _mm256_abs_epi8(ws);
+                s0 = _mm256_sign_epi8(xv0, ws);
+                s1 = _mm256_sign_epi8(xv1, ws);
+            }
+            const __m256i d0 = _mm256_madd_epi16(_mm256_maddubs_epi16(u, s0), ones);
+            if (h == 0) a00 = _mm256_add_epi32(a00, d0); else a01 = _mm256_add_epi32(a01, d0);
+            if (mr > 1) {
+                const __m256i d1 = _mm256_madd_epi16(_mm256_maddubs_epi16(u, s1), ones);
+                if (h == 0) a10 = _mm256_add_epi32(a10, d1); else a11 = _mm256_add_epi32(a11, d1);
+            }
+        }
+    }
+    const int64_t n0 = nb * NB;
+    for (int i = 0; i < mr; i++) {
+        const int64_t m = m0 + i;
+        char *y = (char *)j->y + (m * j->N + n0) * (j->out_bf16 ? 2 : 4);
+        const int64_t es = j->out_bf16 ? 2 : 4;
+        const float *zs1 = j->zs1 ? j->zs1 + n0 : NULL, *bias = j->bias ? j->bias + n0 : NULL;
+        const float rs = j->rowsum ? j->rowsum[m] : 0.f;
+        store_epilogue8(i ? a10 : a00, j->sa[m], j->s1 + n0, zs1, rs, bias, y, j->out_bf16, j->N - n0);
+        store_epilogue8(i ? a11 : a01, j->sa[m], j->s1 + n0 + 8, zs1 ? zs1 + 8 : NULL, rs, bias ? bias + 8 : NULL,
+                        y + 8 * es, j->out_bf16, j->N - n0 - 8);
+    }
+}
+
+static void run_chunk(const Job *j, int64_t nb0, int64_t nr) {
+    for (int64_t nb = nb0; nb < nb0 + nr; nb++) {
+        int64_t m0 = 0;
+        for (; m0 + 2 <= j->M; m0 += 2) block_rows(j, nb, m0, 2);
+        if (m0 < j->M) block_rows(j, nb, m0, 1);
+    }
+}
+
+static inline int amx_rows(int amx, int64_t M, int64_t Kp) { (void)amx; (void)M; (void)Kp; return 0; }
+static inline int amx_allowed(void) { return 0; }
+static inline void amx_begin(void) {}
+static inline void amx_end(void) {}
+static void chunk_amx(const Job *j, int64_t nb0, int nr, int32_t *acc) { (void)j; (void)nb0; (void)nr; (void)acc; }
+#endif
+
+#ifdef HAVE_INT8
+/* 2: the AVX-512 VNNI path (and AMX where the CPU has it), 1: AVX2 */
+int int8_linear_available(void) { return HAVE_INT8; }
+
 /* 1 where calls of AMX_MIN_ROWS rows or more take the AMX tiles (the CPU has
  * them and QOQSERVE_CPU_ISA does not cap it below) */
 int int8_linear_amx(void) { return amx_allowed(); }
@@ -137,8 +216,8 @@ int int8_linear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *
     #pragma omp parallel num_threads(threads) if (M * N * K > (1 << 18))
     {
         #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) quantize_row_avx512((const char *)x + m * K * (x_bf16 ? 2 : 4), x_bf16,
-                                                     K, Kp, xq + m * Kp, sa + m, qsum + m);
+        for (int64_t m = 0; m < M; m++) QUANTIZE_ROW((const char *)x + m * K * (x_bf16 ? 2 : 4), x_bf16,
+                                               K, Kp, xq + m * Kp, sa + m, qsum + m);
         int32_t acc[256] __attribute__((aligned(64)));
         if (amx) amx_begin();
         #pragma omp for schedule(static)
@@ -148,8 +227,12 @@ int int8_linear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *
                 chunk_amx(&job, nb0, (int)nr, acc);
                 continue;
             }
+#if HAVE_INT8 == 2
             for (int64_t m0 = 0; m0 < M; m0 += MR)
                 run_tile(&job, m0, nb0, M - m0 < MR ? (int)(M - m0) : MR, (int)nr);
+#else
+            run_chunk(&job, nb0, nr);
+#endif
         }
         if (amx) amx_end();
     }

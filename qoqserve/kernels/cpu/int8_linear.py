@@ -1,8 +1,8 @@
 """The fused INT8 linear of the CPU path (int8_linear.c), via ctypes: weights
 packed once at load for AVX-512 VNNI (and, as they are, AMX-INT8 for calls of
-many rows), then quantize + GEMM + epilogue in one call. Where the CPU or
-compiler lacks VNNI, `available()` is False and the caller keeps the
-torch._int_mm path."""
+many rows) or for AVX2 (the same layout), then quantize + GEMM + epilogue in
+one call. Where the CPU or compiler has neither, `available()` is False and
+the caller keeps the torch._int_mm path."""
 from __future__ import annotations
 
 import ctypes
@@ -31,6 +31,17 @@ def load():
 
 def available() -> bool:
     return load() is not None
+
+
+def isa() -> str:
+    """The path the fused kernel runs here: "avx512-vnni" (AMX for calls of
+    12+ rows where uses_amx()) or "avx2"."""
+    return {2: "avx512-vnni", 1: "avx2"}[int(load().int8_linear_available())]
+
+
+def suffix() -> str:
+    """The path as the linear methods' names show it."""
+    return "+vnni" if isa() == "avx512-vnni" else "+avx2"
 
 
 def uses_amx() -> bool:

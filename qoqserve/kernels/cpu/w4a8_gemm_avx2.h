@@ -11,91 +11,21 @@
  * per channel x_q . u is the accumulator and the epilogue takes the zero
  * point off. A unit's 64 bytes are two 256-bit halves, channels 0..7 and
  * 8..15 of the block.
- *
- * The activation quantizer and the epilogue compute the scalar code's
- * operations in its order (IEEE division, round to nearest even, the same
- * NaN picks of max/min), 8 lanes at once: the same bits. */
+ * The activation quantizer and the epilogue are int8_act_avx2.h's. */
 #define AVX2 __attribute__((target("avx2,fma")))
+#define AVX2_FN AVX2
+#include "int8_act_avx2.h"
 
 static int avx2_supported(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") != 0;
 }
 
-AVX2 static inline __m256 load8_f32(const void *x, int bf16, int64_t i, int64_t n) {
-    if (n < 8) {
-        float tmp[8] = {0};
-        for (int64_t e = 0; e < n; e++) tmp[e] = bf16 ? bf16_to_float(((const uint16_t *)x)[i + e]) : ((const float *)x)[i + e];
-        return _mm256_loadu_ps(tmp);
-    }
-    if (bf16) {
-        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + i));
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    }
-    return _mm256_loadu_ps((const float *)x + i);
-}
-
-/* quantize_row_scalar's numbers; padding lanes are zeros (|0| and 0/s = 0) */
-AVX2 static void quantize_row_avx2(const void *x, int bf16, int64_t K, int64_t Kp, int8_t *q, float *scale,
-                                   int32_t *qsum) {
-    const __m256 sign = _mm256_set1_ps(-0.f);
-    __m256 amax = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 8)  /* max(v, a) keeps a on NaN, as the scalar max */
-        amax = _mm256_max_ps(_mm256_andnot_ps(sign, load8_f32(x, bf16, k, K - k)), amax);
-    float lanes[8], a = 0.f;
-    _mm256_storeu_ps(lanes, amax);
-    for (int l = 0; l < 8; l++) a = lanes[l] > a ? lanes[l] : a;
-    const float s = a > 0.f ? a / 127.f : 1.f;
-    const __m256 vs = _mm256_set1_ps(s), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
-    __m256i sum = _mm256_setzero_si256();
-    int64_t k = 0;
-    for (; k + 8 <= K; k += 8) {
-        __m256 r = _mm256_round_ps(_mm256_div_ps(load8_f32(x, bf16, k, 8), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        __m256i c = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));  /* NaN -> -127, as the scalar */
-        sum = _mm256_add_epi32(sum, c);
-        __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
-        _mm_storel_epi64((__m128i *)(q + k), _mm_packs_epi16(w16, w16));
-    }
-    int32_t part[8], total = 0;
-    _mm256_storeu_si256((__m256i *)part, sum);
-    for (int l = 0; l < 8; l++) total += part[l];
-    for (; k < K; k++) {
-        const float v = bf16 ? bf16_to_float(((const uint16_t *)x)[k]) : ((const float *)x)[k];
-        float r = nearbyintf(v / s);
-        r = r > -127.f ? r : -127.f;
-        r = r < 127.f ? r : 127.f;
-        q[k] = (int8_t)r;
-        total += (int32_t)r;
-    }
-    memset(q + K, 0, (size_t)(Kp - K));
-    *scale = s;
-    *qsum = total;
-}
-
 /* epilogue_scalar for channels n0..n0+7 of row m (those below N stored) */
 AVX2 static inline void store8(const Job *j, int64_t m, int64_t n0, __m256i acc) {
-    const int64_t n = j->N - n0 < 8 ? j->N - n0 : 8;
-    if (n <= 0) return;
-    float s1[8] = {0}, zs1[8] = {0}, bias[8] = {0}, out[8];
-    const float *ps1 = j->s1 + n0, *pzs1 = j->zs1 ? j->zs1 + n0 : NULL, *pb = j->bias ? j->bias + n0 : NULL;
-    if (n < 8) {  /* the ragged last block: copies, so no load passes N */
-        memcpy(s1, ps1, (size_t)n * 4);
-        if (pzs1) memcpy(zs1, pzs1, (size_t)n * 4);
-        if (pb) memcpy(bias, pb, (size_t)n * 4);
-        ps1 = s1, pzs1 = pzs1 ? zs1 : NULL, pb = pb ? bias : NULL;
-    }
-    __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(j->sa[m])), _mm256_loadu_ps(ps1));
-    if (pzs1) v = _mm256_sub_ps(v, _mm256_mul_ps(_mm256_set1_ps(j->rowsum[m]), _mm256_loadu_ps(pzs1)));
-    if (pb) v = _mm256_add_ps(v, _mm256_loadu_ps(pb));
-    if (!j->out_bf16 && n == 8) {
-        _mm256_storeu_ps((float *)j->y + m * j->N + n0, v);
-        return;
-    }
-    _mm256_storeu_ps(out, v);
-    for (int64_t e = 0; e < n; e++) {
-        if (j->out_bf16) ((uint16_t *)j->y)[m * j->N + n0 + e] = float_to_bf16(out[e]);
-        else ((float *)j->y)[m * j->N + n0 + e] = out[e];
-    }
+    store_epilogue8(acc, j->sa[m], j->s1 + n0, j->zs1 ? j->zs1 + n0 : NULL, j->rowsum ? j->rowsum[m] : 0.f,
+                    j->bias ? j->bias + n0 : NULL, (char *)j->y + (m * j->N + n0) * (j->out_bf16 ? 2 : 4),
+                    j->out_bf16, j->N - n0);
 }
 
 AVX2 static inline int32_t sum_i8_avx2(const int8_t *x, int64_t n) {  /* n a multiple of 8 */

@@ -42,7 +42,7 @@ def int8_linear(x: torch.Tensor, w_int8: torch.Tensor, s1: torch.Tensor, zeros: 
 
 
 def fused_int8_available() -> bool:
-    """The fused C kernel builds and this CPU has AVX-512 VNNI."""
+    """The fused C kernel builds, for AVX-512 VNNI or AVX2."""
     return kernel.available()
 
 

@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 
 from qoqserve.kernels import qoq_ref
+from qoqserve.kernels.cpu import int8_linear as int8_kernel
 from qoqserve.kernels.cpu import w4a8_gemm
 from qoqserve.kernels.cpu.w4a8_gemm import NormInput, PackedW4A8Gemm, SiluMulInput
 from qoqserve.layers.linear import Linear, LinearMethod, add_param
@@ -127,7 +128,7 @@ class QoQInt8Method(QoQLinearMethod):
         super().__init__(group_size, cpu_ops)
         self.fused = fused and cpu_ops
         if self.fused:
-            self.name += "+vnni"  # the fused C kernel, not the 3-pass path
+            self.name += int8_kernel.suffix()  # the fused C kernel, not the 3-pass path
         elif cpu_ops:
             self.name += "+c"
 
@@ -165,7 +166,7 @@ class QoQPackedMethod(QoQLinearMethod):
 
     def __init__(self, group_size: int, cpu_ops: bool = False, fused: bool = False):
         super().__init__(group_size, cpu_ops)
-        # the path its calls take (capped by QOQSERVE_CPU_ISA; scalar on CPUs without VNNI)
+        # the path its calls take (capped by QOQSERVE_CPU_ISA; scalar on CPUs without AVX2)
         self.name += {"amx": "+amx", "avx512-vnni": "+vnni", "avx2": "+avx2"}.get(w4a8_gemm.isa(), "+scalar")
 
     def process_weights_after_loading(self, layer: Linear) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from qoqserve.kernels.cpu import int8_linear as int8_kernel
 from qoqserve.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod
 from qoqserve.layers.quantization.base import KernelChoice, QuantizationConfig
 from qoqserve.layers.quantization.int8_gemm import install_packed_gemm, int8_linear
@@ -30,7 +31,7 @@ class W8A8LinearMethod(UnquantizedLinearMethod):
     def __init__(self, cpu_ops: bool = False, fused: bool = False):
         self.cpu_ops = cpu_ops
         self.fused = fused and cpu_ops
-        self.name = "w8a8/torch-int8" + ("+vnni" if self.fused else "+c" if cpu_ops else "")
+        self.name = "w8a8/torch-int8" + (int8_kernel.suffix() if self.fused else "+c" if cpu_ops else "")
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         w_int8, scale = quantize_weight_per_channel(layer.weight.detach())
