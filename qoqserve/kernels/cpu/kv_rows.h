@@ -12,6 +12,16 @@
 
 enum { KV_INT4 = 0, KV_INT8 = 1, KV_F16 = 2, KV_BF16 = 3, KV_F32 = 4 };
 
+/* The portable path's task functions, built twice on x86-64: for the
+ * baseline CPU and for x86-64-v3 (AVX2 + FMA, where its loops vectorize 8
+ * wide), the loader picking one for the CPU it runs on. CPUs with AVX-512
+ * take the intrinsics path instead. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define PORTABLE_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define PORTABLE_CLONES
+#endif
+
 static inline float kv_half(const uint8_t *p) { return half_to_float((uint16_t)(p[0] | (p[1] << 8))); }
 
 /* one row (a token's K or V of one head) -> x[D], dequantized */
@@ -44,12 +54,33 @@ static inline void row_scalar(const uint8_t *r, int fmt, int D, float *x) {
     }
 }
 
+/* 2^x for x <= 0, kv_rows_avx512.h's exp2_ps in plain C, so that the
+ * compiler vectorizes it where a loop calls it (libm's exp2f is a call per
+ * value): x = n + r exactly (|r| <= 1/2), the same degree-7 Taylor of
+ * e^(r ln 2), 2^n as exponent bits; below 2^-126 it stays at 2^-126 * p. */
+static inline float exp2_poly(float x) {
+    x = x > -126.f ? x : -126.f;  /* NaN and -inf too */
+    const float n = nearbyintf(x), r = x - n;
+    float p = 1.525273380405984e-05f;
+    p = p * r + 1.5403530393381608e-04f;
+    p = p * r + 1.3333558146428443e-03f;
+    p = p * r + 9.618129107628477e-03f;
+    p = p * r + 5.550410866482158e-02f;
+    p = p * r + 2.402265069591007e-01f;
+    p = p * r + 6.931471805599453e-01f;
+    p = p * r + 1.f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
 /* One query row (q, already in log2 units) over n converted rows k[n][D],
  * v[n][D]: its online softmax (running max m, sum l, unnormalized acc[D])
  * moves on by those rows, in one fixed order. */
 static inline void softmax_step_scalar(const float *q, const float *k, const float *v, int n, int D, float *m,
                                        float *l, float *acc) {
-    float sc[16], mx = -INFINITY;  /* n <= 16: the kernels step 16 rows at a time */
+    float sc[16], e[16], mx = -INFINITY;  /* n <= 16: the kernels step 16 rows at a time */
     for (int i = 0; i < n; i++) {
         float dot = 0.f;
         for (int d = 0; d < D; d++) dot += q[d] * k[i * D + d];
@@ -57,15 +88,15 @@ static inline void softmax_step_scalar(const float *q, const float *k, const flo
         mx = dot > mx ? dot : mx;
     }
     if (mx > *m) {  /* rescale what was summed under the old max */
-        const float a = exp2f(*m - mx);
+        const float a = exp2_poly(*m - mx);
         *l *= a;
         for (int d = 0; d < D; d++) acc[d] *= a;
         *m = mx;
     }
+    for (int i = 0; i < n; i++) e[i] = exp2_poly(sc[i] - *m);  /* one vector loop */
     for (int i = 0; i < n; i++) {
-        const float e = exp2f(sc[i] - *m);
-        *l += e;
-        for (int d = 0; d < D; d++) acc[d] += e * v[i * D + d];
+        *l += e[i];
+        for (int d = 0; d < D; d++) acc[d] += e[i] * v[i * D + d];
     }
 }
 #endif

@@ -71,7 +71,7 @@ static inline int64_t scratch_floats(const job *j) {
 
 /* ---- the portable path ------------------------------------------------------ */
 
-static void chunk_scalar(const job *j, int b, int c, float *s) {
+PORTABLE_CLONES static void chunk_scalar(const job *j, int b, int c, float *s) {
     const int D = j->D, G = j->G, H = j->H, bs = j->bs;
     float *q = s, *acc = q + (int64_t)H * D, *kr = acc + (int64_t)H * D, *vr = kr + BLOCK * D;
     float *m = vr + BLOCK * D, *l = m + H;

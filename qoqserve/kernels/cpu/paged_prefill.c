@@ -54,7 +54,7 @@ static inline int64_t scratch_floats(const pjob *j) {
 
 /* ---- the portable path ------------------------------------------------------ */
 
-static void task_scalar(const pjob *j, int s, int h, int t0, int t1, float *buf) {
+PORTABLE_CLONES static void task_scalar(const pjob *j, int s, int h, int t0, int t1, float *buf) {
     const int D = j->D, G = j->G, R = (t1 - t0) * G;
     float *q = buf, *acc = q + (int64_t)R * D, *m = acc + (int64_t)R * D, *l = m + R;
     float *kr = l + R, *vr = kr + TILE * D;

@@ -10,7 +10,7 @@
  * accumulator, the same integer as the expanded operand's sum (tile_codes);
  * per channel x_q . u is the accumulator and the epilogue takes the zero
  * point off. A unit's 64 bytes are two 256-bit halves, channels 0..7 and
- * 8..15 of the block.
+ * 8..15 of the block; a half's unpacked codes serve four rows at a time.
  * The activation quantizer and the epilogue are int8_act_avx2.h's. */
 #define AVX2 __attribute__((target("avx2,fma")))
 #define AVX2_FN AVX2
@@ -42,75 +42,60 @@ AVX2 static inline int32_t sum_i8_avx2(const int8_t *x, int64_t n) {  /* n a mul
     return (int32_t)s;
 }
 
-/* One weight block (16 channels) for rows m0..m0+mr-1 (mr 1 or 2): the two
- * halves' int32 sums per row. Per group: g = x_q . u, then t += s2*(g - z*xs). */
-AVX2 static inline __attribute__((always_inline)) void block_rows(const Job *j, int64_t nb, int64_t m0, const int mr) {
+/* Half h (channels 8h..8h+7) of weight block nb for rows m0..m0+mr-1 (mr
+ * 1..4: the unpacked codes serve every row). Per group: g = x_q . u, then
+ * t += s2 * (g - z * xs). */
+AVX2 static inline __attribute__((always_inline)) void half_rows(const Job *j, int64_t nb, int h, int64_t m0,
+                                                                 const int mr) {
     const int64_t Kp = j->Kp, octets = Kp / 8, grouped = j->gp != NULL;
     const int64_t per_group = grouped ? j->group / 8 : octets, groups = octets / per_group;
     int64_t wstep, gstep = 0;
-    const uint8_t *w = tiled(j->w, j, nb, octets, 64, &wstep);
-    const uint8_t *g = grouped ? tiled(j->gp, j, nb, groups, NB, &gstep) : NULL;
-    const int8_t *x0 = j->xq + m0 * Kp, *x1 = x0 + (mr > 1 ? Kp : 0);
+    const uint8_t *w = tiled(j->w, j, nb, octets, 64, &wstep) + 32 * h;
+    const uint8_t *g = grouped ? tiled(j->gp, j, nb, groups, NB, &gstep) + 8 * h : NULL;
+    const int8_t *x = j->xq + m0 * Kp;
     const __m256i nib = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     const __m256i one = _mm256_set1_epi32(1), low4 = _mm256_set1_epi32(15);
-    __m256i t00 = _mm256_setzero_si256(), t01 = t00, t10 = t00, t11 = t00;
+    __m256i t[4], acc[4];
+    for (int i = 0; i < mr; i++) t[i] = _mm256_setzero_si256();
     for (int64_t gi = 0; gi < groups; gi++) {
-        __m256i g00 = _mm256_setzero_si256(), g01 = g00, g10 = g00, g11 = g00;
+        for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_si256();
         for (int64_t p = gi * per_group; p < (gi + 1) * per_group; p++) {
-            const uint8_t *unit = w + p * wstep;
-            int32_t xa, xb;
-            memcpy(&xa, x0 + 8 * p, 4);
-            memcpy(&xb, x0 + 8 * p + 4, 4);
-            const __m256i xl0 = _mm256_set1_epi32(xa), xh0 = _mm256_set1_epi32(xb);
-            __m256i xl1 = xl0, xh1 = xh0;
-            if (mr > 1) {
-                memcpy(&xa, x1 + 8 * p, 4);
-                memcpy(&xb, x1 + 8 * p + 4, 4);
-                xl1 = _mm256_set1_epi32(xa), xh1 = _mm256_set1_epi32(xb);
-            }
-            for (int h = 0; h < 2; h++) {
-                const __m256i pk = _mm256_loadu_si256((const __m256i *)(unit + 32 * h));
-                const __m256i lo = _mm256_and_si256(pk, nib), hi = _mm256_and_si256(_mm256_srli_epi16(pk, 4), nib);
-                const __m256i d0 = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xl0),
-                                                                      _mm256_maddubs_epi16(hi, xh0)), ones);
-                if (h == 0) g00 = _mm256_add_epi32(g00, d0); else g01 = _mm256_add_epi32(g01, d0);
-                if (mr > 1) {
-                    const __m256i d1 = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xl1),
-                                                                          _mm256_maddubs_epi16(hi, xh1)), ones);
-                    if (h == 0) g10 = _mm256_add_epi32(g10, d1); else g11 = _mm256_add_epi32(g11, d1);
-                }
+            const __m256i pk = _mm256_loadu_si256((const __m256i *)(w + p * wstep));
+            const __m256i lo = _mm256_and_si256(pk, nib), hi = _mm256_and_si256(_mm256_srli_epi16(pk, 4), nib);
+            for (int i = 0; i < mr; i++) {
+                int32_t xa, xb;
+                memcpy(&xa, x + i * Kp + 8 * p, 4);
+                memcpy(&xb, x + i * Kp + 8 * p + 4, 4);
+                const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xa)),
+                                                     _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xb)));
+                acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(s16, ones));
             }
         }
         if (!grouped) {
-            t00 = g00, t01 = g01, t10 = g10, t11 = g11;
+            for (int i = 0; i < mr; i++) t[i] = acc[i];
             break;
         }
-        const uint8_t *gb = g + gi * gstep;
-        const __m256i da = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)gb));
-        const __m256i db = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(gb + 8)));
-        const __m256i sa2 = _mm256_add_epi32(_mm256_srli_epi32(da, 4), one), za = _mm256_and_si256(da, low4);
-        const __m256i sb2 = _mm256_add_epi32(_mm256_srli_epi32(db, 4), one), zb = _mm256_and_si256(db, low4);
-        const __m256i xs0 = _mm256_set1_epi32(sum_i8_avx2(x0 + gi * j->group, j->group));
-        t00 = _mm256_add_epi32(t00, _mm256_mullo_epi32(sa2, _mm256_sub_epi32(g00, _mm256_mullo_epi32(za, xs0))));
-        t01 = _mm256_add_epi32(t01, _mm256_mullo_epi32(sb2, _mm256_sub_epi32(g01, _mm256_mullo_epi32(zb, xs0))));
-        if (mr > 1) {
-            const __m256i xs1 = _mm256_set1_epi32(sum_i8_avx2(x1 + gi * j->group, j->group));
-            t10 = _mm256_add_epi32(t10, _mm256_mullo_epi32(sa2, _mm256_sub_epi32(g10, _mm256_mullo_epi32(za, xs1))));
-            t11 = _mm256_add_epi32(t11, _mm256_mullo_epi32(sb2, _mm256_sub_epi32(g11, _mm256_mullo_epi32(zb, xs1))));
+        const __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(g + gi * gstep)));
+        const __m256i s2 = _mm256_add_epi32(_mm256_srli_epi32(d, 4), one), z = _mm256_and_si256(d, low4);
+        for (int i = 0; i < mr; i++) {
+            const __m256i xs = _mm256_set1_epi32(sum_i8_avx2(x + i * Kp + gi * j->group, j->group));
+            t[i] = _mm256_add_epi32(t[i], _mm256_mullo_epi32(s2, _mm256_sub_epi32(acc[i], _mm256_mullo_epi32(z, xs))));
         }
     }
-    store8(j, m0, nb * NB, t00);
-    store8(j, m0, nb * NB + 8, t01);
-    if (mr > 1) {
-        store8(j, m0 + 1, nb * NB, t10);
-        store8(j, m0 + 1, nb * NB + 8, t11);
-    }
+    for (int i = 0; i < mr; i++) store8(j, m0 + i, nb * NB + 8 * h, t[i]);
 }
 
 AVX2 static void blocks_avx2(const Job *j, int64_t nb_lo, int64_t nb_hi) {
-    for (int64_t nb = nb_lo; nb < nb_hi; nb++) {
-        int64_t m0 = 0;
-        for (; m0 + 2 <= j->M; m0 += 2) block_rows(j, nb, m0, 2);
-        if (m0 < j->M) block_rows(j, nb, m0, 1);
-    }
+    for (int64_t nb = nb_lo; nb < nb_hi; nb++)
+        for (int h = 0; h < 2; h++) {
+            if (nb * NB + 8 * h >= j->N) break;  /* a half wholly past N */
+            int64_t m0 = 0;
+            for (; m0 + 4 <= j->M; m0 += 4) half_rows(j, nb, h, m0, 4);
+            switch (j->M - m0) {
+            case 3: half_rows(j, nb, h, m0, 3); break;
+            case 2: half_rows(j, nb, h, m0, 2); break;
+            case 1: half_rows(j, nb, h, m0, 1); break;
+            default: break;
+            }
+        }
 }
