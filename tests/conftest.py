@@ -15,6 +15,15 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cpu_kernels_built():
+    """Every C kernel built up front, on all cores (else each test that first
+    calls one pays for its build, one compiler at a time)."""
+    from qoqserve.kernels.cpu import prebuild
+
+    prebuild.build_all()
+
+
 @pytest.fixture(scope="session")
 def default_gguf_path() -> str:
     """Path of the embedded SmolLM2-135M-Instruct Q4_1 GGUF.

@@ -283,3 +283,38 @@ def test_the_package_ships_every_c_kernel_source():
     assert sources
     for src in sources:
         assert any(fnmatch.fnmatch(src, pat) for pat in patterns), src
+
+
+def test_prebuild_builds_every_c_kernel_of_the_package():
+    import pathlib
+
+    from qoqserve.kernels.cpu import prebuild
+
+    sources = {p.stem for p in pathlib.Path(prebuild.__file__).parent.glob("*.c")}
+    built = prebuild.build_all()
+    assert set(built) == sources  # each .c has its loader module, and each is built
+    assert all(built.values()), built  # a compiler is part of the set-up: none falls back
+
+
+def test_two_kernels_build_at_the_same_time(monkeypatch, tmp_path):
+    """One lock per library, not one for all: two first builds overlap (a shared
+    lock would leave the second waiting and the barrier would time out)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from qoqserve.kernels.cpu import build
+
+    barrier = threading.Barrier(2, timeout=20)
+    real_build = build._build
+
+    def build_meeting_the_other(source, flags):
+        barrier.wait()
+        return real_build(source, flags)
+
+    monkeypatch.setattr(build, "_build", build_meeting_the_other)
+    for name in ("token_mask", "kv4_write"):
+        monkeypatch.delitem(build._libs, name, raising=False)
+    sigs = {"token_mask": {}, "kv4_write": {}}
+    with ThreadPoolExecutor(2) as pool:
+        libs = list(pool.map(lambda n: build.load_library(n, [], sigs[n]), sigs))
+    assert all(lib is not None for lib in libs)

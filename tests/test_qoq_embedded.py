@@ -1,12 +1,14 @@
 """The embedded model as a QoQ W4A8KV4 checkpoint through the real runtime."""
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from test_engine import GREEDY, batch_prompts
 
 from qoqserve.eval.perplexity import LICENSE_TEXTS, perplexity, read_texts
 from qoqserve.llm import LLM
+from qoqserve.paths import cache_dir
 from qoqserve.quant.calibration import load_calibration
 from qoqserve.quant.checkpoint import save_checkpoint
 from qoqserve.quant.config import get_preset
@@ -105,6 +107,11 @@ def test_plain_qoqserve_serve_runs_the_cached_qoq_checkpoint(quantized, tmp_path
     cached = tmp_path / "SmolLM2-135M-Instruct-qoq-g64"
     shutil.copytree(path, cached)
     _stamp_as_current(cached)
+    # the cache also holds the built C kernels: reuse them (a rebuild of all of
+    # them is half a minute on a slow 2-core machine and tests nothing here)
+    kernels = Path(cache_dir(), "kernels")
+    if kernels.is_dir():
+        (tmp_path / "kernels").symlink_to(kernels, target_is_directory=True)
     srv = ServerProcess(["--max-model-len", "512", "--kv-cache-gb", "0.05"],
                         env={"QOQSERVE_CACHE": str(tmp_path)})
     try:

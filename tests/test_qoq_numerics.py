@@ -140,6 +140,23 @@ def test_weight_quantizer_column_path_matches_rtn(g):
     assert torch.equal(torch.stack(cols, 1), deq)
 
 
+@pytest.mark.parametrize("g,searched", [(0, False), (64, False), (64, True)])
+def test_quantize_all_is_the_column_path_in_one_pass(g, searched):
+    from qoqserve.quant.group_search import search_group_params
+
+    w = adversarial_weights(128) * torch.linspace(0.5, 3.0, 128)  # rows of different ranges
+    params = (lambda x, col: search_group_params(x)) if searched else None
+    by_column = Q.WeightQuantizer(w, g, group_params=params)
+    for c in range(w.shape[1]):
+        if g and c % g == 0:
+            by_column.prepare_group(c, w[:, c:c + g])
+        by_column.quant_dequant(c, w[:, c])
+    one_pass = Q.WeightQuantizer(w, g, group_params=params).quantize_all(w)
+    assert torch.equal(one_pass.u, by_column.u) and torch.equal(one_pass.s1, by_column.s1)
+    assert torch.equal(one_pass.z, by_column.result().z)
+    assert one_pass.u.float().std() > 1  # not a degenerate all-equal code matrix
+
+
 def test_activation_quant():
     torch.manual_seed(1)
     x = torch.randn(5, 3, 64) * torch.rand(5, 3, 1) * 10

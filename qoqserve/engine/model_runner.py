@@ -13,6 +13,7 @@ from qoqserve.engine.captured_step import CapturedDecode, default_capture_sizes
 from qoqserve.engine.parallel_world import ParallelWorld
 from qoqserve.engine.scheduler import ScheduledBatch
 from qoqserve.engine.staging import HostStaging
+from qoqserve.kernels.cpu import prebuild
 from qoqserve.kernels.cpu.one_shot import OneShotSteps
 from qoqserve.layers.attention import AttentionMetadata
 from qoqserve.layers.kv_cache import KVCacheLayout
@@ -107,6 +108,8 @@ class ModelRunner:
         tp = world.tp if world is not None else SINGLE
         # this rank's pages hold only the KV heads it computes
         _, local_kv = tp.kv_heads(arch.num_kv_heads, arch.num_heads)
+        if self.device.type == "cpu":
+            prebuild.build_all()  # before the backends ask which kernels this CPU has
         self.backends = select_backends(config, dataclasses.replace(arch, num_kv_heads=local_kv),
                                         quant or UnquantizedConfig())
         self.attention = self.backends.attention

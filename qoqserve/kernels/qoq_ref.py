@@ -214,10 +214,17 @@ class WeightQuantizer:
         return s1 * (u - self.z)
 
     def quantize_all(self, w: torch.Tensor):
-        """Round-to-nearest with this quantizer's group params (no error feedback)."""
+        """Round-to-nearest with this quantizer's group params (no error feedback):
+        quant_dequant of every column, as one elementwise pass (same bits)."""
         self.prepare_all_groups(w)
-        for c in range(w.shape[1]):
-            self.quant_dequant(c, w[:, c])
+        x = w.float() / self._s1f[:, None]
+        if self.group_size:
+            s2 = self.s2.repeat_interleave(self.group_size, dim=1)
+            z = self.z.repeat_interleave(self.group_size, dim=1)
+            u = torch.clamp(torch.round(torch.clamp(torch.round(x), -PROTECT, PROTECT) / s2) + z, 0, 15)
+        else:
+            u = torch.clamp(torch.round(x) + self.z[:, None], 0, 15)
+        self.u.copy_(u.to(torch.uint8))
         return self.result()
 
     def result(self):

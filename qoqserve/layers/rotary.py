@@ -27,19 +27,25 @@ class RotaryEmbedding(nn.Module):
                  scaling: dict | None = None):
         super().__init__()
         self.head_dim = head_dim
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        # The table is computed on the CPU whatever the ambient device: the same
+        # values on every device, and on "meta" (shape-only builds) arange and
+        # pow would load torch's Python reference ops, seconds of start-up.
+        device = torch.empty(0).device
+        cpu = torch.device("cpu")
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=cpu).float() / head_dim
+        inv_freq = 1.0 / (theta ** exponents)
         if scaling is not None:
             rtype = scaling.get("rope_type", scaling.get("type"))
             if rtype == "llama3":
                 inv_freq = _llama3_inv_freq(inv_freq, scaling)
             elif rtype == "linear":
                 inv_freq = inv_freq / scaling["factor"]
-        positions = torch.arange(max_positions, dtype=torch.float32)
+        positions = torch.arange(max_positions, dtype=torch.float32, device=cpu)
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         # Kept in fp32; cast per call to the activation dtype as HF does.
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos", emb.cos().to(device), persistent=False)
+        self.register_buffer("sin", emb.sin().to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hk, D], positions: [T]."""

@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from qoqserve.kernels import qoq_ref
+from qoqserve.kernels.cpu import prebuild
 from qoqserve.layers.attention_backends import AttentionBackend
 from qoqserve.layers.kv_cache import DenseKVCacheLayout, Int4KVCacheLayout
 from qoqserve.layers.quantization import QoQConfig
@@ -205,6 +206,8 @@ def quantize_model(source, cfg: QuantConfig, calib: CalibrationSet, device: str 
     of the same config), instead of cfg.rotation's."""
     cfg.check_model(source.arch)
     start = time.perf_counter()
+    if torch.device(device).type == "cpu":
+        prebuild.build_all()
     torch.manual_seed(cfg.seed)
     model = build_fp_model(source, cfg, device, max_positions)
     arch = model.cfg

@@ -20,7 +20,8 @@ from qoqserve.paths import cache_dir
 log = logging.getLogger(__name__)
 
 _BASE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
-_lock = threading.Lock()
+_lock = threading.Lock()  # guards _name_locks; each library has its own, so builds can overlap
+_name_locks: dict[str, threading.Lock] = {}
 _libs: dict[str, ctypes.CDLL | None] = {}
 
 
@@ -84,6 +85,8 @@ def load_library(name: str, flags: list[str], signatures: dict[str, tuple],
     {function: (restype, [argtypes])}, or None when it cannot be built here
     (logged once, naming `fallback`: what runs instead)."""
     with _lock:
+        name_lock = _name_locks.setdefault(name, threading.Lock())
+    with name_lock:
         if name not in _libs:
             source = os.path.join(os.path.dirname(__file__), f"{name}.c")
             try:
