@@ -6,8 +6,20 @@ import torch.nn.functional as F
 
 from qoqserve.kernels.cpu import dense_attention_f64 as K
 
-pytestmark = pytest.mark.skipif(not (K.load() is not None and K.load().dense_attention_f64_supported()),
-                                reason="needs AVX-512 and a C compiler")
+pytestmark = pytest.mark.skipif(K.vector_path() is None, reason="needs AVX2 (or AVX-512) and a C compiler")
+BEST = K.vector_path()
+
+
+@pytest.fixture(params=["avx512", "avx2"])
+def path(request, monkeypatch):
+    """Each vector path this CPU has: the AVX-512 one, and the AVX2 one (taken
+    on AVX-512 CPUs only under QOQSERVE_CPU_ISA=avx2)."""
+    if request.param == "avx512" and BEST != "avx512":
+        pytest.skip("no AVX-512 on this CPU")
+    if request.param == "avx2":
+        monkeypatch.setenv("QOQSERVE_CPU_ISA", "avx2")
+    assert K.vector_path() == request.param
+    return request.param
 
 
 def _fp64_sdpa(q, k, v, offset, scale):
@@ -27,7 +39,7 @@ def _inputs(lq, offset, h, hkv, d, seed=0):
 
 @pytest.mark.parametrize("lq,offset,h,hkv,d", [(512, 0, 9, 3, 64), (37, 0, 4, 4, 128), (100, 29, 6, 2, 64),
                                                (1, 40, 9, 3, 64), (9, 0, 2, 1, 8), (70, 3, 8, 2, 96)])
-def test_matches_fp64_sdpa_to_the_rounding_of_its_fp32_output(lq, offset, h, hkv, d):
+def test_matches_fp64_sdpa_to_the_rounding_of_its_fp32_output(lq, offset, h, hkv, d, path):
     q, k, v = _inputs(lq, offset, h, hkv, d)
     assert K.handles(q, k, v, offset)
     out = K.attention(q, k, v, offset, d ** -0.5)
@@ -38,7 +50,7 @@ def test_matches_fp64_sdpa_to_the_rounding_of_its_fp32_output(lq, offset, h, hkv
     assert ((out.double() - ref).abs() <= bound).all()
 
 
-def test_a_row_depends_only_on_its_position_and_keys():
+def test_a_row_depends_only_on_its_position_and_keys(path):
     """The prompt whole, or its last 23 queries over the first 41 keys as a cached
     prefix: the same bits for those rows (and for any split)."""
     q, k, v = _inputs(64, 0, 9, 3, 64, seed=1)
@@ -48,7 +60,17 @@ def test_a_row_depends_only_on_its_position_and_keys():
         assert torch.equal(part, whole[start:])
 
 
-def test_attention_layer_agrees_with_the_torch_path(monkeypatch):
+@pytest.mark.skipif(BEST != "avx512", reason="one vector path only on this CPU")
+@pytest.mark.parametrize("lq,offset,h,hkv,d", [(300, 0, 9, 3, 64), (37, 11, 4, 4, 128), (9, 0, 2, 1, 8)])
+def test_the_avx2_path_gives_the_avx512_paths_bits(lq, offset, h, hkv, d, monkeypatch):
+    q, k, v = _inputs(lq, offset, h, hkv, d, seed=3)
+    q[:, 0] *= 40  # scores far apart: exp underflows to subnormals and to 0
+    wide = K.attention(q, k, v, offset, d ** -0.5)
+    monkeypatch.setenv("QOQSERVE_CPU_ISA", "avx2")
+    assert torch.equal(K.attention(q, k, v, offset, d ** -0.5), wide)
+
+
+def test_attention_layer_agrees_with_the_torch_path(monkeypatch, path):
     from qoqserve.layers.attention import PagedAttention
     from qoqserve.layers.attention_backends import AttentionBackend
     from qoqserve.layers.kv_cache import DenseKVCacheLayout

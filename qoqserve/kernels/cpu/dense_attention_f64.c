@@ -13,7 +13,8 @@
  * First K (transposed per 8-key tile) and V are widened to fp64 once per KV
  * head; then a task is (query head, 8 consecutive queries).
  *
- * AVX-512 only (F + DQ, checked at run time): without it, or with
+ * AVX-512 (F + DQ) or AVX2 + FMA (dense_attention_f64_avx2.h, the same
+ * bits), checked at run time: without either, or with
  * QOQSERVE_CPU_ISA=scalar, the call returns -2 and the caller uses torch's
  * SDPA.
  */
@@ -53,7 +54,8 @@ typedef struct {
     double scale;
 } job;
 
-F64_TARGET static void widen(const job *j, int h) {
+/* plain C: both vector paths call it */
+static void widen(const job *j, int h) {
     double *kt = j->kt + (int64_t)h * j->tiles * j->D * KT, *vd = j->vd + (int64_t)h * j->lk * j->D;
     for (int64_t t = 0; t < j->tiles; t++)
         for (int i = 0; i < KT; i++) {
@@ -144,20 +146,27 @@ F64_TARGET static void task(const job *j, int h, int64_t i0, double *buf) {
     }
 }
 
+#include "dense_attention_f64_avx2.h"
+
+/* 2: AVX-512, 1: AVX2, 0: neither (or QOQSERVE_CPU_ISA rules them out) */
 static int vector_path(void) {
-    if (isa_cap() < ISA_AVX512) return 0;
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+    const int cap = isa_cap();
+    if (cap >= ISA_AVX512 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq")) return 2;
+    if (cap >= ISA_AVX2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
+    return 0;
 }
 
-/* 1 where dense_attention_f64 runs here (AVX-512 F + DQ, QOQSERVE_CPU_ISA not below avx512). */
+/* Where dense_attention_f64 runs here: 2 on AVX-512 F + DQ, 1 on AVX2 + FMA,
+ * 0 nowhere (QOQSERVE_CPU_ISA caps the choice). */
 int dense_attention_f64_supported(void) { return vector_path(); }
 
 /* Returns 0; -1 out of memory, a head_dim that is not a multiple of 8 or
  * keys that do not cover the queries (lk must be offset + lq); -2 when this
- * CPU (or QOQSERVE_CPU_ISA below avx512) rules the AVX-512 path out. */
+ * CPU (or QOQSERVE_CPU_ISA) rules both vector paths out. */
 int dense_attention_f64(const float *q, const float *k, const float *v, float *out, int64_t lq, int64_t lk,
                         int64_t offset, int H, int Hkv, int D, double scale, int threads) {
-    if (!vector_path()) return -2;
+    const int path = vector_path();
+    if (!path) return -2;
     if (D % 8 || Hkv <= 0 || H % Hkv || offset < 0 || offset + lq != lk) return -1;
     job j = {q, k, v, out, NULL, NULL, lq, lk, offset, H, Hkv, D, (int)((lk + KT - 1) / KT), scale};
     j.kt = aligned_alloc(64, ((size_t)Hkv * j.tiles * D * KT * sizeof(double) + 63) / 64 * 64);
@@ -180,7 +189,7 @@ int dense_attention_f64(const float *q, const float *k, const float *v, float *o
         }
         #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < blocks * H; t++) {  /* the last blocks see the most keys: first */
-            if (buf) task(&j, (int)(t % H), (blocks - 1 - t / H) * QB, buf);
+            if (buf) (path == 2 ? task : task_avx2)(&j, (int)(t % H), (blocks - 1 - t / H) * QB, buf);
         }
         free(buf);
     }

@@ -14,7 +14,16 @@ _SIGNATURES = {"dense_attention_f64": (_I, [_P, _P, _P, _P, _L, _L, _L, _I, _I, 
 
 
 def load():
-    return load_library("dense_attention_f64", runtime_dispatch_flags(), _SIGNATURES, fallback="torch's fp64 SDPA")
+    # no FMA contraction beyond the explicit intrinsics: the AVX2 and AVX-512
+    # paths then round the same operations and give the same bits
+    return load_library("dense_attention_f64", ["-ffp-contract=off", *runtime_dispatch_flags()], _SIGNATURES,
+                        fallback="torch's fp64 SDPA")
+
+
+def vector_path() -> str | None:
+    """The path attention() takes on this CPU under the current QOQSERVE_CPU_ISA."""
+    lib = load()
+    return {2: "avx512", 1: "avx2"}.get(lib.dense_attention_f64_supported()) if lib is not None else None
 
 
 def handles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> bool:
