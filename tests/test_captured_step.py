@@ -262,3 +262,35 @@ def test_c_kernels_are_torch_custom_ops_with_fake_implementations():
     torch.library.opcheck(paged_decode.paged_decode_op,
                           (torch.randn(2, 4, 16, generator=g), rows[:, 0], rows[:, 1], "int4", 16,
                            torch.tensor([[0, 1], [1, 0]]), torch.tensor([3, 18]), 0.25))
+
+
+@needs_c
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_bf16_linears_on_the_c_kernel_are_torchs_within_bf16_rounding_and_batch_invariant(has_bias):
+    """Where torch's bf16 GEMM is slow (below AVX-512) bf16 linears run the C
+    kernel over the bf16 weights; forced on here so every CPU checks it."""
+    from qoqserve.layers.linear import Linear
+    from qoqserve.layers.quantization.fp import CpuDenseLinearMethod
+
+    torch.manual_seed(0)
+    c_method = CpuDenseLinearMethod(bf16_on_c=True)
+    layer = Linear(96, [40, 24], has_bias, c_method, torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn_like(layer.weight, dtype=torch.float32))
+        if has_bias:
+            layer.bias.copy_(torch.randn_like(layer.bias, dtype=torch.float32))
+    c_method.process_weights_after_loading(layer)
+    x = torch.randn(37, 96).bfloat16()
+    got = layer(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (37, 64)
+    exact = x.double() @ layer.weight.double().t() + (layer.bias.double() if has_bias else 0)
+    ref = torch.nn.functional.linear(x, layer.weight, layer.bias if has_bias else None)
+    # both are the exact sum rounded to bf16 after fp32 sums: within 1 bf16 ulp (2^-8 relative) of it
+    for y in (got, ref):
+        assert ((y.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-2).all()
+    for m in (1, 5, 12):  # a row's result does not depend on how many rows came with it
+        assert torch.equal(layer(x[:m]), got[:m])
+    bias = layer.bias.float() if has_bias else None
+    assert torch.equal(got, float_linear.float_linear(x, layer.weight, bias).bfloat16())  # the C kernel ran
+    torch_method = CpuDenseLinearMethod(bf16_on_c=False)
+    assert torch.equal(torch_method.apply(layer, x), ref)  # where torch's bf16 GEMM is fast: it

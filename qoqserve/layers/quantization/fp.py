@@ -9,24 +9,40 @@ from qoqserve.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod
 from qoqserve.layers.quantization.base import KernelChoice, QuantizationConfig
 
 
+def torch_has_fast_bf16_gemm() -> bool:
+    """torch's CPU bf16 GEMM (oneDNN) has vector kernels from AVX-512 on; on
+    AVX2 CPUs it is ~4x slower than float_linear.c over the same bf16 weights
+    at 32+ rows (docs/runtime.md)."""
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
 class CpuDenseLinearMethod(UnquantizedLinearMethod):
     """fp32 activations: kernels/cpu/float_linear.c, every output summed in one
     fixed order at any batch size (no padding trick), faster than MKL at
     decode sizes and within ~0.7-0.95x of it on prompt-sized batches
-    (docs/runtime.md), and a call a captured step replays. Other activation
-    dtypes (bf16 uses MKL's bf16 GEMM) take the torch path."""
+    (docs/runtime.md), and a call a captured step replays. bf16 activations
+    use MKL's bf16 GEMM where torch has a fast one, else the same C kernel over
+    the bf16 weights (fp32 sums, the output rounded to bf16 as torch's is);
+    other dtypes take the torch path."""
     name = "c-dense"
+
+    def __init__(self, bf16_on_c: bool | None = None):
+        self.bf16_on_c = not torch_has_fast_bf16_gemm() if bf16_on_c is None else bf16_on_c
+
+    def _runs_on_c(self, dtype: torch.dtype) -> bool:
+        return dtype == torch.float32 or (dtype == torch.bfloat16 and self.bf16_on_c)
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         # the kernel's epilogue adds an fp32 bias; keep one beside the parameter
         layer.bias_fp32 = (layer.bias.detach().float().contiguous()
-                           if layer.has_bias and layer.weight.dtype == torch.float32 else None)
+                           if layer.has_bias and self._runs_on_c(layer.weight.dtype) else None)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if (x.dtype != torch.float32 or layer.weight.dtype != torch.float32 or x.dim() != 2
+        if (x.dtype != layer.weight.dtype or not self._runs_on_c(x.dtype) or x.dim() != 2
                 or x.device.type != "cpu"):
             return super().apply(layer, x)
-        return float_linear.float_linear(x, layer.weight, layer.bias_fp32)
+        y = float_linear.float_linear(x, layer.weight, layer.bias_fp32)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)  # no aten op in an fp32 captured step
 
 
 class UnquantizedConfig(QuantizationConfig):
