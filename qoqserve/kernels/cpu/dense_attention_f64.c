@@ -31,17 +31,22 @@ enum { KT = 8, QB = 8 };  /* keys per tile (one vector of fp64 scores), queries 
 
 #define F64_TARGET __attribute__((target("avx512f,avx512dq")))
 
+/* the constants of both paths' exp: log2(e), ln 2 in two parts, 1/n! from 12 down to 0 */
+static const double LOG2E = 1.4426950408889634, LN2_HI = 6.93147180369123816490e-01,
+                    LN2_LO = 1.90821492927058770002e-10;
+static const double INV_FACT[13] = {1.0 / 479001600.0, 1.0 / 39916800.0, 1.0 / 3628800.0, 1.0 / 362880.0,
+                                    1.0 / 40320.0, 1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0,
+                                    1.0 / 6.0, 0.5, 1.0, 1.0};
+
 /* e^x for x <= 0 (x = -inf gives 0), within ~2 ulp: x = n ln2 + r, |r| <= ln2 / 2,
  * e^r by its Taylor series to r^12 (remainder < 2e-16 relative) */
 F64_TARGET static inline __m512d exp_pd(__m512d x) {
     x = _mm512_max_pd(x, _mm512_set1_pd(-746.0));
-    const __m512d n = _mm512_roundscale_pd(_mm512_mul_pd(x, _mm512_set1_pd(1.4426950408889634)), 0);
-    __m512d r = _mm512_fnmadd_pd(n, _mm512_set1_pd(6.93147180369123816490e-01), x);
-    r = _mm512_fnmadd_pd(n, _mm512_set1_pd(1.90821492927058770002e-10), r);
-    __m512d p = _mm512_set1_pd(1.0 / 479001600.0);
-    static const double inv_fact[12] = {1.0 / 39916800.0, 1.0 / 3628800.0, 1.0 / 362880.0, 1.0 / 40320.0,
-                                        1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0};
-    for (int i = 0; i < 12; i++) p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(inv_fact[i]));
+    const __m512d n = _mm512_roundscale_pd(_mm512_mul_pd(x, _mm512_set1_pd(LOG2E)), 0);
+    __m512d r = _mm512_fnmadd_pd(n, _mm512_set1_pd(LN2_HI), x);
+    r = _mm512_fnmadd_pd(n, _mm512_set1_pd(LN2_LO), r);
+    __m512d p = _mm512_set1_pd(INV_FACT[0]);
+    for (int i = 1; i < 13; i++) p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(INV_FACT[i]));
     return _mm512_scalef_pd(p, n);
 }
 
@@ -65,6 +70,19 @@ static void widen(const job *j, int h) {
         }
     for (int64_t key = 0; key < j->lk; key++)
         for (int d = 0; d < j->D; d++) vd[key * j->D + d] = (double)j->v[(key * j->Hkv + h) * j->D + d];
+}
+
+/* plain C, both paths: a task's queries widened and scaled (rows past the
+ * end: zero queries), its output rows zeroed, the running maxima -inf */
+static void start_task(const job *j, int h, int64_t i0, int rows, double *q, double *o, double *m) {
+    const int D = j->D;
+    for (int r = 0; r < QB; r++) {
+        const float *src = j->q + ((i0 + (r < rows ? r : 0)) * j->H + h) * D;
+        const double keep = r < rows ? j->scale : 0.0;
+        for (int d = 0; d < D; d++) q[r * D + d] = (double)src[d] * keep;
+        for (int d = 0; d < D; d++) o[r * D + d] = 0.0;
+        m[r] = -INFINITY;
+    }
 }
 
 /* o[4 rows][NV * 8 columns from c0] += w[r][k] * v[k] over the tile's n keys;
@@ -98,14 +116,8 @@ F64_TARGET static void task(const job *j, int h, int64_t i0, double *buf) {
     const int rows = (int)(j->lq - i0 < QB ? j->lq - i0 : QB);
     double *q = buf, *o = q + QB * D, *w = o + QB * D, m[QB];
     __m512d l[QB];
-    for (int r = 0; r < QB; r++) {
-        const float *src = j->q + ((i0 + (r < rows ? r : 0)) * j->H + h) * D;
-        const double keep = r < rows ? j->scale : 0.0;  /* rows past the end: zero queries */
-        for (int d = 0; d < D; d++) q[r * D + d] = (double)src[d] * keep;
-        for (int d = 0; d < D; d++) o[r * D + d] = 0.0;
-        m[r] = -INFINITY;
-        l[r] = _mm512_setzero_pd();
-    }
+    start_task(j, h, i0, rows, q, o, m);
+    for (int r = 0; r < QB; r++) l[r] = _mm512_setzero_pd();
     const double *kt = j->kt + (int64_t)hk * j->tiles * D * KT, *vd = j->vd + (int64_t)hk * j->lk * D;
     const int64_t last = i0 + rows - 1 + j->offset;  /* the last key the block sees */
     for (int64_t t = 0; t * KT <= last; t++) {

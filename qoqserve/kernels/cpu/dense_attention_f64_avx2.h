@@ -18,14 +18,12 @@ F64_AVX2 static inline __m256d pow2_pd(__m128i e) {  /* 2^e for -1022 <= e <= 10
 /* exp_pd of the AVX-512 path, 4 lanes */
 F64_AVX2 static inline __m256d exp_pd_avx2(__m256d x) {
     x = _mm256_max_pd(x, _mm256_set1_pd(-746.0));
-    const __m256d n = _mm256_round_pd(_mm256_mul_pd(x, _mm256_set1_pd(1.4426950408889634)),
+    const __m256d n = _mm256_round_pd(_mm256_mul_pd(x, _mm256_set1_pd(LOG2E)),
                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256d r = _mm256_fnmadd_pd(n, _mm256_set1_pd(6.93147180369123816490e-01), x);
-    r = _mm256_fnmadd_pd(n, _mm256_set1_pd(1.90821492927058770002e-10), r);
-    __m256d p = _mm256_set1_pd(1.0 / 479001600.0);
-    static const double inv_fact[12] = {1.0 / 39916800.0, 1.0 / 3628800.0, 1.0 / 362880.0, 1.0 / 40320.0,
-                                        1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0};
-    for (int i = 0; i < 12; i++) p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(inv_fact[i]));
+    __m256d r = _mm256_fnmadd_pd(n, _mm256_set1_pd(LN2_HI), x);
+    r = _mm256_fnmadd_pd(n, _mm256_set1_pd(LN2_LO), r);
+    __m256d p = _mm256_set1_pd(INV_FACT[0]);
+    for (int i = 1; i < 13; i++) p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(INV_FACT[i]));
     const __m128i ni = _mm256_cvtpd_epi32(n);  /* -1077 <= n <= 0, integral */
     const __m128i n1 = _mm_srai_epi32(ni, 1);
     return _mm256_mul_pd(_mm256_mul_pd(p, pow2_pd(n1)), pow2_pd(_mm_sub_epi32(ni, n1)));
@@ -83,14 +81,8 @@ F64_AVX2 static void task_avx2(const job *j, int h, int64_t i0, double *buf) {
     const int rows = (int)(j->lq - i0 < QB ? j->lq - i0 : QB);
     double *q = buf, *o = q + QB * D, *w = o + QB * D, m[QB];
     __m256d l[QB][2];
-    for (int r = 0; r < QB; r++) {
-        const float *src = j->q + ((i0 + (r < rows ? r : 0)) * j->H + h) * D;
-        const double keep = r < rows ? j->scale : 0.0;  /* rows past the end: zero queries */
-        for (int d = 0; d < D; d++) q[r * D + d] = (double)src[d] * keep;
-        for (int d = 0; d < D; d++) o[r * D + d] = 0.0;
-        m[r] = -INFINITY;
-        l[r][0] = l[r][1] = _mm256_setzero_pd();
-    }
+    start_task(j, h, i0, rows, q, o, m);
+    for (int r = 0; r < QB; r++) l[r][0] = l[r][1] = _mm256_setzero_pd();
     const double *kt = j->kt + (int64_t)hk * j->tiles * D * KT, *vd = j->vd + (int64_t)hk * j->lk * D;
     const int64_t last = i0 + rows - 1 + j->offset;  /* the last key the block sees */
     const __m256d lane_lo = _mm256_setr_pd(0, 1, 2, 3), lane_hi = _mm256_setr_pd(4, 5, 6, 7);

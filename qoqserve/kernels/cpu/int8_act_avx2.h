@@ -10,6 +10,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "int8_round.h"
+
 #ifndef AVX2_FN
 #define AVX2_FN
 #endif
@@ -53,9 +55,7 @@ AVX2_FN static void quantize_row_avx2(const void *x, int bf16, int64_t K, int64_
     for (int l = 0; l < 8; l++) total += part[l];
     for (; k < K; k++) {
         const float v = bf16 ? bf16_to_float(((const uint16_t *)x)[k]) : ((const float *)x)[k];
-        float r = nearbyintf(v / s);
-        r = r > -127.f ? r : -127.f;
-        r = r < 127.f ? r : 127.f;
+        const float r = int8_round(v, s);
         q[k] = (int8_t)r;
         total += (int32_t)r;
     }

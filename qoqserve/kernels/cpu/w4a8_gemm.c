@@ -68,6 +68,7 @@ typedef struct {
 /* ------------------------------------------------------------- scalar */
 
 #include "bf16.h"
+#include "int8_round.h"
 #include "thread_scratch.h"
 #include "silu_mul_row.h"
 #include "norm_row.h"
@@ -84,9 +85,7 @@ static void quantize_row_scalar(const void *x, int bf16, int64_t K, int64_t Kp, 
     int32_t sum = 0;
     for (int64_t k = 0; k < K; k++) {
         float v = bf16 ? bf16_to_float(((const uint16_t *)x)[k]) : ((const float *)x)[k];
-        float r = nearbyintf(v / s);
-        r = r > -127.f ? r : -127.f;
-        r = r < 127.f ? r : 127.f;
+        const float r = int8_round(v, s);
         q[k] = (int8_t)r;
         sum += (int32_t)r;
     }

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "int8_round.h"
 
 /* x [M, K] (fp32 or bf16) -> q int8 [M, K], scale fp32 [M], rowsum fp32 [M] */
 void quantize_rows_int8(const void *x, int bf16, int64_t M, int64_t K, int8_t *q, float *scale,
@@ -28,8 +29,7 @@ void quantize_rows_int8(const void *x, int bf16, int64_t M, int64_t K, int8_t *q
         float s = amax > 0.f ? amax / 127.f : 1.f;
         for (int64_t k = 0; k < K; k++) {
             float v = load(x, bf16, m * K + k);
-            float r = nearbyintf(v / s);
-            r = r < -127.f ? -127.f : (r > 127.f ? 127.f : r);
+            const float r = int8_round(v, s);
             q[m * K + k] = (int8_t)r;
             sum += v;
         }
