@@ -108,7 +108,7 @@ class ModelRunner:
         tp = world.tp if world is not None else SINGLE
         # this rank's pages hold only the KV heads it computes
         _, local_kv = tp.kv_heads(arch.num_kv_heads, arch.num_heads)
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and config.kernels != "torch":
             prebuild.build_all()  # before the backends ask which kernels this CPU has
         self.backends = select_backends(config, dataclasses.replace(arch, num_kv_heads=local_kv),
                                         quant or UnquantizedConfig())
