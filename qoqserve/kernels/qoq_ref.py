@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from qoqserve.kernels.cpu import isa as cpu_isa
+
 PROTECT = 119  # level-1 range: with s2 <= 16, s2*(u-z) of any code stays in int8
 # |a|,|b| <= 128 -> K * 2^14 must stay below 2^31 or the int32 accumulator wraps.
 INT8_MM_MAX_K = (2**31 - 1) // (128 * 128)
@@ -279,7 +281,7 @@ def int8_mm(a: torch.Tensor, b_t: torch.Tensor, _pad_like_cuda: bool = False) ->
 def cpu_has_int8_gemm() -> bool:
     """torch's CPU INT8 GEMM (oneDNN) has a vector kernel from AVX-512 on;
     below it _int_mm is a scalar loop."""
-    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    return cpu_isa.torch_has_avx512_kernels()
 
 
 def exact_fp32_int_mm(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:

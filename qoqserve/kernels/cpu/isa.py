@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 ENV = "QOQSERVE_CPU_ISA"
 # scalar: the portable loops; avx2: AVX2 + FMA, no AVX-512; avx512: F/BW/VL/DQ
 # without VNNI; avx512-vnni: no AMX; amx: everything (as unset or "auto")
@@ -30,3 +32,10 @@ def cap() -> str:
 def allows(level: str) -> bool:
     """Whether the cap lets a kernel take `level`."""
     return LEVELS.index(level) <= LEVELS.index(cap())
+
+
+def torch_has_avx512_kernels() -> bool:
+    """Whether torch's own CPU kernels run their AVX-512 builds here. Below
+    them torch's INT8 GEMM is a scalar loop and its bf16 GEMM has no vector
+    kernel, so qoq_ref.int8_mm and the bf16 dense linears go around them."""
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")

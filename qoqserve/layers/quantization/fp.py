@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from qoqserve.kernels.cpu import float_linear
+from qoqserve.kernels.cpu import float_linear, isa
 from qoqserve.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod
 from qoqserve.layers.quantization.base import KernelChoice, QuantizationConfig
 
@@ -13,7 +13,7 @@ def torch_has_fast_bf16_gemm() -> bool:
     """torch's CPU bf16 GEMM (oneDNN) has vector kernels from AVX-512 on; on
     AVX2 CPUs it is ~4x slower than float_linear.c over the same bf16 weights
     at 32+ rows (docs/runtime.md)."""
-    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    return isa.torch_has_avx512_kernels()
 
 
 class CpuDenseLinearMethod(UnquantizedLinearMethod):
