@@ -282,25 +282,35 @@ def qoq_tiny(tmp_path_factory):
     return str(tmp / "ckpt")
 
 
-def cpu_has_avx512() -> bool:
+def _cpu_flags() -> set[str]:
     try:
-        flags = open("/proc/cpuinfo").read()
+        return set(open("/proc/cpuinfo").read().split())
     except OSError:
-        return False
-    return all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq"))
+        return set()
 
 
-@pytest.fixture(params=["avx512", "scalar"])
+def cpu_has_avx512() -> bool:
+    return {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= _cpu_flags()
+
+
+def cpu_has_avx2() -> bool:
+    return {"avx2", "fma", "f16c"} <= _cpu_flags()
+
+
+@pytest.fixture(params=["avx512", "avx2", "scalar"])
 def isa(request, monkeypatch):
-    """Both paths of the C attention kernels, each checked to be the one taken."""
+    """Every path of the C attention kernels the CPU has, each checked to be
+    the one taken (QOQSERVE_CPU_ISA=avx2 runs the AVX2 path on AVX-512 CPUs)."""
     from qoqserve.kernels.cpu import paged_decode, paged_prefill
 
-    if request.param == "scalar":
-        monkeypatch.setenv("QOQSERVE_CPU_ISA", "scalar")
-    else:
+    if request.param == "avx512":
         monkeypatch.delenv("QOQSERVE_CPU_ISA", raising=False)
         if not cpu_has_avx512():
             pytest.skip("no AVX-512 here")
+    else:
+        monkeypatch.setenv("QOQSERVE_CPU_ISA", request.param)
+        if request.param == "avx2" and not cpu_has_avx2():
+            pytest.skip("no AVX2 here")
     for kernel in (paged_decode, paged_prefill):
         if kernel.isa() != request.param:
             pytest.fail(f"{kernel.__name__}: path {request.param} not taken (got {kernel.isa()})")

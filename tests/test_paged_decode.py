@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import cpu_has_avx512, make_pages, page_layout
+from conftest import cpu_has_avx2, cpu_has_avx512, make_pages, page_layout
 
 from qoqserve.kernels.cpu import paged_decode, w4a8_gemm
 from qoqserve.layers.attention import AttentionMetadata, PagedAttention
@@ -38,9 +38,15 @@ def _reference(layout, heads, hkv, d, q, cache, tables, ctx):
     return attn(q, None, None, AttentionMetadata(False, None, tables, ctx), cache).view(q.shape)
 
 
+def _best_path() -> str:
+    return "avx512" if cpu_has_avx512() else "avx2" if cpu_has_avx2() else "scalar"
+
+
 def test_the_vector_path_is_taken_where_the_cpu_has_it(monkeypatch):
     monkeypatch.delenv("QOQSERVE_CPU_ISA", raising=False)
-    assert paged_decode.isa() == ("avx512" if cpu_has_avx512() else "scalar")
+    assert paged_decode.isa() == _best_path()
+    monkeypatch.setenv("QOQSERVE_CPU_ISA", "avx2")
+    assert paged_decode.isa() == ("avx2" if cpu_has_avx2() else "scalar")
     monkeypatch.setenv("QOQSERVE_CPU_ISA", "scalar")
     assert paged_decode.isa() == "scalar"
 
@@ -61,24 +67,28 @@ def _cpu_has_vnni() -> bool:
 
 def test_kv4_scores_take_vnni_where_the_cpu_has_it(monkeypatch):
     monkeypatch.delenv("QOQSERVE_CPU_ISA", raising=False)
-    assert paged_decode.kv4_scores() == ("vnni" if _cpu_has_vnni() else "fp32" if cpu_has_avx512() else "scalar")
+    vector = cpu_has_avx512() or cpu_has_avx2()
+    assert paged_decode.kv4_scores() == ("vnni" if _cpu_has_vnni() else "fp32" if vector else "scalar")
     monkeypatch.setenv("QOQSERVE_CPU_ISA", "avx512")  # AVX-512 without VNNI, for every CPU kernel
-    assert paged_decode.kv4_scores() == ("fp32" if cpu_has_avx512() else "scalar")
-    assert paged_decode.isa() == ("avx512" if cpu_has_avx512() else "scalar")
+    assert paged_decode.kv4_scores() == ("fp32" if vector else "scalar")
+    assert paged_decode.isa() == _best_path()
     # the packed GEMM has no AVX-512 path without VNNI: the AVX2 one
     assert w4a8_gemm.isa() == ("avx2" if "avx2" in open("/proc/cpuinfo").read().split() else "scalar")
 
 
-@pytest.fixture(params=["vnni", "fp32"])
+@pytest.fixture(params=["vnni", "fp32", "avx2"])
 def kv4_scores(request, monkeypatch):
-    """Both vector paths of the KV4 scores, each checked to be the one taken."""
-    if not (_cpu_has_vnni() if request.param == "vnni" else cpu_has_avx512()):
+    """Every vector path of the KV4 scores, each checked to be the one taken
+    (avx2: fp32 scores at 8 lanes)."""
+    have = {"vnni": _cpu_has_vnni(), "fp32": cpu_has_avx512(), "avx2": cpu_has_avx2()}[request.param]
+    if not have:
         pytest.skip(f"no {request.param} KV4 scores on this CPU")
-    if request.param == "fp32":
-        monkeypatch.setenv("QOQSERVE_CPU_ISA", "avx512")
-    else:
+    if request.param == "vnni":
         monkeypatch.delenv("QOQSERVE_CPU_ISA", raising=False)
-    assert paged_decode.kv4_scores() == request.param
+    else:
+        monkeypatch.setenv("QOQSERVE_CPU_ISA", "avx512" if request.param == "fp32" else "avx2")
+    assert paged_decode.kv4_scores() == ("vnni" if request.param == "vnni" else "fp32")
+    assert paged_decode.isa() == ("avx2" if request.param == "avx2" else "avx512")
     return request.param
 
 
@@ -105,11 +115,15 @@ def test_the_kv4_score_paths_are_two_and_agree(monkeypatch):
     assert not torch.equal(vnni, fp32)
 
 
+@pytest.mark.parametrize("path", ["avx512", "avx2"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_the_two_paths_agree(fmt, monkeypatch):
-    if not cpu_has_avx512():
-        pytest.skip("one path only on this CPU")
+def test_each_vector_path_agrees_with_the_portable_one(fmt, path, monkeypatch):
+    if not (cpu_has_avx512() if path == "avx512" else cpu_has_avx2()):
+        pytest.skip(f"no {path} path on this CPU")
     _, c_layout, cache, tables, ctx, q = _case(fmt, 12, 3, 64, 16, seed=3)
+    if path == "avx2":
+        monkeypatch.setenv("QOQSERVE_CPU_ISA", "avx2")
+    assert paged_decode.isa() == path
     vec = c_layout.decode(q, cache, tables, ctx, 0.125)
     monkeypatch.setenv("QOQSERVE_CPU_ISA", "scalar")
     scalar = c_layout.decode(q, cache, tables, ctx, 0.125)
@@ -135,7 +149,7 @@ def test_a_sequence_does_not_depend_on_its_batch_nor_the_thread_count(fmt, isa):
     assert torch.equal(single, batched)
 
 
-def test_an_empty_context_gives_zeros_not_nan():
+def test_an_empty_context_gives_zeros_not_nan(isa):
     _, c_layout, cache, tables, ctx, q = _case("int4", 4, 2, 64, 16, lens=[5, 9])
     out = c_layout.decode(q, cache, tables, torch.tensor([0, 9]), 0.125)
     assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isfinite(out).all()

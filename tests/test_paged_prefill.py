@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import cpu_has_avx512, make_pages, page_layout
+from conftest import cpu_has_avx2, cpu_has_avx512, make_pages, page_layout
 
+from qoqserve.kernels.cpu import paged_prefill
 from qoqserve.layers.attention_backends import CpuAttention
 
 FORMATS = ["int4", "int8", "bfloat16", "float16", "float32"]
@@ -84,12 +85,16 @@ def test_a_query_does_not_depend_on_chunking_batch_or_threads(fmt, isa):
     assert torch.equal(single, whole)
 
 
+@pytest.mark.parametrize("path", ["avx512", "avx2"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_the_two_paths_agree(fmt, monkeypatch):
-    if not cpu_has_avx512():
-        pytest.skip("one path only on this CPU")
+def test_each_vector_path_agrees_with_the_portable_one(fmt, path, monkeypatch):
+    if not (cpu_has_avx512() if path == "avx512" else cpu_has_avx2()):
+        pytest.skip(f"no {path} path on this CPU")
     layout, attn, cache, tables = _case(fmt, 12, 3, 64, 16, [100])
     q = _queries(100, 12, 64, seed=4)
+    if path == "avx2":
+        monkeypatch.setenv("QOQSERVE_CPU_ISA", "avx2")
+    assert paged_prefill.isa() == path
     vec = attn.prefill(q, cache, tables, [0, 100], [0], 0.125)
     monkeypatch.setenv("QOQSERVE_CPU_ISA", "scalar")
     scalar = attn.prefill(q, cache, tables, [0, 100], [0], 0.125)

@@ -99,4 +99,47 @@ static inline void softmax_step_scalar(const float *q, const float *k, const flo
         for (int d = 0; d < D; d++) acc[d] += e[i] * v[i * D + d];
     }
 }
+
+/* ---- what the vector paths (kv_rows_avx512.h, kv_rows_avx2.h) share ---- */
+
+/* KV4 and bf16 rows are converted planar per 32 channels: slot 32c + i holds
+ * channel 32c + 2i and slot 32c + 16 + i channel 32c + 2i + 1 (i < 16), which
+ * a nibble mask / a 16-bit shift yields without any shuffle at either width */
+static inline int planar(int fmt) { return fmt == KV_INT4 || fmt == KV_BF16; }
+static inline int padded(int fmt, int D) { return planar(fmt) ? (D + 31) / 32 * 32 : (D + 15) / 16 * 16; }
+/* the channel held by slot i of a dequantized row */
+static inline int channel_of(int fmt, int i) {
+    if (!planar(fmt)) return i;
+    const int r = i % 32;
+    return i - r + (r < 16 ? 2 * r : 2 * (r - 16) + 1);
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+/* an fp16 of a row by F16C: inlined into either vector path (both have it) */
+__attribute__((target("f16c"))) static inline float half_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+#endif
+
+/* fn(fmt, d) with the format and head_dim as constants: head_dim 64 and 128
+ * fully unrolled, any other the same code with loops */
+#define KV_SWITCH_FORMAT(fmt, d, fn)                  \
+    switch (fmt) {                                    \
+    case KV_INT4: fn(KV_INT4, d); break;              \
+    case KV_INT8: fn(KV_INT8, d); break;              \
+    case KV_F16: fn(KV_F16, d); break;                \
+    case KV_BF16: fn(KV_BF16, d); break;              \
+    default: fn(KV_F32, d);                           \
+    }
+#define KV_SPECIALIZE(fmt, D, fn)                                \
+    do {                                                         \
+        if ((D) == 64) { KV_SWITCH_FORMAT(fmt, 64, fn) }         \
+        else if ((D) == 128) { KV_SWITCH_FORMAT(fmt, 128, fn) }  \
+        else { KV_SWITCH_FORMAT(fmt, D, fn) }                    \
+    } while (0)
+
+
 #endif

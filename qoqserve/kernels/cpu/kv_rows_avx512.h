@@ -28,21 +28,6 @@ static int avx512_supported(void) {
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
 }
 
-static inline int planar(int fmt) { return fmt == KV_INT4 || fmt == KV_BF16; }
-static inline int padded(int fmt, int D) { return planar(fmt) ? (D + 31) / 32 * 32 : (D + 15) / 16 * 16; }
-/* the channel held by slot i of a dequantized row */
-static inline int channel_of(int fmt, int i) {
-    if (!planar(fmt)) return i;
-    const int r = i % 32;
-    return i - r + (r < 16 ? 2 * r : 2 * (r - 16) + 1);
-}
-
-static inline float half_at(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
-
 /* 2^x, x <= 0: exact reduction x = n + r (|r| <= 1/2), degree-7 Taylor of
  * e^(r ln 2) (truncation < 6e-9), scalef for 2^n (underflows to 0, no NaN) */
 static inline __m512 exp2_ps(__m512 x) {
@@ -153,38 +138,7 @@ static inline __attribute__((always_inline)) void row_avx512(const uint8_t *r, c
     }
 }
 
-/* fn(fmt, d) with the format and head_dim as constants: head_dim 64 and 128
- * fully unrolled, any other the same code with loops */
-#define KV_SWITCH_FORMAT(fmt, d, fn)                  \
-    switch (fmt) {                                    \
-    case KV_INT4: fn(KV_INT4, d); break;              \
-    case KV_INT8: fn(KV_INT8, d); break;              \
-    case KV_F16: fn(KV_F16, d); break;                \
-    case KV_BF16: fn(KV_BF16, d); break;              \
-    default: fn(KV_F32, d);                           \
-    }
-#define KV_SPECIALIZE(fmt, D, fn)                                \
-    do {                                                         \
-        if ((D) == 64) { KV_SWITCH_FORMAT(fmt, 64, fn) }         \
-        else if ((D) == 128) { KV_SWITCH_FORMAT(fmt, 128, fn) }  \
-        else { KV_SWITCH_FORMAT(fmt, D, fn) }                    \
-    } while (0)
-
 KV_AVX512_END
 #endif
 
-#include <stdlib.h>
-#include "isa_cap.h"
-#include <string.h>
-
-/* whether the kernels take their AVX-512 path now: the CPU has it and
- * QOQSERVE_CPU_ISA does not cap the kernels below AVX-512 */
-static int kv_vector_path(void) {
-    if (isa_cap() < ISA_AVX512) return 0;
-#ifdef KV_AVX512
-    return avx512_supported();
-#else
-    return 0;
-#endif
-}
 #endif

@@ -4,9 +4,11 @@
  * fp16/bf16/fp32. One kernel for all formats, so precisions are compared on
  * equal footing.
  *
- * Two paths in one library, chosen at run time: AVX-512 (paged_decode_avx512.h,
- * compiled for that target whatever the build flags) when the CPU has it, and
- * the portable scalar loops below otherwise or when QOQSERVE_CPU_ISA=scalar.
+ * Three paths in one library, chosen at run time (kv_path.h): AVX-512
+ * (paged_decode_avx512.h, compiled for that target whatever the build flags)
+ * when the CPU has it, AVX2 (paged_decode_avx2.h, the same passes at half the
+ * width) on CPUs below it, and the portable loops below otherwise or when
+ * QOQSERVE_CPU_ISA=scalar.
  * Within the AVX-512 path, KV4 scores are integer dot products where the CPU
  * has VNNI (paged_decode_vnni.h; QOQSERVE_CPU_ISA=avx512 keeps them fp32).
  *
@@ -68,6 +70,8 @@ static inline int64_t scratch_floats(const job *j) {
 }
 
 #include "paged_decode_avx512.h"  /* defines PD_AVX512 and chunk_avx512() where it can */
+#include "paged_decode_avx2.h"    /* PD_AVX2 and chunk_avx2() */
+#include "kv_path.h"
 
 /* ---- the portable path ------------------------------------------------------ */
 
@@ -134,15 +138,18 @@ static __thread size_t tl_scratch_size, tl_part_size;
  * QOQSERVE_CPU_ISA=avx512 not asking for the fp32 scores */
 static int kv4_vnni_path(void) {
 #ifdef PD_AVX512
-    return kv_vector_path() && vnni_supported() && isa_cap() >= ISA_AVX512_VNNI;
+    return kv_vector_path() == KV_PATH_AVX512 && vnni_supported() && isa_cap() >= ISA_AVX512_VNNI;
 #else
     return 0;
 #endif
 }
 
 /* Which path paged_decode_attention takes now: 513 (AVX-512, KV4 scores by
- * VNNI), 512 (AVX-512) or 0 (scalar). */
-int paged_decode_isa(void) { return kv4_vnni_path() ? 513 : kv_vector_path() ? 512 : 0; }
+ * VNNI), 512 (AVX-512), 256 (AVX2) or 0 (scalar). */
+int paged_decode_isa(void) {
+    static const int widths[] = {0, 256, 512};
+    return kv4_vnni_path() ? 513 : widths[kv_vector_path()];
+}
 
 /* q, out: float [B, H, D]. The row of (slot, head) for K starts at
  * k + slot * slot_stride + head * head_stride bytes, for V at v + the same;
@@ -175,7 +182,10 @@ int paged_decode_attention(const float *q, const uint8_t *k, const uint8_t *v, i
         const int b = task / j.max_chunks, c = task % j.max_chunks;
         if (!s || c >= chunks_of(&j, b)) continue;
 #ifdef PD_AVX512
-        if (vec) { chunk_avx512(&j, b, c, s); continue; }
+        if (vec == KV_PATH_AVX512) { chunk_avx512(&j, b, c, s); continue; }
+#endif
+#ifdef PD_AVX2
+        if (vec == KV_PATH_AVX2) { chunk_avx2(&j, b, c, s); continue; }
 #endif
         chunk_scalar(&j, b, c, s);
     }

@@ -1,6 +1,6 @@
 """Paged decode attention on CPU (paged_decode.c), via ctypes: one kernel for
-KV4, KV8 and dense fp16/bf16/fp32 pages. Its AVX-512 path is chosen at run
-time; QOQSERVE_CPU_ISA=scalar forces the portable one."""
+KV4, KV8 and dense fp16/bf16/fp32 pages. Its AVX-512 or AVX2 path is chosen
+at run time; QOQSERVE_CPU_ISA=avx2 / scalar caps it."""
 from __future__ import annotations
 
 import ctypes
@@ -36,16 +36,19 @@ def available() -> bool:
     return load() is not None
 
 
+PATHS = {0: "scalar", 256: "avx2", 512: "avx512", 513: "avx512"}  # by the kernels' isa() codes
+
+
 def isa() -> str:
-    """The path the kernel takes now: "avx512" or "scalar" (reads QOQSERVE_CPU_ISA)."""
-    return "avx512" if load().paged_decode_isa() >= 512 else "scalar"
+    """The path the kernel takes now: "avx512", "avx2" or "scalar" (reads QOQSERVE_CPU_ISA)."""
+    return PATHS[load().paged_decode_isa()]
 
 
 def kv4_scores() -> str:
     """How KV4 scores are computed now: "vnni" (integer dot products), "fp32"
-    (codes converted to fp32: CPUs without VNNI, or QOQSERVE_CPU_ISA=avx512)
-    or "scalar"."""
-    return {513: "vnni", 512: "fp32"}.get(load().paged_decode_isa(), "scalar")
+    (codes converted to fp32 by a vector path: CPUs without VNNI, or
+    QOQSERVE_CPU_ISA=avx512 / avx2) or "scalar"."""
+    return {513: "vnni", 512: "fp32", 256: "fp32"}.get(load().paged_decode_isa(), "scalar")
 
 
 def supports_dtype(dtype: torch.dtype) -> bool:

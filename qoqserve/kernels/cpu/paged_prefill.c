@@ -15,8 +15,9 @@
  * Task = (sequence, KV head, QBLOCK consecutive queries): each K/V tile is
  * converted to fp32 once per task, for its QBLOCK * G query rows.
  *
- * Two paths in one library, chosen at run time: AVX-512 (paged_prefill_avx512.h)
- * and the portable loops below (or when QOQSERVE_CPU_ISA=scalar).
+ * Three paths in one library, chosen at run time (kv_path.h): AVX-512
+ * (paged_prefill_avx512.h), AVX2 (paged_prefill_avx2.h) and the portable
+ * loops below (or when QOQSERVE_CPU_ISA=scalar).
  */
 #include <math.h>
 #include <stdint.h>
@@ -51,6 +52,8 @@ static inline int64_t scratch_floats(const pjob *j) {
 }
 
 #include "paged_prefill_avx512.h"  /* defines task_avx512() where it can */
+#include "paged_prefill_avx2.h"    /* task_avx2() */
+#include "kv_path.h"
 
 /* ---- the portable path ------------------------------------------------------ */
 
@@ -86,8 +89,11 @@ PORTABLE_CLONES static void task_scalar(const pjob *j, int s, int h, int t0, int
     }
 }
 
-/* Which path paged_prefill_attention takes now: 512 (AVX-512) or 0 (scalar). */
-int paged_prefill_isa(void) { return kv_vector_path() ? 512 : 0; }
+/* Which path paged_prefill_attention takes now: 512 (AVX-512), 256 (AVX2) or 0 (scalar). */
+int paged_prefill_isa(void) {
+    static const int widths[] = {0, 256, 512};
+    return widths[kv_vector_path()];
+}
 
 /* q, out: float [T, H, D], the queries of S sequences back to back: sequence s
  * owns rows q_starts[s] .. q_starts[s + 1] - 1, the first at position
@@ -131,7 +137,10 @@ int paged_prefill_attention(const float *q, const uint8_t *k, const uint8_t *v, 
         const int s = tasks[3 * t], h = tasks[3 * t + 1], t0 = tasks[3 * t + 2] * QBLOCK;
         const int len = (int)(q_starts[s + 1] - q_starts[s]), t1 = t0 + QBLOCK < len ? t0 + QBLOCK : len;
 #ifdef KV_AVX512
-        if (vec) { task_avx512(&j, s, h, t0, t1, buf); continue; }
+        if (vec == KV_PATH_AVX512) { task_avx512(&j, s, h, t0, t1, buf); continue; }
+#endif
+#ifdef KV_AVX2
+        if (vec == KV_PATH_AVX2) { task_avx2(&j, s, h, t0, t1, buf); continue; }
 #endif
         task_scalar(&j, s, h, t0, t1, buf);
     }

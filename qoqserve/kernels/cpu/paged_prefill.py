@@ -1,7 +1,7 @@
 """Paged prefill attention on CPU (paged_prefill.c), via ctypes: the queries of
 prompt chunks, causal over their sequences' pages, in fp32, for every page
-format paged_decode reads. Its AVX-512 path is chosen at run time;
-QOQSERVE_CPU_ISA=scalar forces the portable one."""
+format paged_decode reads. Its AVX-512 or AVX2 path is chosen at run time;
+QOQSERVE_CPU_ISA=avx2 / scalar caps it."""
 from __future__ import annotations
 
 import ctypes
@@ -10,7 +10,7 @@ import torch
 
 from qoqserve.kernels.cpu import graph
 from qoqserve.kernels.cpu.build import load_library
-from qoqserve.kernels.cpu.paged_decode import _FLAGS, FORMATS, check_pages
+from qoqserve.kernels.cpu.paged_decode import _FLAGS, FORMATS, PATHS, check_pages
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _SIGNATURES = {"paged_prefill_attention": (
@@ -27,8 +27,8 @@ def available() -> bool:
 
 
 def isa() -> str:
-    """The path the kernel takes now: "avx512" or "scalar" (reads QOQSERVE_CPU_ISA)."""
-    return "avx512" if load().paged_prefill_isa() == 512 else "scalar"
+    """The path the kernel takes now: "avx512", "avx2" or "scalar" (reads QOQSERVE_CPU_ISA)."""
+    return PATHS[load().paged_prefill_isa()]
 
 
 @torch.library.custom_op("qoqserve::paged_prefill", mutates_args=())
