@@ -165,6 +165,22 @@ def test_int32_accumulator_is_the_exact_integer(group, m):
     assert torch.equal(mod(x), acc.float())
 
 
+@pytest.mark.parametrize("group", [0, 32, 64, 256])
+def test_the_largest_sums_do_not_saturate(group):
+    """Every code 15 and x_q = +-127: the AVX2 loop's int16 sums of 4 units
+    (32 k) reach their bound, 30,480; the result must still be the exact integer."""
+    n, k = 40, 768
+    u = torch.full((n, k), 15, dtype=torch.uint8)
+    s2 = torch.ones(n, k // group, dtype=torch.uint8) if group else None
+    z = torch.zeros((n, k // group) if group else (n,), dtype=torch.uint8)
+    mod = PackedW4A8Gemm(qoq_ref.pack_uint4(u), torch.ones(n).half(), s2, z, None, group)
+    x = torch.tensor([127.0, -127.0, 127.0]).repeat_interleave(k).view(3, k)
+    x[2, ::2] = -127  # mixed signs: sums cancel, still exact
+    want = qoq_ref.int8_mm(x.to(torch.int8), u.view(torch.int8))
+    assert torch.equal(mod(x), want.float())
+    assert want[0, 0] == 15 * 127 * k
+
+
 @pytest.mark.parametrize("group", [0, 64])
 def test_scalar_fallback_is_bit_identical(monkeypatch, group):
     monkeypatch.setenv(w4a8_gemm.ISA_ENV, "scalar")

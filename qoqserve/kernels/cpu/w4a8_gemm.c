@@ -63,6 +63,7 @@ typedef struct {
     const int8_t *xq; const float *sa; const int32_t *qsum; int64_t M, Kp, N;
     const uint8_t *w, *gp; int64_t group;  /* gp NULL and group 0: per channel */
     const float *s1, *rowsum, *zs1, *bias; void *y; int out_bf16;
+    const int32_t *gsum;  /* AVX2 with groups: sum of x_q over each (row, group), [M][K / group] */
 } Job;
 
 /* ------------------------------------------------------------- scalar */
@@ -434,15 +435,16 @@ int w4a8_gemm(const void *x, int x_bf16, int x_mode, const void *delta, const vo
     /* AMX loads 16 rows a tile: rows past M are allocated, never stored */
     const int64_t rows = amx ? (M + 15) / 16 * 16 : M;
     const size_t xq_bytes = ((size_t)(rows * Kp) + 63) & ~(size_t)63;
-    uint8_t *main_buf = grow_scratch(&tl_main, &tl_main_size, xq_bytes + 8 * (size_t)M);
+    const int64_t groups = avx2 && group ? K / group : 0;
+    uint8_t *main_buf = grow_scratch(&tl_main, &tl_main_size, xq_bytes + 8 * (size_t)M + 4 * (size_t)(M * groups));
     if (!main_buf) return -1;
     int8_t *xq = (int8_t *)main_buf;
     float *sa = (float *)(main_buf + xq_bytes);
-    int32_t *qsum = (int32_t *)(sa + M);
+    int32_t *qsum = (int32_t *)(sa + M), *gsum = groups ? qsum + M : NULL;
     /* the SIMD panel holds NR blocks of 16 channels x Kp, needed only past one
      * row tile; the scalar path keeps one channel's Kp weights */
     const size_t panel_bytes = simd ? (M > MR || amx ? (size_t)(NR * NB * Kp) : 0) : avx2 ? 0 : (size_t)Kp;
-    Job job = {xq, sa, qsum, M, Kp, N, w, gp, group, s1, rowsum, zs1, bias, y, out_bf16};
+    Job job = {xq, sa, qsum, M, Kp, N, w, gp, group, s1, rowsum, zs1, bias, y, out_bf16, gsum};
     int failed = 0;
     #pragma omp parallel num_threads(threads > 0 ? threads : 1) if (M * N * K > (1 << 18))
     {
@@ -478,7 +480,11 @@ int w4a8_gemm(const void *x, int x_bf16, int x_mode, const void *delta, const vo
             }
 #if HAVE_SIMD
             if (simd) { quantize_row_avx512(xm, bf16, K, Kp, xq + m * Kp, sa + m, qsum + m); continue; }
-            if (avx2) { quantize_row_avx2(xm, bf16, K, Kp, xq + m * Kp, sa + m, qsum + m); continue; }
+            if (avx2) {  /* the group sums once per row, not once per row and channel block */
+                quantize_row_avx2(xm, bf16, K, Kp, xq + m * Kp, sa + m, qsum + m);
+                for (int64_t gi = 0; gi < groups; gi++) gsum[m * groups + gi] = sum_i8_avx2(xq + m * Kp + gi * group, group);
+                continue;
+            }
 #endif
             quantize_row_scalar(xm, bf16, K, Kp, xq + m * Kp, sa + m, qsum + m);
         }

@@ -44,7 +44,9 @@ AVX2 static inline int32_t sum_i8_avx2(const int8_t *x, int64_t n) {  /* n a mul
 
 /* Half h (channels 8h..8h+7) of weight block nb for rows m0..m0+mr-1 (mr
  * 1..4: the unpacked codes serve every row). Per group: g = x_q . u, then
- * t += s2 * (g - z * xs). */
+ * t += s2 * (g - z * xs), xs the row's group sum (Job.gsum). The int16 sums
+ * of up to 4 units (32 k) are added before vpmaddwd widens them: each unit's
+ * is at most 7,620, four 30,480, so nothing saturates. */
 AVX2 static inline __attribute__((always_inline)) void half_rows(const Job *j, int64_t nb, int h, int64_t m0,
                                                                  const int mr) {
     const int64_t Kp = j->Kp, octets = Kp / 8, grouped = j->gp != NULL;
@@ -59,17 +61,22 @@ AVX2 static inline __attribute__((always_inline)) void half_rows(const Job *j, i
     for (int i = 0; i < mr; i++) t[i] = _mm256_setzero_si256();
     for (int64_t gi = 0; gi < groups; gi++) {
         for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_si256();
-        for (int64_t p = gi * per_group; p < (gi + 1) * per_group; p++) {
-            const __m256i pk = _mm256_loadu_si256((const __m256i *)(w + p * wstep));
-            const __m256i lo = _mm256_and_si256(pk, nib), hi = _mm256_and_si256(_mm256_srli_epi16(pk, 4), nib);
-            for (int i = 0; i < mr; i++) {
-                int32_t xa, xb;
-                memcpy(&xa, x + i * Kp + 8 * p, 4);
-                memcpy(&xb, x + i * Kp + 8 * p + 4, 4);
-                const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xa)),
-                                                     _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xb)));
-                acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(s16, ones));
+        const int64_t end = (gi + 1) * per_group;
+        for (int64_t p0 = gi * per_group; p0 < end; p0 += 4) {
+            __m256i s16[4];
+            for (int i = 0; i < mr; i++) s16[i] = _mm256_setzero_si256();
+            for (int64_t p = p0; p < p0 + 4 && p < end; p++) {
+                const __m256i pk = _mm256_loadu_si256((const __m256i *)(w + p * wstep));
+                const __m256i lo = _mm256_and_si256(pk, nib), hi = _mm256_and_si256(_mm256_srli_epi16(pk, 4), nib);
+                for (int i = 0; i < mr; i++) {
+                    int32_t xa, xb;
+                    memcpy(&xa, x + i * Kp + 8 * p, 4);
+                    memcpy(&xb, x + i * Kp + 8 * p + 4, 4);
+                    s16[i] = _mm256_add_epi16(s16[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xa)),
+                                                                       _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xb))));
+                }
             }
+            for (int i = 0; i < mr; i++) acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(s16[i], ones));
         }
         if (!grouped) {
             for (int i = 0; i < mr; i++) t[i] = acc[i];
@@ -78,24 +85,36 @@ AVX2 static inline __attribute__((always_inline)) void half_rows(const Job *j, i
         const __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(g + gi * gstep)));
         const __m256i s2 = _mm256_add_epi32(_mm256_srli_epi32(d, 4), one), z = _mm256_and_si256(d, low4);
         for (int i = 0; i < mr; i++) {
-            const __m256i xs = _mm256_set1_epi32(sum_i8_avx2(x + i * Kp + gi * j->group, j->group));
+            const __m256i xs = _mm256_set1_epi32(j->gsum[(m0 + i) * groups + gi]);
             t[i] = _mm256_add_epi32(t[i], _mm256_mullo_epi32(s2, _mm256_sub_epi32(acc[i], _mm256_mullo_epi32(z, xs))));
         }
     }
     for (int i = 0; i < mr; i++) store8(j, m0 + i, nb * NB + 8 * h, t[i]);
 }
 
+#ifndef X_BLOCK_BYTES
+#define X_BLOCK_BYTES 131072
+#endif
+
+/* Rows in blocks whose x_q stays in L1 (X_BLOCK_BYTES) while every weight
+ * block of the range passes over them: without it each half-block streamed
+ * all of x from L3 again (prompt-sized M). */
 AVX2 static void blocks_avx2(const Job *j, int64_t nb_lo, int64_t nb_hi) {
-    for (int64_t nb = nb_lo; nb < nb_hi; nb++)
-        for (int h = 0; h < 2; h++) {
-            if (nb * NB + 8 * h >= j->N) break;  /* a half wholly past N */
-            int64_t m0 = 0;
-            for (; m0 + 4 <= j->M; m0 += 4) half_rows(j, nb, h, m0, 4);
-            switch (j->M - m0) {
-            case 3: half_rows(j, nb, h, m0, 3); break;
-            case 2: half_rows(j, nb, h, m0, 2); break;
-            case 1: half_rows(j, nb, h, m0, 1); break;
-            default: break;
+    int64_t rows = X_BLOCK_BYTES / j->Kp / 4 * 4;
+    rows = rows < 4 ? 4 : rows;
+    for (int64_t r0 = 0; r0 < j->M; r0 += rows) {
+        const int64_t r1 = r0 + rows < j->M ? r0 + rows : j->M;
+        for (int64_t nb = nb_lo; nb < nb_hi; nb++)
+            for (int h = 0; h < 2; h++) {
+                if (nb * NB + 8 * h >= j->N) break;  /* a half wholly past N */
+                int64_t m0 = r0;
+                for (; m0 + 4 <= r1; m0 += 4) half_rows(j, nb, h, m0, 4);
+                switch (r1 - m0) {
+                case 3: half_rows(j, nb, h, m0, 3); break;
+                case 2: half_rows(j, nb, h, m0, 2); break;
+                case 1: half_rows(j, nb, h, m0, 1); break;
+                default: break;
+                }
             }
-        }
+    }
 }
