@@ -143,7 +143,8 @@ def test_the_avx2_build_is_bit_identical_to_the_reference(monkeypatch):
     assert lib.int8_linear_available() == 1
     monkeypatch.setattr(fused, "load", lambda: lib)
     assert fused.isa() == "avx2"
-    for (m, n, k), channel, dtype in itertools.product(((1, 576, 576), (5, 17, 13), (7, 100, 60), (33, 200, 1536)),
+    for (m, n, k), channel, dtype in itertools.product(((1, 576, 576), (2, 40, 64), (3, 9, 20), (5, 17, 13),
+                                                        (7, 100, 60), (33, 200, 1536)),
                                                        (False, True), (torch.float32, torch.bfloat16)):
         w, s1, zeros, bias = _int8_case(n, k, channel, seed=m * 1000 + n)
         x = (torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 3).to(dtype)

@@ -196,13 +196,15 @@ def test_scalar_fallback_is_bit_identical(monkeypatch, group):
 @pytest.mark.parametrize("group", GROUPS)
 def test_avx2_path_is_bit_identical(monkeypatch, group):
     """The AVX2 loops (vpmaddubsw on the raw codes) wherever the CPU has AVX2,
-    capped there on bigger CPUs: ragged M (row pairs and a single last row),
-    ragged N (8-channel halves past N), every input dtype."""
+    capped there on bigger CPUs: ragged M (decode calls of up to 8 rows walk
+    whole tiles in row pairs and a single last row, 9+ rows the four-row
+    blocks), ragged N (8-channel halves past N, partial tiles), every input
+    dtype."""
     _need("avx2")
     monkeypatch.setenv(w4a8_gemm.ISA_ENV, "avx2")
     assert w4a8_gemm.isa() == "avx2"
     ks = (768,) if group in (128, 256) else (576, 10) if group == 0 else (576,)  # per channel: K ragged to 8
-    for (m, n), k in itertools.product(((1, 17), (2, 9), (3, 100), (8, 40), (33, 470)), ks):
+    for (m, n), k in itertools.product(((1, 17), (2, 9), (3, 100), (5, 33), (8, 40), (9, 17), (33, 470)), ks):
         for dtype in (torch.float32, torch.bfloat16):
             c = _checkpoint(n, k, group, seed=m + n + group)
             x = _input(m, k, dtype, seed=m)
