@@ -192,8 +192,8 @@ AVX2 static void pair_rows_any(const Job *j, int64_t nb, int nbk, int64_t m0) {
 
 /* Up to this many rows (decode batches) the calls walk whole tiles, rows in
  * pairs; more rows take half_rows' four-row blocks, which reuse each unpacked
- * half-unit four times and, at prompt sizes, spill less (measured in
- * docs/benchmarks/cpu_gemm.md). */
+ * half-unit four times: four rows of tile_rows need more registers than
+ * there are and ran slower (docs/runtime.md, the AVX2 table). */
 #define TILE_ROWS_MAX 8
 
 #ifndef X_BLOCK_BYTES
