@@ -114,6 +114,7 @@ def test_task_text_never_overlaps_the_calibration_text(default_source):
         calib = _ngrams(tok.encode(f.read(), add_special_tokens=False), NGRAM)
     texts = [filler_text(tok, 8192, seed) for seed in range(3)]
     texts += [tok.decode(c.ids) for c in retrieval.build_cases(tok, (512,), (0.5,), 2)]
+    texts += [tok.decode(c.ids) for c in retrieval.build_free_cases(tok, (512,), (0.5,), 2)]
     texts += [tok.decode(p) for p in agreement.chat_prompt_ids(tok)]
     texts += [tok.decode(p) for p in format_following.prompt_ids(tok)]
     for text in texts:
@@ -143,6 +144,61 @@ def test_fp_embedded_model_finds_the_pass_key_at_the_shortest_length(default_sou
     assert all(hits)
 
 
+def test_free_pass_key_cases_hit_their_length_and_state_the_key_once(default_source):
+    tok = default_source.tokenizer
+    cases = retrieval.build_free_cases(tok, (1024, 2048), (0.1, 0.9), 1)
+    assert [(c.length, c.depth) for c in cases] == [(1024, 0.1), (1024, 0.9), (2048, 0.1), (2048, 0.9)]
+    forced = {c.key for c in retrieval.build_cases(tok, (1024, 2048), (0.1, 0.9), 1)}
+    assert not forced & {c.key for c in cases}  # its own draw of keys
+    for c in cases:
+        assert c.length - 32 <= len(c.ids) <= c.length
+        text = tok.decode(c.ids)
+        assert text.count(c.key) == 1 and text.endswith(f"{retrieval.FREE_QUESTION}\nassistant\n")
+        turn = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
+        assert c.ids[-len(turn):] == turn  # the model writes the whole reply
+        assert retrieval.FREE_QUESTION in text and retrieval.REPLY_PREFIX + c.key in text
+    shallow, deep = tok.decode(cases[0].ids), tok.decode(cases[1].ids)
+    assert shallow.index(cases[0].key) < len(shallow) * 0.3 < len(deep) * 0.7 < deep.index(cases[1].key)
+
+
+def test_free_replies_are_scored_by_the_key_as_a_number_of_its_own():
+    finds = retrieval.free_reply_finds
+    assert finds("The pass key is 48213.", "48213") and finds("48213", "48213")
+    assert finds("It is: 48213, I think", "48213")
+    assert not finds("The pass key is 482131.", "48213") and not finds("148213", "48213")
+    assert not finds("The pass key is 4821.", "48213") and not finds("a small wooden key", "48213")
+
+
+def test_free_pass_key_accuracy_counts_per_length_over_batches():
+    """A stub model that answers with the key only for odd cases at the
+    shorter length: the score is per length, whatever the batching."""
+    class Tok:
+        def decode(self, ids, skip_special_tokens=False):
+            return "".join(map(chr, ids))
+    cases = [retrieval.FreePasskeyCase(n, 0.5, str(10000 + i), [n, i]) for n in (1024, 2048) for i in range(5)]
+    calls = []
+
+    def generate(prompts, max_new):
+        calls.append(len(prompts))
+        return [[ord(c) for c in (f"The pass key is {10000 + i}." if n == 1024 and i % 2 else "No idea.")]
+                for n, i in prompts]
+    acc, replies = retrieval.free_passkey_accuracy(generate, Tok(), cases, batch=4)
+    assert acc == {1024: pytest.approx(2 / 5), 2048: 0.0} and calls == [4, 4, 2]
+    assert replies[1] == "The pass key is 10001." and replies[0] == "No idea."
+
+
+def test_fp_embedded_model_finds_the_free_pass_key_at_the_shortest_length(default_source):
+    """The free protocol is harder (the model writes its whole reply); FP must
+    still solve it at the shortest length, or the column measures nothing."""
+    tok = default_source.tokenizer
+    fp = model_subject("FP32", build_fp_model(default_source, get_preset("rtn-kv4", kv_bits=16), "cpu"),
+                       default_source.arch.eos_token_ids)
+    cases = retrieval.build_free_cases(tok, (retrieval.DEFAULT_LENGTHS[0],), (0.2, 0.8), 1)
+    acc, replies = retrieval.free_passkey_accuracy(fp.generate, tok, cases)
+    print(f"FP free pass-key accuracy at {cases[0].length} tokens: {acc}; replies {replies}")
+    assert acc == {cases[0].length: 1.0}
+
+
 def test_engine_subject_scores_as_it_decodes(qoq_tiny):
     """The runtime engine (INT8 GEMMs, KV4 pages): its logits give its own
     perplexity numbers, and teacher-forced agreement with its own greedy
@@ -164,18 +220,23 @@ def test_table_renders_the_same_after_a_json_round_trip():
 
     from qoqserve.eval.quality import to_markdown
     row = dict(ppl=21.0, ppl_delta=0.0, kl_mean=0.0, kl_p99=0.0, same_top=1.0, greedy_agreement=1.0, greedy_prefix=1.0,
-               passkey={1024: 0.9, 2048: 0.5}, json_rate=0.75)
+               passkey={1024: 0.9, 2048: 0.5}, passkey_free={1024: 0.85, 2048: 0.25}, json_rate=0.75)
     table = {"options": {"lengths": [1024, 2048]},
              "rows": [dict(row, config="FP32"),
                       dict(row, config="g64", ppl=25.2, ppl_delta=0.2, kl_mean=0.19, quantize_seconds=264.0)]}
     md = to_markdown(table)
     assert md == to_markdown(json.loads(json.dumps(table)))
-    assert "| g64 | 25.200 | +20.0% | 0.1900 |" in md and "| 90% | 50% | 75% | 264 |" in md
+    assert "| g64 | 25.200 | +20.0% | 0.1900 |" in md and "| 90% | 50% | 85% | 25% | 75% | 264 |" in md
+    assert "| pass key 1k | pass key 2k | free pass key 1k | free pass key 2k | JSON keys |" in md
+    # a row kept from before the free task existed shows no number for it
+    old = {k: v for k, v in table["rows"][1].items() if k != "passkey_free"}
+    assert "| 90% | 50% | — | — | 75% | 264 |" in to_markdown({**table, "rows": [old]})
 
 
 def _row(config, **kw):
     row = dict(config=config, ppl=21.0, ppl_delta=0.0, kl_mean=0.0, kl_p99=0.0, same_top=1.0,
-               greedy_agreement=1.0, greedy_prefix=1.0, passkey={1024: 1.0}, json_rate=0.5)
+               greedy_agreement=1.0, greedy_prefix=1.0, passkey={1024: 1.0}, passkey_free={1024: 1.0},
+               json_rate=0.5)
     return {**row, **kw}
 
 
@@ -234,7 +295,7 @@ def test_a_group_size_that_does_not_tile_the_model_fails_before_any_work():
 def test_a_table_shows_only_the_tasks_it_measured():
     from qoqserve.eval.quality import to_markdown
     row = {k: v for k, v in _row("g64", kl_mean=0.25).items()
-           if k not in ("greedy_agreement", "greedy_prefix", "passkey", "json_rate")}
+           if k not in ("greedy_agreement", "greedy_prefix", "passkey", "passkey_free", "json_rate")}
     md = to_markdown({"options": {"lengths": [1024], "tasks": []}, "rows": [row]})
     head, _, line = md.splitlines()
     assert head == "| configuration | PPL | vs FP | KL mean | KL p99 | same top | quantize s |"

@@ -31,7 +31,7 @@ from qoqserve.quant.pipeline import build_fp_model, quantize_model
 
 DEFAULT_CONFIGS = ("rtn-w8a8", "rtn-w4a8kv4-g64", "g64", "chn")
 # measured besides perplexity, KL and same top (always: they come from one pass)
-TASKS = ("greedy", "passkey", "json")
+TASKS = ("greedy", "passkey", "passkey-free", "json")
 
 
 @dataclass
@@ -42,6 +42,7 @@ class QualityOptions:
     lengths: tuple[int, ...] = retrieval.DEFAULT_LENGTHS
     depths: tuple[float, ...] = retrieval.DEFAULT_DEPTHS
     keys_per_depth: int = 2
+    free_keys_per_depth: int = retrieval.FREE_KEYS_PER_DEPTH
     greedy_tokens: int = 32
     seed: int = 0
     tasks: tuple[str, ...] = TASKS  # which of TASKS to measure
@@ -72,6 +73,7 @@ class Tasks:
     chat: list[list[int]]
     references: list[list[int]]      # FP's greedy continuations of chat
     cases: list[retrieval.PasskeyCase]
+    free_cases: list[retrieval.FreePasskeyCase]
     fp: Subject
     fp_ppl: float
     fp_kl: Memo
@@ -92,6 +94,9 @@ def measure(subject: Subject, tasks: Tasks, opts: QualityOptions, tokenizer, pro
         row.update(greedy_agreement=g.rate, greedy_prefix=g.mean_prefix)
     if "passkey" in opts.tasks:
         row["passkey"] = retrieval.passkey_accuracy(subject.logits, tasks.cases)
+    if "passkey-free" in opts.tasks:
+        row["passkey_free"], row["passkey_free_replies"] = retrieval.free_passkey_accuracy(
+            subject.generate, tokenizer, tasks.free_cases)
     if "json" in opts.tasks:
         f = format_following.format_following(subject.generate, tokenizer)
         row.update(json_rate=f.rate, json_parsed=f.parsed, json_replies=f.replies)
@@ -107,6 +112,8 @@ def one_line(r: dict) -> str:
         line += f" greedy {100 * r['greedy_agreement']:.0f}%"
     if "passkey" in r:
         line += " passkey " + " ".join(f"{k}:{100 * v:.0f}%" for k, v in r["passkey"].items())
+    if "passkey_free" in r:
+        line += " free " + " ".join(f"{k}:{100 * v:.0f}%" for k, v in r["passkey_free"].items())
     if "json_rate" in r:
         line += f" json {100 * r['json_rate']:.0f}%"
     return line
@@ -149,13 +156,16 @@ def run_quality(model: str | None, configs, engines=(), opts: QualityOptions = Q
     tok, eos = source.tokenizer, source.arch.eos_token_ids
     cases = (retrieval.build_cases(tok, opts.lengths, opts.depths, opts.keys_per_depth, opts.seed)
              if "passkey" in opts.tasks else [])
-    longest = max([opts.window] + [len(c.ids) for c in cases])
+    free_cases = (retrieval.build_free_cases(tok, opts.lengths, opts.depths, opts.free_keys_per_depth, opts.seed)
+                  if "passkey-free" in opts.tasks else [])
+    longest = max([opts.window] + [len(c.ids) for c in cases]
+                  + [len(c.ids) + retrieval.FREE_MAX_NEW_TOKENS for c in free_cases])
     fp_model = build_fp_model(source, get_preset("rtn-kv4", kv_bits=16), "cpu", longest)
     fp = model_subject("FP32", fp_model, eos)
     ids = tok.encode(read_texts(opts.texts))
     chat = agreement.chat_prompt_ids(tok)
     references = fp.generate(chat, opts.greedy_tokens) if "greedy" in opts.tasks else []
-    tasks = Tasks(ids, chat, references, cases, fp,
+    tasks = Tasks(ids, chat, references, cases, free_cases, fp,
                   perplexity(fp_model.prompt_logprobs, ids, opts.window, opts.stride).ppl, Memo(fp.logits))
     table = {"model": model or "embedded SmolLM2-135M-Instruct", "options": asdict(opts),
              "ppl_tokens": len(ids) - 1, "rows": tasks.rows}
@@ -193,6 +203,10 @@ def run_quality(model: str | None, configs, engines=(), opts: QualityOptions = Q
     return table
 
 
+def _length(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
 def to_markdown(table: dict, names=None, labels=None) -> str:
     """names: the rows to show, in this order, those of them measured (default:
     all); labels: config name -> what the first column says. One column per
@@ -204,7 +218,9 @@ def to_markdown(table: dict, names=None, labels=None) -> str:
     if "greedy" in measured:
         head.append("greedy agree (mean prefix)")
     if "passkey" in measured:
-        head += [f"pass key {n // 1024}k" if n % 1024 == 0 else f"pass key {n}" for n in lengths]
+        head += [f"pass key {_length(n)}" for n in lengths]
+    if "passkey-free" in measured:
+        head += [f"free pass key {_length(n)}" for n in lengths]
     if "json" in measured:
         head.append("JSON keys")
     head.append("quantize s")
@@ -223,6 +239,9 @@ def to_markdown(table: dict, names=None, labels=None) -> str:
         if "passkey" in measured:
             passkey = {int(k): v for k, v in r["passkey"].items()}  # str keys once through JSON
             cells += [f"{100 * passkey[n]:.0f}%" for n in lengths]
+        if "passkey-free" in measured:  # "—": a row kept from a run before the task existed
+            free = {int(k): v for k, v in r.get("passkey_free", {}).items()}
+            cells += [f"{100 * free[n]:.0f}%" if n in free else "—" for n in lengths]
         if "json" in measured:
             cells.append(f"{100 * r['json_rate']:.0f}%")
         cells.append(f"{r['quantize_seconds']:.0f}" if "quantize_seconds" in r else "—")
@@ -241,6 +260,8 @@ def register_args(p) -> None:
                         "model takes up to 8192, ~4x slower per doubling on CPU)")
     p.add_argument("--keys-per-depth", type=int, default=2,
                    help=f"pass keys per length and depth (depths {retrieval.DEFAULT_DEPTHS})")
+    p.add_argument("--free-keys-per-depth", type=int, default=retrieval.FREE_KEYS_PER_DEPTH,
+                   help="the free protocol's pass keys per length and depth")
     p.add_argument("--window", type=int, default=512, help="perplexity / KL window")
     p.add_argument("--stride", type=int, default=None,
                    help="window step (default: = window, disjoint; window/2 scores each token "
@@ -260,7 +281,8 @@ def register_args(p) -> None:
 
 def run_cmd(args) -> int:
     opts = QualityOptions(window=args.window, stride=args.stride or args.window, lengths=tuple(args.lengths),
-                          keys_per_depth=args.keys_per_depth, greedy_tokens=args.greedy_tokens,
+                          keys_per_depth=args.keys_per_depth,
+                          free_keys_per_depth=args.free_keys_per_depth, greedy_tokens=args.greedy_tokens,
                           tasks=tuple(args.tasks),
                           fp_row=args.fp_row)
 
