@@ -320,3 +320,13 @@ def test_eval_accuracy_render_rewrites_the_doc_from_its_json_alone(tmp_path):
     assert "| FP32 |" not in ablation and f"| {accuracy.LABELS['g64']} | 25.200 |" in ablation
     with pytest.raises(SystemExit, match="--render needs"):
         accuracy.run_cmd(p.parse_args(["--render", "--json", str(tmp_path / "none.json")]))
+
+
+def test_seeds_make_one_row_per_config_and_seed():
+    from qoqserve.quant.config import with_seeds
+    configs = [get_preset("g64"), get_preset("rtn-w8a8")]
+    assert with_seeds(configs, []) == configs
+    rows = with_seeds(configs, [0, 2])
+    assert [(c.name, c.seed) for c in rows] == [("g64 seed 0", 0), ("g64 seed 2", 2),
+                                               ("rtn-w8a8 seed 0", 0), ("rtn-w8a8 seed 2", 2)]
+    assert rows[1].to_dict() == {**get_preset("g64").to_dict(), "name": "g64 seed 2", "seed": 2}

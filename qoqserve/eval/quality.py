@@ -26,7 +26,7 @@ from qoqserve.eval.subject import Subject, engine_subject, model_subject
 from qoqserve.llm import LLM
 from qoqserve.model_loader import load_model_source
 from qoqserve.quant.calibration import load_calibration
-from qoqserve.quant.config import ROTATIONS, get_preset, with_rotation
+from qoqserve.quant.config import ROTATIONS, get_preset, with_rotation, with_seeds
 from qoqserve.quant.pipeline import build_fp_model, quantize_model
 
 DEFAULT_CONFIGS = ("rtn-w8a8", "rtn-w4a8kv4-g64", "g64", "chn")
@@ -272,6 +272,9 @@ def register_args(p) -> None:
                         "none: those three alone, as llama.cpp's perplexity --kl-divergence)")
     p.add_argument("--no-fp-row", dest="fp_row", action="store_false",
                    help="measure FP only as the reference, not as a row of its own")
+    p.add_argument("--seeds", type=int, nargs="*", default=[],
+                   help="quantize each config once per seed (its Hadamard rotations), a row each: "
+                        "one seed's pass keys and perplexity can sit far from another's")
     p.add_argument("--out", default=None, help="write the markdown table here")
     p.add_argument("--json", default=None, help="write the whole table (and every JSON reply) here")
     p.add_argument("--rotation", choices=ROTATIONS, default=None,
@@ -293,7 +296,7 @@ def run_cmd(args) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(table, f, indent=1)
-    table = run_quality(args.model, with_rotation([get_preset(c) for c in args.configs], args.rotation),
-                        args.engine, opts, on_row=write)
+    configs = with_seeds(with_rotation([get_preset(c) for c in args.configs], args.rotation), args.seeds)
+    table = run_quality(args.model, configs, args.engine, opts, on_row=write)
     print(to_markdown(table))
     return 0

@@ -161,6 +161,16 @@ def with_rotation(configs, rotation: str | None) -> list[QuantConfig]:
             if c.rotate and c.rotation != rotation else c for c in configs]
 
 
+def with_seeds(configs, seeds) -> list[QuantConfig]:
+    """Each config once per seed (the seeded Hadamard rotations), named so that
+    a table tells them apart; seeds empty: the configs as they are. One seed's
+    result can sit far from another's (docs/accuracy.md), so a recipe is
+    compared over several."""
+    if not seeds:
+        return list(configs)
+    return [replace(c, seed=s, name=f"{c.name} seed {s}") for c in configs for s in seeds]
+
+
 def get_preset(name: str, **overrides) -> QuantConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown quantization config {name!r}; choose from {', '.join(PRESETS)}")
