@@ -40,3 +40,29 @@ def test_user_calibration_file(default_source, tmp_path):
     p.write_text("The quick brown fox jumps over the lazy dog. " * 200)
     calib = load_calibration(default_source.tokenizer, str(p), 4, 128)
     assert len(calib.samples) == 4 and calib.source == str(p)
+
+
+def test_long_windows_are_spread_over_the_text_with_short_ones_between(default_source):
+    tok = default_source.tokenizer
+    with open(DEFAULT_CALIB_FILE, encoding="utf-8") as f:
+        ids = tok.encode(f.read(), add_special_tokens=False)
+    calib = load_calibration(tok, None, 128, 512, long_samples=9, long_seq_len=2048)
+    lengths = [len(s) for s in calib.samples]
+    span = len(ids) // 9
+    per_span = (span - 2048) // 512
+    assert lengths == ([2048] + [512] * per_span) * 9
+    assert calib.describe() == f"9 x 2048 + {9 * per_span} x 512 tokens"
+    # each span opens with its long window, the short ones follow it in the text
+    assert calib.samples[0] == ids[:2048] and calib.samples[1] == ids[2048:2560]
+    assert calib.samples[per_span + 1] == ids[span:span + 2048]
+    # num_samples caps the short windows
+    capped = load_calibration(tok, None, 5, 512, long_samples=9, long_seq_len=2048)
+    assert sorted(map(len, capped.samples)).count(512) == 5 and len(capped.samples) == 14
+
+
+def test_long_windows_the_text_cannot_hold_are_refused(default_source, tmp_path):
+    import pytest
+    p = tmp_path / "calib.txt"
+    p.write_text("The quick brown fox jumps over the lazy dog. " * 200)
+    with pytest.raises(ValueError, match="fewer than 8 calibration windows of 2048"):
+        load_calibration(default_source.tokenizer, str(p), 4, 128, long_samples=8, long_seq_len=2048)

@@ -272,13 +272,13 @@ def test_measuring_pass_skips_the_last_product_but_measures_the_same(sources):
     hidden = torch.randn(2 * 64, model.cfg.hidden_size, generator=torch.Generator().manual_seed(4))
     caps = []
     with torch.no_grad():
-        before = _run_layer(layer, hidden, 64)
+        before = _run_layer(layer, hidden, (64, 64))
         for skip in ((), LINEARS[-1:]):
             cap = LayerCapture(layer, LINEARS, model.cfg, hessians=True, skip_outputs=skip)
             with cap:
-                out = _run_layer(layer, hidden, 64)
+                out = _run_layer(layer, hidden, (64, 64))
             caps.append((cap, out))
-        after = _run_layer(layer, hidden, 64)
+        after = _run_layer(layer, hidden, (64, 64))
     (full, out_full), (skipped, out_skipped) = caps
     assert torch.equal(out_full, before) and torch.equal(after, before)
     assert not torch.equal(out_skipped, before)  # the skipped product really was not computed
@@ -287,3 +287,36 @@ def test_measuring_pass_skips_the_last_product_but_measures_the_same(sources):
         assert torch.equal(full.samples[name], skipped.samples[name])
         assert torch.equal(full.hessians[name].sum, skipped.hessians[name].sum)
     assert torch.equal(full.key_mean, skipped.key_mean) and torch.equal(full.k_sample, skipped.k_sample)
+
+
+def test_layer_passes_over_windows_of_mixed_lengths_equal_each_window_alone(sources):
+    """Long and short calibration windows in one pass: every window attends
+    only to itself, from position 0, whatever shares its chunk."""
+    from qoqserve.quant.layer_passes import run_layer as _run_layer
+
+    model = build_fp_model(sources["llama"], get_preset("g64"), "cpu")
+    layer = model.layers[0]
+    lengths = (96, 32, 32, 32, 96, 32, 32, 32, 32, 64)  # more than one chunk of 8 windows
+    hidden = torch.randn(sum(lengths), model.cfg.hidden_size, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        out = _run_layer(layer, hidden, lengths)
+        start = 0
+        for n in lengths:
+            alone = _run_layer(layer, hidden[start:start + n], (n,))
+            torch.testing.assert_close(out[start:start + n], alone, atol=1e-5, rtol=1e-5)
+            start += n
+
+
+def test_mixed_calibration_quantizes_and_records_its_windows(sources, tmp_path):
+    source = sources["llama"]
+    cfg = get_preset("g64", calib_samples=6, calib_seq_len=32, calib_long_samples=2, calib_long_seq_len=96)
+    assert cfg.longest_calibration_window == 96
+    g = torch.Generator().manual_seed(2)
+    windows = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (96, 32, 32, 32, 96, 32, 32, 32)]
+    data = CalibrationSet(windows, "0" * 64, "random")
+    result = quantize_model(source, cfg, data, progress=False)
+    assert data.describe() == "2 x 96 + 6 x 32 tokens"
+    save_checkpoint(result, source, data, str(tmp_path / "ckpt"))
+    quant = json.loads((tmp_path / "ckpt" / "quant_config.json").read_text())
+    assert quant["calibration"]["windows"] == "2 x 96 + 6 x 32 tokens" and quant["calibration"]["samples"] == 8
+    assert quant["config"]["calib_long_samples"] == 2

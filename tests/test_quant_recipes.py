@@ -46,14 +46,14 @@ def _quantize_recording(monkeypatch, source, true_sequential: bool):
 
 def _hessian(model, data, layer: int, name: str) -> torch.Tensor:
     """The Hessian of layer `layer`'s `name` inputs as the finished (all-quantized) model makes them."""
-    seq_len = len(data.samples[0])
+    lengths = tuple(map(len, data.samples))
     hidden = torch.nn.functional.embedding(torch.tensor(data.samples).reshape(-1), model.embed_tokens)
     with torch.no_grad():
         for earlier in model.layers[:layer]:
-            hidden = layer_passes.run_layer(earlier, hidden, seq_len)
+            hidden = layer_passes.run_layer(earlier, hidden, lengths)
         cap = LayerCapture(model.layers[layer], [name], model.cfg, hessians=True)
         with cap:
-            layer_passes.run_layer(model.layers[layer], hidden, seq_len, stop_at=name)
+            layer_passes.run_layer(model.layers[layer], hidden, lengths, stop_at=name)
     return cap.hessians[name].hessian()
 
 

@@ -18,6 +18,10 @@ def add_quant_args(p) -> None:
     p.add_argument("--calib", default=None, help="calibration text file (default: shipped set)")
     p.add_argument("--calib-samples", type=int, default=None)
     p.add_argument("--calib-seq-len", type=int, default=None)
+    p.add_argument("--calib-long-samples", type=int, default=None,
+                   help="calibration windows of --calib-long-seq-len tokens besides the short ones "
+                        "(0: none)")
+    p.add_argument("--calib-long-seq-len", type=int, default=None)
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=None,
                    help="seed of the Hadamard rotations (residual stream, keys); one seed's perplexity "
@@ -52,7 +56,7 @@ def quant_config_from_args(args):
     over = {}
     rotation = ("rotation", "rotation_loss") + tuple(f for f, _ in ROTATION_OPTIONS)
     for field in STEP_FLAGS + rotation + ("kv_bits", "smooth_alpha", "calib_samples", "calib_seq_len",
-                                          "w8a8_linears", "seed"):
+                                          "calib_long_samples", "calib_long_seq_len", "w8a8_linears", "seed"):
         value = getattr(args, field, None)
         if value is not None:
             over[field] = tuple(value) if isinstance(value, list) else value
@@ -73,17 +77,17 @@ def register(sub) -> None:
 def run(args) -> int:
     # lazy: CLI start-up (load what a subcommand needs when it runs)
     from qoqserve.model_loader import load_model_source
-    from qoqserve.quant.calibration import load_calibration
+    from qoqserve.quant.calibration import calibration_for
     from qoqserve.quant.checkpoint import save_checkpoint
     from qoqserve.quant.pipeline import quantize_model
 
     cfg = quant_config_from_args(args)
     source = load_model_source(args.model)
-    calib = load_calibration(source.tokenizer, args.calib, cfg.calib_samples, cfg.calib_seq_len)
+    calib = calibration_for(source.tokenizer, args.calib, cfg)
     print(f"quantizing {source.name} with {cfg.name}: "
           f"{', '.join(f'{k}={v}' for k, v in dataclasses.asdict(cfg).items() if k != 'smooth_alpha_grid')}",
           file=sys.stderr)
-    print(f"calibration: {len(calib.samples)} x {len(calib.samples[0])} tokens from {calib.source}",
+    print(f"calibration: {calib.describe()} from {calib.source}",
           file=sys.stderr)
     result = quantize_model(source, cfg, calib, args.device)
     save_checkpoint(result, source, calib, args.output)

@@ -25,7 +25,7 @@ from qoqserve.eval.perplexity import LICENSE_TEXTS, perplexity, read_texts
 from qoqserve.eval.subject import Subject, engine_subject, model_subject
 from qoqserve.llm import LLM
 from qoqserve.model_loader import load_model_source
-from qoqserve.quant.calibration import load_calibration
+from qoqserve.quant.calibration import calibration_for
 from qoqserve.quant.config import ROTATIONS, get_preset, with_rotation, with_seeds
 from qoqserve.quant.pipeline import build_fp_model, quantize_model
 
@@ -189,7 +189,7 @@ def run_quality(model: str | None, configs, engines=(), opts: QualityOptions = Q
             print(f"{cfg.name}: not applicable: {e}", flush=True)
             add({"config": cfg.name, "not_applicable": str(e), "quant_config": settings, **provenance()})
             continue
-        calib = load_calibration(tok, None, cfg.calib_samples, cfg.calib_seq_len)
+        calib = calibration_for(tok, None, cfg)
         result = quantize_model(source, cfg, calib, progress=progress, max_positions=longest)
         subject = model_subject(cfg.name, result.model, eos, quantize_seconds=result.seconds,
                                 steps=result.steps)

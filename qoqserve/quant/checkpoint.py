@@ -52,7 +52,7 @@ def save_checkpoint(result: QuantResult, source, calib: CalibrationSet, out_dir:
         **runtime_config(cfg, result.model.cfg.num_layers).to_config(),
         "steps": result.steps, "config": cfg.to_dict(),
         "calibration": {"sha256": calib.sha256, "file": os.path.basename(calib.source),
-                        "samples": len(calib.samples), "seq_len": len(calib.samples[0])},
+                        "samples": len(calib.samples), "windows": calib.describe()},
         "source_model": source.name, "quantized_by": f"qoqserve {__version__}",
         "seconds": round(result.seconds, 1), "layers": result.layer_info,
     }

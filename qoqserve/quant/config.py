@@ -70,6 +70,10 @@ class QuantConfig:
     # (fewer windows cost accuracy: docs/accuracy.md)
     calib_samples: int = 128
     calib_seq_len: int = 512
+    # windows of calib_long_seq_len tokens besides the short ones (quant/calibration.py):
+    # 512-token windows never show the quantizer a position past 512
+    calib_long_samples: int = 0
+    calib_long_seq_len: int = 2048
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -118,6 +122,10 @@ class QuantConfig:
             raise ValueError(f"{self.name}: group size {self.group_size} does not divide the model's "
                              f"{', '.join(bad)}; group sizes that fit: "
                              f"{', '.join(map(str, fits)) or 'none'} (or 0, per channel)")
+
+    @property
+    def longest_calibration_window(self) -> int:
+        return max(self.calib_seq_len, self.calib_long_seq_len if self.calib_long_samples else 0)
 
     @property
     def uses_key_transform(self) -> bool:

@@ -14,7 +14,7 @@ import sys
 from qoqserve.layers.quantization.qoq import FORMAT_VERSION
 from qoqserve.model_loader import load_model_source
 from qoqserve.paths import cache_dir
-from qoqserve.quant.calibration import load_calibration
+from qoqserve.quant.calibration import calibration_for
 from qoqserve.quant.checkpoint import save_checkpoint
 from qoqserve.quant.config import QuantConfig, get_preset
 from qoqserve.quant.pipeline import quantize_model
@@ -50,7 +50,7 @@ def default_qoq_checkpoint(preset: str = "g64", progress: bool = True) -> str:
           file=sys.stderr)
     source = load_model_source(None)
     cfg = get_preset(preset)
-    calib = load_calibration(source.tokenizer, None, cfg.calib_samples, cfg.calib_seq_len)
+    calib = calibration_for(source.tokenizer, None, cfg)
     result = quantize_model(source, cfg, calib, progress=progress)
     tmp = out + ".partial"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -12,8 +12,11 @@ from qoqserve.quant.config import LINEARS
 from qoqserve.quant.layer_stats import LayerCapture
 
 
-def _meta(num: int, length: int) -> AttentionMetadata:
-    return AttentionMetadata(True, None, None, None, [i * length for i in range(num + 1)], [0] * num)
+def _meta(lengths: tuple[int, ...]) -> AttentionMetadata:
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    return AttentionMetadata(True, None, None, None, starts, [0] * len(lengths))
 
 
 class _StopForward(Exception):
@@ -24,26 +27,29 @@ def _stop(module, args):
     raise _StopForward
 
 
-def _row_chunks(num_tokens: int, seq_len: int, chunk: int = 8):
-    """(first sample, samples, token rows) of a few samples at a time."""
-    n = num_tokens // seq_len
-    for s in range(0, n, chunk):
-        c = min(chunk, n - s)
-        yield s, c, slice(s * seq_len, (s + c) * seq_len)
+def _row_chunks(lengths: tuple[int, ...], chunk: int = 8):
+    """(the chunk's sample lengths, its token rows), a few samples at a time;
+    lengths: every calibration sample's, in the order their rows lie."""
+    start = 0
+    for s in range(0, len(lengths), chunk):
+        part = lengths[s:s + chunk]
+        yield part, slice(start, start + sum(part))
+        start += sum(part)
 
 
-def run_layer(layer, hidden: torch.Tensor, seq_len: int, stop_at: str | None = None) -> torch.Tensor | None:
-    """hidden [S*L, h] through one decoder layer, a few samples at a time.
+def run_layer(layer, hidden: torch.Tensor, lengths: tuple[int, ...],
+              stop_at: str | None = None) -> torch.Tensor | None:
+    """hidden [sum(lengths), h] through one decoder layer, a few samples at a time.
     stop_at: a linear's name: each chunk's forward ends when it reaches that
     linear (its inputs go to the hooks registered before this call), and
     nothing is returned."""
     out = None if stop_at else torch.empty_like(hidden)
-    positions = torch.arange(seq_len, device=hidden.device)
     handle = layer.get_submodule(stop_at).register_forward_pre_hook(_stop) if stop_at else None
     try:
-        for _, c, rows in _row_chunks(hidden.shape[0], seq_len):
+        for part, rows in _row_chunks(lengths):
+            positions = torch.cat([torch.arange(n, device=hidden.device) for n in part])
             try:
-                h, delta = layer(positions.repeat(c), hidden[rows], _meta(c, seq_len), None)
+                h, delta = layer(positions, hidden[rows], _meta(part), None)
             except _StopForward:
                 continue
             out[rows] = h + delta
@@ -53,7 +59,7 @@ def run_layer(layer, hidden: torch.Tensor, seq_len: int, stop_at: str | None = N
     return out
 
 
-def fp_layer_inputs(layer, hidden: torch.Tensor, seq_len: int, names=LINEARS):
+def fp_layer_inputs(layer, hidden: torch.Tensor, lengths: tuple[int, ...], names=LINEARS):
     """The FP model's own pass through one still-unquantized layer: its exact
     KV (no cache quantization) and every named linear's inputs [T, K], in
     token order. Returns (output, {name: inputs})."""
@@ -64,7 +70,7 @@ def fp_layer_inputs(layer, hidden: torch.Tensor, seq_len: int, names=LINEARS):
     backend = layer.self_attn.attn.backend
     lossy, backend.quantized_prefill = backend.quantized_prefill, False
     try:
-        out = run_layer(layer, hidden, seq_len)
+        out = run_layer(layer, hidden, lengths)
     finally:
         backend.quantized_prefill = lossy
         for h in hooks:
@@ -72,7 +78,8 @@ def fp_layer_inputs(layer, hidden: torch.Tensor, seq_len: int, names=LINEARS):
     return out, {n: torch.cat(parts) for n, parts in store.items()}
 
 
-def transformed_statistics(layer, hidden: torch.Tensor, seq_len: int, arch, cap: LayerCapture) -> None:
+def transformed_statistics(layer, hidden: torch.Tensor, lengths: tuple[int, ...], arch,
+                           cap: LayerCapture) -> None:
     """Asymmetric calibration's Hessians and cross products, from a pass of the
     layer as its transforms left it (smoothed, reordered, keys centred and
     rotated), so the quantized model's inputs carry the KV4 error it will
@@ -80,11 +87,11 @@ def transformed_statistics(layer, hidden: torch.Tensor, seq_len: int, arch, cap:
     inputs (cap.targets) already follow the same permutations and scales."""
     again = LayerCapture(layer, LINEARS, arch, hessians=True, skip_outputs=LINEARS[-1:], targets=cap.targets)
     with again:
-        run_layer(layer, hidden, seq_len)
+        run_layer(layer, hidden, lengths)
     cap.hessians, cap.cross = again.hessians, again.cross
 
 
-def sequential_layer(layer, hidden: torch.Tensor, seq_len: int, arch, hessians: bool,
+def sequential_layer(layer, hidden: torch.Tensor, lengths: tuple[int, ...], arch, hessians: bool,
                       first: LayerCapture, quantize) -> torch.Tensor:
     """Quantize the layer's linears in order (quantize(name, capture)), each from
     the inputs that the already-quantized ones before it produce, and return
@@ -97,7 +104,7 @@ def sequential_layer(layer, hidden: torch.Tensor, seq_len: int, arch, hessians: 
     cap = LayerCapture(layer, [LINEARS[1]], arch, hessians=hessians)
     try:
         with cap:
-            run_layer(layer, hidden, seq_len, stop_at=LINEARS[1])
+            run_layer(layer, hidden, lengths, stop_at=LINEARS[1])
     finally:
         keep.remove()
     quantize(LINEARS[1], cap)
@@ -124,7 +131,7 @@ def sequential_layer(layer, hidden: torch.Tensor, seq_len: int, arch, hessians: 
         with cap:
             stop = linear.register_forward_pre_hook(_stop)
             try:
-                for _, _, rows in _row_chunks(hidden.shape[0], seq_len):
+                for _, rows in _row_chunks(lengths):
                     try:
                         linear(make_input(rows))
                     except _StopForward:
@@ -133,6 +140,6 @@ def sequential_layer(layer, hidden: torch.Tensor, seq_len: int, arch, hessians: 
                 stop.remove()
         quantize(name, cap)
     out = torch.empty_like(hidden)
-    for _, _, rows in _row_chunks(hidden.shape[0], seq_len):
+    for _, rows in _row_chunks(lengths):
         out[rows] = residual[rows] + mlp.down_proj(x_down[rows])
     return out

@@ -62,7 +62,8 @@ def build_fp_model(source, cfg: QuantConfig, device: str, max_positions: int = 4
     else:
         attention = AttentionBackend(DenseKVCacheLayout(a.num_kv_heads, a.head_dim, 16, torch.float32))
     with torch.device(device):
-        model = LlamaForCausalLM(a, attention, torch.float32, max_positions=max(cfg.calib_seq_len, max_positions),
+        model = LlamaForCausalLM(a, attention, torch.float32,
+                                 max_positions=max(cfg.longest_calibration_window, max_positions),
                                  key_transform=cfg.uses_key_transform)
     # an FP source has no key transform: it starts as the identity it was built as
     identity = [(f"model.layers.{i}.self_attn.key_transform.{n}", p.detach().clone())
@@ -225,8 +226,8 @@ def quantize_model(source, cfg: QuantConfig, calib: CalibrationSet, device: str 
         if cfg.rotate_v and cfg.kv_bits == 4:
             rotate_values(model, seed=cfg.seed)
             steps.append("rotate_v")
-        seq_len = len(calib.samples[0])
-        ids = torch.tensor(calib.samples, device=device).reshape(-1)
+        lengths = tuple(map(len, calib.samples))
+        ids = torch.tensor([t for sample in calib.samples for t in sample], device=device)
         hidden = torch.nn.functional.embedding(ids, model.embed_tokens)
         hidden_fp = hidden if cfg.asymmetric_calibration else None
         layers = tqdm(model.layers, desc=f"quantize {cfg.name}", unit="layer", disable=not progress)
@@ -244,16 +245,16 @@ def quantize_model(source, cfg: QuantConfig, calib: CalibrationSet, device: str 
             # first (the targets), and the Hessians from a pass after the transforms
             targets = None
             if hidden_fp is not None and hessians:
-                hidden_fp, targets = layer_passes.fp_layer_inputs(layer, hidden_fp, seq_len)
+                hidden_fp, targets = layer_passes.fp_layer_inputs(layer, hidden_fp, lengths)
             cap = LayerCapture(layer, LINEARS, arch, hessians=hessians and not sequential and targets is None,
                                skip_outputs=LINEARS[-1:], targets=targets)
             first = LayerCapture(layer, LINEARS[:1], arch, hessians=hessians) if sequential else cap
             if _needs_statistics(cfg):
                 with cap, first if sequential else contextlib.nullcontext():
-                    layer_passes.run_layer(layer, hidden, seq_len)
+                    layer_passes.run_layer(layer, hidden, lengths)
                 _transform_layer(layer, cap, cfg, arch, info)
             if targets is not None:
-                layer_passes.transformed_statistics(layer, hidden, seq_len, arch, cap)
+                layer_passes.transformed_statistics(layer, hidden, lengths, arch, cap)
 
             def quantize(name, linear_cap, index=index, layer=layer, info=info):
                 layers.set_postfix_str(name.split(".")[-1])
@@ -263,11 +264,11 @@ def quantize_model(source, cfg: QuantConfig, calib: CalibrationSet, device: str 
                 _quantize_linear(layer.get_submodule(name), linear_cap, cfg, info, name, key)
 
             if sequential:
-                hidden = layer_passes.sequential_layer(layer, hidden, seq_len, arch, hessians, first, quantize)
+                hidden = layer_passes.sequential_layer(layer, hidden, lengths, arch, hessians, first, quantize)
             else:
                 for name in LINEARS:
                     quantize(name, cap)
-                hidden = layer_passes.run_layer(layer, hidden, seq_len)
+                hidden = layer_passes.run_layer(layer, hidden, lengths)
             infos.append(info)
         # the passes above ran the quantized linears on INT8 GEMMs (same numbers)
         sim.use_reference_simulation(model)
