@@ -100,18 +100,18 @@ def build_case(tokenizer, length: int, depth: float, key: str, seed: int) -> Pas
     return PasskeyCase(length, depth, key, full, list(range(len(head) - 1, len(full) - 1)))
 
 
+def _draw(make, lengths, depths, keys_per_depth: int, rng: random.Random) -> list:
+    """make(length, depth, key, filler seed) for every (length, depth) and
+    keys_per_depth keys, the keys and filler seeds drawn from rng in turn."""
+    return [make(length, depth, str(rng.randint(10000, 99999)), rng.randint(0, 2**31))
+            for length in lengths for depth in depths for _ in range(keys_per_depth)]
+
+
 def build_cases(tokenizer, lengths=DEFAULT_LENGTHS, depths=DEFAULT_DEPTHS, keys_per_depth: int = 2,
                 seed: int = 0) -> list[PasskeyCase]:
     """Every (length, depth) with keys_per_depth keys; the keys and the filler
     are drawn from seed, so every configuration answers the same cases."""
-    rng = random.Random(seed)
-    cases = []
-    for length in lengths:
-        for depth in depths:
-            for _ in range(keys_per_depth):
-                key = str(rng.randint(10000, 99999))
-                cases.append(build_case(tokenizer, length, depth, key, rng.randint(0, 2**31)))
-    return cases
+    return _draw(lambda *a: build_case(tokenizer, *a), lengths, depths, keys_per_depth, random.Random(seed))
 
 
 @dataclass
@@ -131,9 +131,16 @@ def build_free_case(tokenizer, length: int, depth: float, key: str, seed: int) -
 def build_free_cases(tokenizer, lengths=DEFAULT_LENGTHS, depths=DEFAULT_DEPTHS,
                      keys_per_depth: int = FREE_KEYS_PER_DEPTH, seed: int = 0) -> list[FreePasskeyCase]:
     """As build_cases, for the free protocol (its own draw of keys and filler)."""
-    rng = random.Random(seed + 1)
-    return [build_free_case(tokenizer, length, depth, str(rng.randint(10000, 99999)), rng.randint(0, 2**31))
-            for length in lengths for depth in depths for _ in range(keys_per_depth)]
+    return _draw(lambda *a: build_free_case(tokenizer, *a), lengths, depths, keys_per_depth,
+                 random.Random(seed + 1))
+
+
+def _per_length(cases, hits) -> dict[int, float]:
+    """Share of cases found, per length."""
+    by_length: dict[int, list[bool]] = {}
+    for case, hit in zip(cases, hits):
+        by_length.setdefault(case.length, []).append(hit)
+    return {length: sum(h) / len(h) for length, h in by_length.items()}
 
 
 def free_reply_finds(reply: str, key: str) -> bool:
@@ -151,10 +158,7 @@ def free_passkey_accuracy(generate_fn: GenerateFn, tokenizer, cases: list[FreePa
     for i in range(0, len(cases), batch):
         outs = generate_fn([c.ids for c in cases[i:i + batch]], max_new_tokens)
         replies += [tokenizer.decode(o, skip_special_tokens=True) for o in outs]
-    hits: dict[int, list[bool]] = {}
-    for case, reply in zip(cases, replies):
-        hits.setdefault(case.length, []).append(free_reply_finds(reply, case.key))
-    return {length: sum(h) / len(h) for length, h in hits.items()}, replies
+    return _per_length(cases, [free_reply_finds(r, c.key) for c, r in zip(cases, replies)]), replies
 
 
 def found(logits_fn: LogitsFn, case: PasskeyCase) -> bool:
@@ -164,7 +168,4 @@ def found(logits_fn: LogitsFn, case: PasskeyCase) -> bool:
 
 def passkey_accuracy(logits_fn: LogitsFn, cases: list[PasskeyCase]) -> dict[int, float]:
     """Share of cases found, per length."""
-    hits: dict[int, list[bool]] = {}
-    for case in cases:
-        hits.setdefault(case.length, []).append(found(logits_fn, case))
-    return {length: sum(h) / len(h) for length, h in hits.items()}
+    return _per_length(cases, [found(logits_fn, c) for c in cases])
