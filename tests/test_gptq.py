@@ -5,6 +5,7 @@ import torch
 from qoqserve.kernels import qoq_ref as Q
 from qoqserve.quant.clip import DEFAULT_GRID, search_clip_ratios
 from qoqserve.quant.gptq import CrossAccumulator, HessianAccumulator, asymmetric_target, gptq_quantize, gram
+from qoqserve.quant.weight_quantizer import WeightQuantizer
 
 
 def correlated_layer(n=64, k=256, t=2048, seed=0):
@@ -57,7 +58,7 @@ def test_hessian_accumulator():
 @pytest.mark.parametrize("g,act_order", [(64, False), (0, False), (64, True), (0, True)])
 def test_gptq_beats_rtn(g, act_order):
     w, x = correlated_layer()
-    res, wq = gptq_quantize(w, hessian_of(x), Q.WeightQuantizer(w, g), act_order=act_order)
+    res, wq = gptq_quantize(w, hessian_of(x), WeightQuantizer(w, g), act_order=act_order)
     deq = check_format(res, g)
     assert torch.equal(deq, wq)                    # returned weights are exactly the codes'
     e_gptq, e_rtn = out_err(x, w, wq), out_err(x, w, rtn(w, g))
@@ -66,20 +67,20 @@ def test_gptq_beats_rtn(g, act_order):
 
 def test_gptq_identity_hessian_is_rtn_and_dead_columns():
     w, _ = correlated_layer(n=16, k=128)
-    res, wq = gptq_quantize(w, torch.eye(128), Q.WeightQuantizer(w, 64), percdamp=0.0,
+    res, wq = gptq_quantize(w, torch.eye(128), WeightQuantizer(w, 64), percdamp=0.0,
                             block_size=32)
     ref = Q.quantize_weight_group(w, 64)
     assert torch.equal(res.u, ref.u) and torch.equal(res.s2, ref.s2)
     h = torch.eye(128)
     h[5, 5] = h[70, 70] = 0                         # inputs that never fire
-    _, wq = gptq_quantize(w, h, Q.WeightQuantizer(w, 0))
+    _, wq = gptq_quantize(w, h, WeightQuantizer(w, 0))
     assert (wq[:, [5, 70]] == 0).all()
 
 
 def test_gptq_rejects_bad_hessian_shape():
     w = torch.randn(4, 64)
     with pytest.raises(ValueError):
-        gptq_quantize(w, torch.eye(32), Q.WeightQuantizer(w, 0))
+        gptq_quantize(w, torch.eye(32), WeightQuantizer(w, 0))
 
 
 def _row_out_err(x, w, deq):

@@ -3,6 +3,7 @@ import torch
 
 from qoqserve.kernels import qoq_ref as Q
 from qoqserve.quant.group_search import search_group_params
+from qoqserve.quant.weight_quantizer import WeightQuantizer
 
 
 def _rows(seed=0, n=512, g=64):
@@ -23,7 +24,7 @@ def test_search_never_loses_to_round_to_nearest_and_keeps_the_format():
     x = _rows()
     gen = torch.Generator().manual_seed(1)
     for weight in (torch.ones(x.shape[1]), torch.rand(x.shape[1], generator=gen) ** 4):
-        s2_r, z_r, _ = Q._level2(torch.round(x))
+        s2_r, z_r, _ = Q.level2_params(torch.round(x))
         err_r, _ = _err(x, s2_r, z_r, weight)
         s2, z = search_group_params(x, weight)
         err, u = _err(x, s2, z, weight)
@@ -51,7 +52,7 @@ def test_weighting_moves_the_error_to_unimportant_columns():
 def test_quantizer_with_search_gives_valid_codes():
     torch.manual_seed(3)
     w = torch.randn(64, 256)
-    quantizer = Q.WeightQuantizer(w, 64, group_params=lambda x, col: search_group_params(x))
+    quantizer = WeightQuantizer(w, 64, group_params=lambda x, col: search_group_params(x))
     q = quantizer.quantize_all(w)
     rtn = Q.quantize_weight_group(w, 64)
     err = (Q.group_weight_to_float(q) - w).norm()

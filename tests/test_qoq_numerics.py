@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from qoqserve.kernels import qoq_ref as Q
+from qoqserve.quant.weight_quantizer import WeightQuantizer
 
 EPS = 1e-5
 
@@ -60,7 +61,7 @@ def test_level2_exhaustive_over_all_group_ranges():
     vals = torch.arange(-119, 120).float()
     inside = (vals >= L[:, None]) & (vals <= H[:, None])
     q1 = torch.cat([torch.where(inside, vals, L[:, None]), H[:, None]], dim=1)
-    s2, z, u = Q._level2(q1)
+    s2, z, u = Q.level2_params(q1)
     assert s2.min() >= 1 and s2.max() <= 16 and (s2 * 15).max() <= 255
     assert z.min() >= 0 and z.max() <= 15
     assert ((q1 - s2[:, None] * (u - z[:, None])).abs() <= s2[:, None] / 2).all()
@@ -121,7 +122,7 @@ def test_channel_invariants_and_bound():
 @pytest.mark.parametrize("g", [0, 64])
 def test_weight_quantizer_column_path_matches_rtn(g):
     w = adversarial_weights(128)
-    wq = Q.WeightQuantizer(w, g)
+    wq = WeightQuantizer(w, g)
     cols = []
     for c in range(w.shape[1]):
         if g and c % g == 0:
@@ -146,12 +147,12 @@ def test_quantize_all_is_the_column_path_in_one_pass(g, searched):
 
     w = adversarial_weights(128) * torch.linspace(0.5, 3.0, 128)  # rows of different ranges
     params = (lambda x, col: search_group_params(x)) if searched else None
-    by_column = Q.WeightQuantizer(w, g, group_params=params)
+    by_column = WeightQuantizer(w, g, group_params=params)
     for c in range(w.shape[1]):
         if g and c % g == 0:
             by_column.prepare_group(c, w[:, c:c + g])
         by_column.quant_dequant(c, w[:, c])
-    one_pass = Q.WeightQuantizer(w, g, group_params=params).quantize_all(w)
+    one_pass = WeightQuantizer(w, g, group_params=params).quantize_all(w)
     assert torch.equal(one_pass.u, by_column.u) and torch.equal(one_pass.s1, by_column.s1)
     assert torch.equal(one_pass.z, by_column.result().z)
     assert one_pass.u.float().std() > 1  # not a degenerate all-equal code matrix

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from qoqserve.kernels.qoq_ref import WeightQuantizer
+from qoqserve.quant.weight_quantizer import WeightQuantizer
 
 
 def gram(x: torch.Tensor, panel: int = 192) -> torch.Tensor:

@@ -41,6 +41,7 @@ from qoqserve.quant.transforms.smooth import (
     smooth_out_proj,
     smooth_scales,
 )
+from qoqserve.quant.weight_quantizer import WeightQuantizer
 
 
 @dataclass
@@ -99,7 +100,7 @@ def _quantize_linear(linear, cap, cfg: QuantConfig, info: dict, name: str, key: 
         hdiag = None if hessian is None else torch.diag(hessian)
         def group_params(x, col):
             return search_group_params(x, None if hdiag is None else hdiag[col:col + g])
-    quantizer = qoq_ref.WeightQuantizer(w, g, clip, group_params)
+    quantizer = WeightQuantizer(w, g, clip, group_params)
     if cfg.gptq:
         # Dynamic groups (params from the error-compensated columns). act_order with
         # static groups won on a 4k-token excerpt but lost on the full license
