@@ -117,13 +117,18 @@ static inline __attribute__((always_inline)) void task_impl(const pjob *j, int s
                 const int64_t p = pos0 + rr / G;
                 const int nv = (int)(p - k0 + 1 < n ? p - k0 + 1 : n);
                 const __mmask16 valid = lane_mask(nv);
-                const float mx = _mm512_mask_reduce_max_ps(valid, sc[b]);
                 float *orow = o + (int64_t)rr * np, *lrow = lv + (int64_t)rr * TILE;
-                if (mx > m[rr]) {  /* rescale what was summed under the old max */
-                    const __m512 f = _mm512_set1_ps(exp2f(m[rr] - mx));
-                    _mm512_store_ps(lrow, _mm512_mul_ps(_mm512_load_ps(lrow), f));
-                    for (int c = 0; c < np; c += 16) _mm512_store_ps(orow + c, _mm512_mul_ps(_mm512_load_ps(orow + c), f));
-                    m[rr] = mx;
+                /* the tile's max is reduced only when a score passes the row's
+                 * max, which after the first tiles is rare: the same bits */
+                if (_mm512_mask_cmp_ps_mask(valid, sc[b], _mm512_set1_ps(m[rr]), _CMP_GT_OQ)) {
+                    const float mx = _mm512_mask_reduce_max_ps(valid, sc[b]);
+                    if (mx > m[rr]) {  /* rescale what was summed under the old max */
+                        const __m512 f = _mm512_set1_ps(exp2f(m[rr] - mx));
+                        _mm512_store_ps(lrow, _mm512_mul_ps(_mm512_load_ps(lrow), f));
+                        for (int c = 0; c < np; c += 16)
+                            _mm512_store_ps(orow + c, _mm512_mul_ps(_mm512_load_ps(orow + c), f));
+                        m[rr] = mx;
+                    }
                 }
                 const __m512 e = _mm512_maskz_mov_ps(valid, exp2_ps(_mm512_sub_ps(sc[b], _mm512_set1_ps(m[rr]))));
                 _mm512_store_ps(lrow, _mm512_add_ps(_mm512_load_ps(lrow), e));
