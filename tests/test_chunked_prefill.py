@@ -63,23 +63,46 @@ def test_chunk_sizes_alone_and_in_a_batch_give_the_whole_prompt_output(case, qoq
             torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), atol=tol, rtol=0)
 
 
-def test_prefix_hits_and_preemption_with_chunks_keep_outputs():
-    shared = "You are a careful assistant. Answer in plain English, in short sentences. " * 4
-    prompts = [shared + f"Question {i}: tell me about {t}." for i, t in
-               enumerate(["the sea", "bees", "trains", "paper", "the moon", "bread"])]
-    ref_llm = LLM(None, dtype="float32", kv_cache_gb=0.05, enable_prefix_caching=False)
+@pytest.mark.parametrize("case", ["fp32", "w4a8kv4"])
+def test_prefix_hits_and_preemption_with_chunks_keep_outputs(case, qoq_tiny):
+    model, kw = CASES[case]
+    model = qoq_tiny if model == "qoq" else model
+    if model is None:
+        shared = "You are a careful assistant. Answer in plain English, in short sentences. " * 4
+        prompts = [shared + f"Question {i}: tell me about {t}." for i, t in
+                   enumerate(["the sea", "bees", "trains", "paper", "the moon", "bread"])]
+    else:  # the tiny model's vocabulary: 4 shared pages, then ~1 page of each prompt's own
+        shared = [3 + (j * 11) % 200 for j in range(64)]
+        prompts = [shared + [7 + i * 13 + j for j in range(10 + 3 * i)] for i in range(6)]
+    ref_llm = LLM(model, kv_cache_gb=0.05, enable_prefix_caching=False, **kw)
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     alone = [_generate(ref_llm, [p], 4096, params=params)[0][0] for p in prompts]
     del ref_llm
     # 12 pages of 16 tokens: the shared prefix (4 pages) plus ~3 own pages each for six
     # sequences do not fit: preemption
-    llm = LLM(None, dtype="float32", num_blocks=12, max_num_batched_tokens=32, enable_prefix_caching=True)
+    llm = LLM(model, num_blocks=12, max_num_batched_tokens=32, enable_prefix_caching=True, **kw)
     outs = llm.generate(prompts, params)
     stats = llm.engine.stats()
     assert [o.token_ids for o in outs] == alone
     assert stats["prefix_cache_hits"] > 0 and stats["num_preemptions"] > 0, stats
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_bf16_prefix_hits_with_chunks_keep_outputs():
+    """bf16 linears are not batch-invariant on CPU (docs/runtime.md), so bf16
+    is held to its whole-prompt output one prompt at a time: the later prompts
+    hit the first one's cached prefix and are prefilled in 32-token chunks."""
+    shared = "You are a careful assistant. Answer in plain English, in short sentences. " * 4
+    prompts = [shared + f"Question {i}: tell me about {t}." for i, t in enumerate(["the sea", "bees", "trains"])]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ref_llm = LLM(None, dtype="bfloat16", kv_cache_gb=0.05, enable_prefix_caching=False)
+    alone = [_generate(ref_llm, [p], 4096, params=params)[0][0] for p in prompts]
+    del ref_llm
+    llm = LLM(None, dtype="bfloat16", kv_cache_gb=0.05, max_num_batched_tokens=32, enable_prefix_caching=True)
+    got = [_generate(llm, [p], 32, params=params)[0][0] for p in prompts]
+    assert got == alone
+    assert llm.engine.stats()["prefix_cache_hits"] > 0
 
 
 def test_a_prompt_longer_than_the_budget_is_served():
