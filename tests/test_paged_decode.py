@@ -11,9 +11,10 @@ from qoqserve.layers.attention import AttentionMetadata, PagedAttention
 from qoqserve.layers.attention_backends import AttentionBackend, CpuAttention
 
 FORMATS = ["int4", "int8", "bfloat16", "float16", "float32"]
-# (query heads, KV heads, head_dim): groups 3/4/8/1; 64 and 128 are the unrolled
-# rows, 80 and 96 the generic path (not a multiple of 32: masked tails)
-SHAPES = [(9, 3, 64), (8, 2, 128), (8, 1, 80), (4, 4, 96)]
+# (query heads, KV heads, head_dim): groups 3/4/8/1/2; 64 and 128 are the unrolled
+# rows, 80, 96 and 40 the generic path (not a multiple of 32: masked tails). KV4
+# V rows take all heads of a group at once up to 4 heads (80: more, the other loop)
+SHAPES = [(9, 3, 64), (8, 2, 128), (8, 1, 80), (4, 4, 96), (4, 2, 40)]
 # 1 token, page-size multiples and not, and one longer than a chunk (256
 # tokens) so that chunk partials are merged
 LENS = [1, 16, 50, 100, 301]

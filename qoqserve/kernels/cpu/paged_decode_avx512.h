@@ -86,6 +86,82 @@ static inline __attribute__((always_inline)) void accumulate(float *acc, const f
     }
 }
 
+/* Slots c0.. c0 + 16 nv of one row (nv <= 4) as fp32, the values row_avx512
+ * writes there (masked loads: never past the row) */
+static inline __attribute__((always_inline)) void slab_avx512(const uint8_t *r, const int fmt, const int D,
+                                                               int c0, const int nv, __m512 *v) {
+    if (fmt == KV_INT4) {
+        const __m512 tbl = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+        for (int u = 0; u < nv; u += 2) {  /* 16 code bytes: 16 even, then 16 odd channels */
+            const int b = (c0 + 16 * u) / 2, left = D / 2 - b;
+            const __m512i x = _mm512_cvtepu8_epi32(left >= 16 ? _mm_loadu_si128((const __m128i *)(r + b))
+                                                              : _mm_maskz_loadu_epi8(lane_mask(left), r + b));
+            v[u] = _mm512_permutexvar_ps(x, tbl);  /* vpermps reads the low 4 bits only */
+            v[u + 1] = _mm512_permutexvar_ps(_mm512_srli_epi32(x, 4), tbl);
+        }
+    } else if (fmt == KV_BF16) {
+        for (int u = 0; u < nv; u += 2) {  /* 32 channels: the even ones, then the odd ones */
+            const int ch = c0 + 16 * u, left = D - ch;
+            const __m512i x = left >= 32 ? _mm512_loadu_si512(r + 2 * ch)
+                                         : _mm512_maskz_loadu_epi16((__mmask32)((1ull << left) - 1), r + 2 * ch);
+            v[u] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+            v[u + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u)));
+        }
+    } else {
+        for (int u = 0; u < nv; u++) {
+            const int ch = c0 + 16 * u, left = D - ch;
+            const __mmask16 k = lane_mask(left);
+            if (fmt == KV_F16)
+                v[u] = _mm512_cvtph_ps(left >= 16 ? _mm256_loadu_si256((const __m256i *)(r + 2 * ch))
+                                                  : _mm256_maskz_loadu_epi16(k, r + 2 * ch));
+            else if (fmt == KV_INT8)
+                v[u] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(left >= 16 ? _mm_loadu_si128((const __m128i *)(r + ch))
+                                                                          : _mm_maskz_loadu_epi8(k, r + ch)));
+            else
+                v[u] = left >= 16 ? _mm512_loadu_ps(r + 4 * ch) : _mm512_maskz_loadu_ps(k, r + 4 * ch);
+        }
+    }
+}
+
+/* V rows straight from the pages: acc[G][np] += sum_{i<n} w[g][i] * row_i, for
+ * the G query heads of one KV head at once (w rows BLOCK apart). Each row is
+ * converted once per 64 slots into registers and serves all G heads from
+ * there, instead of being written out as fp32 and read back per head. Per
+ * (head, slot) the tokens are summed in order into one accumulator. */
+static inline __attribute__((always_inline)) void accumulate_rows(float *acc, const float *w, const uint8_t *rows,
+                                                                   int64_t ss, int n, const int G, const int fmt,
+                                                                   const int D, const int np) {
+    for (int c0 = 0; c0 < np; c0 += 64) {
+        const int nv = np - c0 >= 64 ? 4 : (np - c0) / 16;
+        __m512 a[4][4];
+        for (int g = 0; g < G; g++)
+            for (int u = 0; u < nv; u++) a[g][u] = _mm512_load_ps(acc + g * np + c0 + 16 * u);
+        for (int i = 0; i < n; i++) {
+            __m512 v[4];
+            slab_avx512(rows + i * ss, fmt, D, c0, nv, v);
+            for (int g = 0; g < G; g++) {
+                const __m512 wg = _mm512_set1_ps(w[g * BLOCK + i]);
+                for (int u = 0; u < nv; u++) a[g][u] = _mm512_fmadd_ps(wg, v[u], a[g][u]);
+            }
+        }
+        for (int g = 0; g < G; g++)
+            for (int u = 0; u < nv; u++) _mm512_store_ps(acc + g * np + c0 + 16 * u, a[g][u]);
+    }
+}
+
+/* accumulate_rows with the head count as a constant (1..4), so that its
+ * accumulators stay in registers */
+static inline __attribute__((always_inline)) void accumulate_heads(float *acc, const float *w, const uint8_t *rows,
+                                                                    int64_t ss, int n, int G, const int fmt,
+                                                                    const int D, const int np) {
+    switch (G) {
+    case 1: accumulate_rows(acc, w, rows, ss, n, 1, fmt, D, np); break;
+    case 2: accumulate_rows(acc, w, rows, ss, n, 2, fmt, D, np); break;
+    case 3: accumulate_rows(acc, w, rows, ss, n, 3, fmt, D, np); break;
+    default: accumulate_rows(acc, w, rows, ss, n, 4, fmt, D, np); break;
+    }
+}
+
 #include "paged_decode_vnni.h"
 
 /* One (sequence, chunk) in three passes: all scores (K), their softmax, then
@@ -131,10 +207,12 @@ static inline __attribute__((always_inline)) void chunk_impl(const job *j, int b
                     const int n = ntok - t0 < BLOCK ? ntok - t0 : BLOCK, off = (int)(p - p0) * bs + t0;
                     const __mmask16 valid = lane_mask(n);
                     float *buf = pass ? vr : kr;
+                    /* V rows of up to 4 query heads: from the pages, all heads at once */
+                    const int fused_v = pass && G <= 4;
                     __m512i pairs = _mm512_setzero_si512();
                     for (int i = 0; i < n; i++) {
                         const uint8_t *r = rows + (t0 + i) * ss;
-                        row_avx512(r, fmt, D, buf + i * np);
+                        if (!fused_v) row_avx512(r, fmt, D, buf + i * np);
                         if (quant) {
                             int32_t pair = 0;  /* KV8 rows end with the scale alone: 2 bytes */
                             memcpy(&pair, r + (fmt == KV_INT4 ? D / 2 : D), fmt == KV_INT4 ? 4 : 2);
@@ -143,6 +221,18 @@ static inline __attribute__((always_inline)) void chunk_impl(const job *j, int b
                     }
                     __m512 scale = _mm512_set1_ps(1.f), zero = _mm512_setzero_ps();
                     if (quant) block_meta(pairs, fmt, &scale, &zero);
+                    if (fused_v) {  /* the weights of all G heads (in vr, unused here), then one walk over the rows */
+                        for (int g = 0; g < G; g++) {
+                            const int hq = h * G + g;
+                            __m512 e = _mm512_maskz_loadu_ps(valid, sc + hq * ct + off);
+                            if (quant) e = _mm512_mul_ps(e, scale);
+                            if (fmt == KV_INT4)
+                                _mm512_store_ps(zacc + hq * BLOCK, _mm512_fmadd_ps(e, zero, _mm512_load_ps(zacc + hq * BLOCK)));
+                            _mm512_store_ps(vr + g * BLOCK, e);
+                        }
+                        accumulate_heads(acc + h * G * np, vr, rows + t0 * ss, ss, n, G, fmt, D, np);
+                        continue;
+                    }
                     for (int g = 0; g < G; g++) {
                         const int hq = h * G + g;
                         if (!pass) {  /* score = scale * (q . (u - 8) - (zero - 8) * sum q) */
