@@ -28,6 +28,7 @@ def main() -> None:
     one_shot = runner.one_shot
     if one_shot is None:
         raise SystemExit("eager steps do not run back to back here (no captured decode step)")
+    one_shot.min_rows = 0  # measure the one-shot path at every step size
 
     def prefill(seed: int):
         for i, p in enumerate(make_prompts(args.batch, args.length, engine.arch.vocab_size, seed=seed)):

@@ -72,6 +72,10 @@ def test_a_step_of_c_kernels_runs_as_it_would_op_by_op():
     finally:
         graph.empty = real_empty
     assert refused  # the recording did fail
+    # a step of fewer rows than the runner's floor runs op by op, unrecorded
+    small = OneShotSteps(min_rows=65)
+    assert torch.equal(small(step, x, d, rows=64), want) and small.arena_bytes == 0
+    assert torch.equal(small(step, x, d, rows=65), want) and small.arena_bytes > 0
     # torch computing inside the step: it runs op by op, now and from then on
     other = OneShotSteps()
     assert torch.equal(other(lambda x, d: step(x * 2, d), x, d), step(x * 2, d))
@@ -84,6 +88,8 @@ def _generate(model, prompts, params, one_shot, **kw):
     assert llm.engine.stats()["one_shot_eager_steps"]  # on wherever decode steps are captured
     if not one_shot:
         llm.engine.runner.one_shot = None
+    else:
+        llm.engine.runner.one_shot.min_rows = 0  # these steps are small: record them all
     outs = llm.generate(prompts, params)
     runner = llm.engine.runner
     stats = llm.engine.stats()

@@ -228,7 +228,7 @@ class ModelRunner:
             ids, positions, meta = self._tensors(step)
             hidden = (self.model(ids, positions, meta, self.kv_caches) if self.one_shot is None
                       else self.one_shot(self.model, ids, positions, meta, self.kv_caches,
-                                         kind="mixed" if meta.num_decodes else "prefill"))
+                                         kind="mixed" if meta.num_decodes else "prefill", rows=ids.shape[0]))
         except Exception as e:
             if self.executor is not None:
                 raise self.executor.failure(e) from e

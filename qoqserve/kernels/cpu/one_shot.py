@@ -32,6 +32,11 @@ log = logging.getLogger(__name__)
 
 _ALIGN = 64
 
+# Steps of fewer rows run op by op: there a kernel streams too little to evict
+# the Python between kernels, and recording plus planning cost more than the
+# gaps they remove (the crossover was ~512 rows, docs/runtime.md).
+MIN_ROWS = 512
+
 
 def plan(sizes: list[int], spans: list[tuple[int, int]]) -> tuple[list[int], int]:
     """Offsets of buffers of `sizes` bytes used over call spans (first, last),
@@ -58,18 +63,20 @@ class OneShotSteps:
     """Runs fn(*args) as above. Steps come in kinds (the caller's key: a
     prefill alone, or prefills mixed with decodes, take different paths);
     `disabled[kind]` says why a kind could not be recorded: that step ran op
-    by op, as every later step of its kind does."""
+    by op, as every later step of its kind does. A step of fewer than
+    `min_rows` rows (the caller's count) runs op by op too."""
 
-    def __init__(self):
+    def __init__(self, min_rows: int = MIN_ROWS):
         self.disabled: dict = {}
+        self.min_rows = min_rows
         self._arena = torch.empty(0, dtype=torch.uint8)
 
     @property
     def arena_bytes(self) -> int:
         return self._arena.numel()
 
-    def __call__(self, fn, *args, kind=None):
-        if kind in self.disabled or graph.recording():
+    def __call__(self, fn, *args, kind=None, rows: int | None = None):
+        if kind in self.disabled or graph.recording() or (rows is not None and rows < self.min_rows):
             return fn(*args)
         g = graph.StepGraph()
         g.kept = []
