@@ -96,7 +96,7 @@ class StepGraph:
     def alloc(self, shape, dtype) -> torch.Tensor:
         i, numel = len(self.buffers), math.prod(shape)
         # past the recording guard: a fresh buffer or a view computes nothing, and
-        # the guard's Python dispatch costs ~20 us an op (a step makes hundreds)
+        # the guard's Python dispatch per op is most of what a recording costs
         with torch._C._DisableTorchDispatch():
             if i < len(self._arena) and self._arena[i].dtype == dtype and self._arena[i].numel() >= numel:
                 t = self._arena[i].view(-1)[:numel].view(*shape)

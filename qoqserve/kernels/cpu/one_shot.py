@@ -34,7 +34,7 @@ _ALIGN = 64
 
 # Steps of fewer rows run op by op: there a kernel streams too little to evict
 # the Python between kernels, and recording plus planning cost more than the
-# gaps they remove (the crossover was ~512 rows, docs/runtime.md).
+# gaps they remove (where the two cross: docs/runtime.md).
 MIN_ROWS = 512
 
 

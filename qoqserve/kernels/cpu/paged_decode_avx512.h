@@ -3,7 +3,8 @@
  * and only called after a run-time CPU check.
  *
  * A row is converted once into fp32 (shared by the G query heads of its KV
- * head), into a buffer of BLOCK rows in L1. KV4 and bf16 rows come out planar
+ * head): K rows into a buffer of BLOCK rows in L1, V rows into registers
+ * where G <= 4 (accumulate_rows), else into the buffer too. KV4 and bf16 rows come out planar
  * per 32 channels (16 even channels, then the 16 odd ones): that is what a
  * nibble mask / a 16-bit shift yields without any shuffle, so q is permuted
  * once per task instead. A KV4 code becomes code - 8 by one vpermps from a
