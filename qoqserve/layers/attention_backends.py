@@ -145,12 +145,12 @@ class TritonAttention(AttentionBackend):
 
     def write(self, cache, k, v, slot_mapping) -> None:
         # lazy: Triton (imports triton, present only with it)
-        from qoqserve.kernels.triton.kv4_attention import kv4_write as triton_kv4_write
-        triton_kv4_write(cache, k, v, slot_mapping)
+        from qoqserve.kernels.triton.ops import kv4_write
+        kv4_write(cache, k, v, slot_mapping)
 
     def decode(self, q, cache, block_tables, context_lens, scale):
         # lazy: Triton (imports triton, present only with it)
-        from qoqserve.kernels.triton.kv4_attention import kv4_decode_attention
+        from qoqserve.kernels.triton.ops import kv4_decode_attention
         return kv4_decode_attention(q, cache, block_tables, context_lens, scale)
 
 

@@ -201,20 +201,19 @@ class QoQTritonMethod(QoQLinearMethod):
 
     def input_from_norm(self, norm, h, delta=None):
         # lazy: Triton (imports triton, present only with it)
-        from qoqserve.kernels.triton.act_quant import rmsnorm_quant
+        from qoqserve.kernels.triton.ops import rmsnorm_quant
         if delta is not None:
             h = h + delta
         return QuantizedActivation(*rmsnorm_quant(h, norm.weight, norm.eps), h.dtype), h
 
     def input_from_silu_mul(self, gate_up, silu_mul):
         # lazy: Triton (imports triton, present only with it)
-        from qoqserve.kernels.triton.act_quant import silu_mul_quant
+        from qoqserve.kernels.triton.ops import silu_mul_quant
         return QuantizedActivation(*silu_mul_quant(gate_up), gate_up.dtype)
 
     def apply(self, layer: Linear, x) -> torch.Tensor:
         # lazy: Triton (imports triton, present only with it)
-        from qoqserve.kernels.triton.act_quant import quant_int8
-        from qoqserve.kernels.triton.w4a8_gemm import w4a8_gemm
+        from qoqserve.kernels.triton.ops import quant_int8, w4a8_gemm
         if not isinstance(x, QuantizedActivation):  # o_proj's input: a standalone quant
             lead = x.shape[:-1]
             x = QuantizedActivation(*quant_int8(x.reshape(-1, x.shape[-1])), x.dtype)
@@ -222,5 +221,5 @@ class QoQTritonMethod(QoQLinearMethod):
             lead = x.q.shape[:-1]
         y = w4a8_gemm(x.q, x.scale, layer.qweight, layer.s1, layer.zeros,
                       layer.s2 if self.group_size else None, self.group_size, x.row_sum,
-                      self._bias(layer), out_dtype=x.dtype)
+                      self._bias(layer), x.dtype)
         return y.reshape(*lead, -1)
