@@ -84,7 +84,7 @@ fi
 
 # ---- 1..6 ------------------------------------------------------------------
 QOQSERVE_TEST_DEVICE=cuda stage tests 150 gpu_kernel_tests.txt \
-    "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_triton_attention.py \
+    "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_triton_attention.py tests/test_triton_ops.py \
     -k "not engine" --durations=5
 stage meta 40 kernel_meta.txt "$PY" scripts/gpu_kernel_meta.py "$out/kernel_meta.jsonl"
 stage gemm 150 bench_gemm.txt "$PY" -m qoqserve.cli.main bench kernels --only gemm --out-dir "$out"
