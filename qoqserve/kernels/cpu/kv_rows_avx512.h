@@ -90,51 +90,54 @@ static inline __attribute__((always_inline)) void store_output(const float *src,
     }
 }
 
-/* one row -> dst[padded(fmt, D)] fp32 (masked loads: never past the row): KV4
- * codes - 8 and KV8 codes as they are (their scale and zero are applied per
- * block by block_meta), dense values as they are */
-static inline __attribute__((always_inline)) void row_avx512(const uint8_t *r, const int fmt, const int D,
-                                                              float *dst) {
+/* Slots c0 .. c0 + 16 nv of one row (nv <= 4) as fp32, into registers
+ * (masked loads: never past the row): KV4 codes - 8 and KV8 codes as they
+ * are (their scale and zero are applied per block by the kernels), dense
+ * values as they are; KV4 and bf16 in planar slot order (channel_of) */
+static inline __attribute__((always_inline)) void slab_avx512(const uint8_t *r, const int fmt, const int D,
+                                                               int c0, const int nv, __m512 *v) {
     if (fmt == KV_INT4) {
-        const int nb = D / 2;
         const __m512 tbl = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-        for (int c = 0; 16 * c < nb; c++) {
-            const int n = nb - 16 * c;
-            const __m128i x = n >= 16 ? _mm_loadu_si128((const __m128i *)(r + 16 * c))
-                                      : _mm_maskz_loadu_epi8(lane_mask(n), r + 16 * c);
-            const __m512i w = _mm512_cvtepu8_epi32(x);  /* vpermps reads the low 4 bits only */
-            _mm512_store_ps(dst + 32 * c, _mm512_permutexvar_ps(w, tbl));
-            _mm512_store_ps(dst + 32 * c + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), tbl));
+        for (int u = 0; u < nv; u += 2) {  /* 16 code bytes: 16 even, then 16 odd channels */
+            const int b = (c0 + 16 * u) / 2, left = D / 2 - b;
+            const __m512i x = _mm512_cvtepu8_epi32(left >= 16 ? _mm_loadu_si128((const __m128i *)(r + b))
+                                                              : _mm_maskz_loadu_epi8(lane_mask(left), r + b));
+            v[u] = _mm512_permutexvar_ps(x, tbl);  /* vpermps reads the low 4 bits only */
+            v[u + 1] = _mm512_permutexvar_ps(_mm512_srli_epi32(x, 4), tbl);
         }
     } else if (fmt == KV_BF16) {
-        for (int c = 0; 32 * c < D; c++) {
-            const int n = D - 32 * c;
-            const __m512i x = n >= 32 ? _mm512_loadu_si512(r + 64 * c)
-                                      : _mm512_maskz_loadu_epi16((__mmask32)((1ull << n) - 1), r + 64 * c);
-            _mm512_store_ps(dst + 32 * c, _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)));
-            _mm512_store_ps(dst + 32 * c + 16,
-                            _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u))));
-        }
-    } else if (fmt == KV_F16) {
-        for (int c = 0; 16 * c < D; c++) {
-            const int n = D - 16 * c;
-            const __m256i x = n >= 16 ? _mm256_loadu_si256((const __m256i *)(r + 32 * c))
-                                      : _mm256_maskz_loadu_epi16(lane_mask(n), r + 32 * c);
-            _mm512_store_ps(dst + 16 * c, _mm512_cvtph_ps(x));
-        }
-    } else if (fmt == KV_INT8) {
-        for (int c = 0; 16 * c < D; c++) {
-            const int n = D - 16 * c;
-            const __m128i x = n >= 16 ? _mm_loadu_si128((const __m128i *)(r + 16 * c))
-                                      : _mm_maskz_loadu_epi8(lane_mask(n), r + 16 * c);
-            _mm512_store_ps(dst + 16 * c, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x)));
+        for (int u = 0; u < nv; u += 2) {  /* 32 channels: the even ones, then the odd ones */
+            const int ch = c0 + 16 * u, left = D - ch;
+            const __m512i x = left >= 32 ? _mm512_loadu_si512(r + 2 * ch)
+                                         : _mm512_maskz_loadu_epi16((__mmask32)((1ull << left) - 1), r + 2 * ch);
+            v[u] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+            v[u + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u)));
         }
     } else {
-        for (int c = 0; 16 * c < D; c++) {
-            const int n = D - 16 * c;
-            _mm512_store_ps(dst + 16 * c, n >= 16 ? _mm512_loadu_ps(r + 64 * c)
-                                                  : _mm512_maskz_loadu_ps(lane_mask(n), r + 64 * c));
+        for (int u = 0; u < nv; u++) {
+            const int ch = c0 + 16 * u, left = D - ch;
+            const __mmask16 k = lane_mask(left);
+            if (fmt == KV_F16)
+                v[u] = _mm512_cvtph_ps(left >= 16 ? _mm256_loadu_si256((const __m256i *)(r + 2 * ch))
+                                                  : _mm256_maskz_loadu_epi16(k, r + 2 * ch));
+            else if (fmt == KV_INT8)
+                v[u] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(left >= 16 ? _mm_loadu_si128((const __m128i *)(r + ch))
+                                                                          : _mm_maskz_loadu_epi8(k, r + ch)));
+            else
+                v[u] = left >= 16 ? _mm512_loadu_ps(r + 4 * ch) : _mm512_maskz_loadu_ps(k, r + 4 * ch);
         }
+    }
+}
+
+/* one row -> dst[padded(fmt, D)] fp32, the slots slab_avx512 makes */
+static inline __attribute__((always_inline)) void row_avx512(const uint8_t *r, const int fmt, const int D,
+                                                              float *dst) {
+    const int np = padded(fmt, D);
+    for (int c0 = 0; c0 < np; c0 += 64) {
+        const int nv = np - c0 >= 64 ? 4 : (np - c0) / 16;
+        __m512 v[4];
+        slab_avx512(r, fmt, D, c0, nv, v);
+        for (int u = 0; u < nv; u++) _mm512_store_ps(dst + c0 + 16 * u, v[u]);
     }
 }
 
