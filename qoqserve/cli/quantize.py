@@ -7,10 +7,12 @@ import sys
 # QuantConfig switches that get --STEP / --no-STEP flags
 STEP_FLAGS = ("rotate", "smooth_attention", "key_transform", "smooth_out", "reorder", "clip", "gptq",
               "group_search", "true_sequential", "asymmetric_calibration", "rotation_act_quant", "rotation_kv_quant",
-              "rotation_lr_decay")
+              "rotation_lr_decay", "scale_tuning_norms")
 # the learned rotation's training (--rotation learned), each a QuantConfig field
 ROTATION_OPTIONS = (("rotation_steps", int), ("rotation_lr", float), ("rotation_samples", int),
                     ("rotation_seq_len", int), ("rotation_batch", int))
+# end-to-end scale tuning after quantization (quant/scale_tuning.py)
+TUNING_OPTIONS = (("scale_tuning_epochs", int), ("scale_tuning_lr", float))
 
 
 def add_quant_args(p) -> None:
@@ -40,6 +42,11 @@ def add_quant_args(p) -> None:
     for field, kind in ROTATION_OPTIONS:
         p.add_argument("--" + field.replace("_", "-"), type=kind, default=None,
                        help="learned rotation training (QuantConfig." + field + ")")
+    p.add_argument("--scale-tuning-epochs", type=int, default=None,
+                   help="after quantizing, tune the float scales (s1, norm weights) by KL to the FP model "
+                        "for this many passes over the calibration windows (0: off, the default; "
+                        "docs/accuracy.md has what it gains and costs)")
+    p.add_argument("--scale-tuning-lr", type=float, default=None, help="its Adam learning rate")
     p.add_argument("--rotation-loss", choices=ROTATION_LOSSES, default=None,
                    help="learned rotation loss: KL to the FP model's logits, or next-token CE")
     for flag in STEP_FLAGS:
@@ -54,7 +61,7 @@ def quant_config_from_args(args):
     from qoqserve.quant.config import get_preset
 
     over = {}
-    rotation = ("rotation", "rotation_loss") + tuple(f for f, _ in ROTATION_OPTIONS)
+    rotation = ("rotation", "rotation_loss") + tuple(f for f, _ in ROTATION_OPTIONS + TUNING_OPTIONS)
     for field in STEP_FLAGS + rotation + ("kv_bits", "smooth_alpha", "calib_samples", "calib_seq_len",
                                           "calib_long_samples", "calib_long_seq_len", "w8a8_linears", "seed"):
         value = getattr(args, field, None)

@@ -44,18 +44,24 @@ LABELS = {
 }
 
 
+# QoQ's steps in the order the ablation adds them (the group search, last, gives the preset)
+CHAIN = ("rotate", "key_transform", "reorder", "smooth_out", "gptq")
+
+
 def ablation_rows():
     """QoQ g64, adding one step at a time to round-to-nearest W4A8KV4 g64 (the
     last step, the group search, gives the g64 preset), then the variants that
     are off by default, each measured against the preset."""
     base = get_preset("g64", **NO_TRANSFORMS)
     rows, steps = [], {}
-    for step in ("rotate", "key_transform", "reorder", "smooth_out", "gptq"):
+    for step in CHAIN:
         steps[step] = True
         rows.append(replace(base, name="RTN g64 +" + " +".join(s.replace("_", "-") for s in steps),
                             **steps))
     rows.append(replace(get_preset("g64"), name="QoQ g64 + SmoothAttention (alpha searched per layer)",
                         smooth_attention=True))
+    rows.append(replace(get_preset("g64"), name="QoQ g64 + scale tuning (s1 and norm weights, 2 epochs)",
+                        scale_tuning_epochs=2))
     rows.append(replace(get_preset("rtn-kv4"), name="KV4 only + rotate + key-transform", rotate=True,
                         key_transform=True))
     return rows
@@ -70,7 +76,7 @@ def tables(rotation: str | None = None) -> tuple[list, dict[str, list[str]]]:
     return main + ablation, {
         "main": ["FP32"] + [c.name for c in main] + [f"engine {ENGINE}"],
         # the chain of steps ends in the preset itself, then what is off by default
-        "ablation": [rtn] + steps[:-2] + [g64] + steps[-2:],
+        "ablation": [rtn] + steps[:len(CHAIN)] + [g64] + steps[len(CHAIN):],
     }
 
 

@@ -26,7 +26,7 @@ from qoqserve.eval.subject import Subject, engine_subject, model_subject
 from qoqserve.llm import LLM
 from qoqserve.model_loader import load_model_source
 from qoqserve.quant.calibration import calibration_for
-from qoqserve.quant.config import ROTATIONS, get_preset, with_rotation, with_seeds
+from qoqserve.quant.config import ROTATIONS, QuantConfig, get_preset, with_rotation, with_seeds
 from qoqserve.quant.pipeline import build_fp_model, quantize_model
 
 DEFAULT_CONFIGS = ("rtn-w8a8", "rtn-w4a8kv4-g64", "g64", "chn")
@@ -141,7 +141,12 @@ def _reusable(earlier: dict | None, table: dict) -> dict[str, dict]:
     if earlier:  # a table written before an option existed ran with its default
         earlier = {**earlier, "options": {**_as_json(asdict(QualityOptions())), **earlier.get("options", {})}}
     same = earlier and all(earlier.get(k) == _as_json(table[k]) for k in ("model", "options"))
-    return {r["config"]: r for r in earlier["rows"] if "quant_config" in r} if same else {}
+    if not same:
+        return {}
+    # likewise a row quantized before a QuantConfig field existed ran with its default
+    defaults = _as_json(asdict(QuantConfig()))
+    return {r["config"]: {**r, "quant_config": {**defaults, **r["quant_config"]}}
+            for r in earlier["rows"] if "quant_config" in r}
 
 
 def run_quality(model: str | None, configs, engines=(), opts: QualityOptions = QualityOptions(),

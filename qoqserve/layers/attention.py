@@ -97,7 +97,7 @@ class PagedAttention(nn.Module):
         out_dtype = q.dtype
         if dense_attention_f64.handles(q, k, v, offset):
             return dense_attention_f64.attention(q, k, v, offset, self.scale).to(out_dtype)
-        if q.device.type == "cpu":
+        if q.device.type == "cpu" and not q.requires_grad:  # training (quant/) needs no fp64
             q, k, v = q.double(), k.double(), v.double()
         # [L, H, D] -> [1, H, L, D]
         qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))

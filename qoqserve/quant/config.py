@@ -74,6 +74,13 @@ class QuantConfig:
     # 512-token windows never show the quantizer a position past 512
     calib_long_samples: int = 0
     calib_long_seq_len: int = 2048
+    # end-to-end tuning of the float scales (each QoQ linear's s1 and, with
+    # scale_tuning_norms, the RMSNorm weights) by KL to the FP model over the
+    # calibration windows, after every layer is quantized (quant/scale_tuning.py);
+    # epochs over the windows, 0 = off
+    scale_tuning_epochs: int = 0
+    scale_tuning_lr: float = 2e-3
+    scale_tuning_norms: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -90,6 +97,11 @@ class QuantConfig:
                              f"got {self.rotation_loss!r}")
         if self.asymmetric_calibration and self.true_sequential:
             raise ValueError("asymmetric_calibration and true_sequential cannot be combined")
+        if self.scale_tuning_epochs < 0 or self.scale_tuning_lr <= 0:
+            raise ValueError("scale_tuning_epochs must be >= 0 and scale_tuning_lr > 0")
+        if self.scale_tuning_epochs and not self.is_qoq_format:
+            raise ValueError("scale tuning needs a QoQ W4A8 format (w_bits 4, a_bits 8, progressive groups "
+                             "or per channel)")
         if min(self.rotation_steps, self.rotation_samples, self.rotation_seq_len, self.rotation_batch) < 1:
             raise ValueError("rotation_steps, rotation_samples, rotation_seq_len and rotation_batch "
                              "must be >= 1")

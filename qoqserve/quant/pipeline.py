@@ -30,6 +30,7 @@ from qoqserve.quant.config import LINEARS, QuantConfig
 from qoqserve.quant.gptq import asymmetric_target, gptq_quantize
 from qoqserve.quant.group_search import search_group_params
 from qoqserve.quant.layer_stats import LayerCapture, search_alpha, search_key_alpha
+from qoqserve.quant.scale_tuning import ScaleTuning, tune_scales
 from qoqserve.quant.transforms._common import expand_groups, group_max
 from qoqserve.quant.transforms.key_center import center_and_rotate_keys, key_rotation
 from qoqserve.quant.transforms.learned_rotation import learn_rotation
@@ -52,6 +53,7 @@ class QuantResult:
     layer_info: list[dict] = field(default_factory=list)
     seconds: float = 0.0
     rotation_curve: list[float] = field(default_factory=list)  # learned rotation: loss per step
+    scale_tuning: ScaleTuning | None = None
 
 
 def build_fp_model(source, cfg: QuantConfig, device: str, max_positions: int = 4096) -> LlamaForCausalLM:
@@ -213,7 +215,7 @@ def quantize_model(source, cfg: QuantConfig, calib: CalibrationSet, device: str 
     torch.manual_seed(cfg.seed)
     model = build_fp_model(source, cfg, device, max_positions)
     arch = model.cfg
-    steps = []
+    steps, tuning = [], None
     with torch.no_grad():
         curve = []
         if cfg.rotate:
@@ -273,7 +275,17 @@ def quantize_model(source, cfg: QuantConfig, calib: CalibrationSet, device: str 
             infos.append(info)
         # the passes above ran the quantized linears on INT8 GEMMs (same numbers)
         sim.use_reference_simulation(model)
-        if cfg.is_qoq_format:
-            _round_to_storage(model, QoQConfig(cfg.group_size, cfg.kv_bits, cfg.uses_key_transform))
+        qoq = QoQConfig(cfg.group_size, cfg.kv_bits, cfg.uses_key_transform) if cfg.is_qoq_format else None
+        if qoq is not None:
+            _round_to_storage(model, qoq)
+    if cfg.scale_tuning_epochs:  # on the model as stored, then the tuned norm weights rounded too
+        fp_cfg = dataclasses.replace(cfg, w_bits=16, a_bits=16, kv_bits=16, scale_tuning_epochs=0)
+        teacher = build_fp_model(source, fp_cfg, device, max_positions)
+        tuning = tune_scales(model, teacher, calib.samples, cfg.scale_tuning_epochs, cfg.scale_tuning_lr,
+                             cfg.scale_tuning_norms, cfg.seed, progress)
+        del teacher
+        steps.append("scale-tuning")
+        with torch.no_grad():
+            _round_to_storage(model, qoq)
     steps += _layer_steps(cfg)
-    return QuantResult(model, cfg, steps, infos, time.perf_counter() - start, curve)
+    return QuantResult(model, cfg, steps, infos, time.perf_counter() - start, curve, tuning)

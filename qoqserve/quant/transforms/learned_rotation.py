@@ -37,6 +37,7 @@ from qoqserve.layers.linear import Linear, LinearMethod
 from qoqserve.quant import sim
 from qoqserve.quant.config import QuantConfig
 from qoqserve.quant.hadamard import orthogonal_matrix
+from qoqserve.quant.ste import KVFakeQuant, act_int8, ste
 
 # which side of the residual stream each linear of a layer touches
 READERS = ("self_attn.qkv_proj", "mlp.gate_up_proj")
@@ -48,12 +49,6 @@ def cayley(b: torch.Tensor) -> torch.Tensor:
     a = b - b.T
     eye = torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
     return torch.linalg.solve(eye - a, eye + a)
-
-
-def _ste(x: torch.Tensor, xq: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-    """Value xq (the quantized x); gradient: identity to x, and the rounding
-    error in steps to the step size (LSQ-style), so ranges are learned against."""
-    return x + step * ((xq - x) / step).detach()
 
 
 def _weight_step(w: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -94,25 +89,10 @@ class _RotatedFakeQuant(LinearMethod):
             if b is not None and not self.reader:
                 b = b @ st.r
         if st.quantize:
-            w = _ste(w, sim.qoq_rtn(w.detach(), st.group_size), _weight_step(w, st.group_size))
+            w = ste(w, sim.qoq_rtn(w.detach(), st.group_size), _weight_step(w, st.group_size))
             if st.act_quant:
-                step = (x.abs().amax(-1, keepdim=True) / 127).clamp_min(1e-12)
-                x = _ste(x, sim.fake_quant_act_int8(x.detach()), step)
+                x = act_int8(x)
         return F.linear(x, w, b)
-
-
-class _KVFakeQuant:
-    """Stands in for an attention layer's KV layout: its fake quantization
-    with a straight-through gradient when the state says so, else exact."""
-
-    def __init__(self, layout, state: _State):
-        self.layout, self.state = layout, state
-
-    def fake_quant(self, x: torch.Tensor) -> torch.Tensor:
-        if not (self.state.quantize and self.state.kv_quant) or self.layout is None:
-            return x
-        step = ((x.amax(-1, keepdim=True) - x.amin(-1, keepdim=True)) / 15).clamp_min(1e-8)
-        return _ste(x, self.layout.fake_quant(x.detach()), step)
 
 
 @contextlib.contextmanager
@@ -128,7 +108,8 @@ def _training_methods(model, state: _State):
                 lin.method = _RotatedFakeQuant(state, reader)
         attn = layer.self_attn.attn
         saved.append((attn, "layout", attn.layout))
-        attn.layout = _KVFakeQuant(attn.layout if attn.backend.quantized_prefill else None, state)
+        attn.layout = KVFakeQuant(attn.layout if attn.backend.quantized_prefill else None,
+                                  lambda: state.quantize and state.kv_quant)
     try:
         yield
     finally:

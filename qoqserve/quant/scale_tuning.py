@@ -1,0 +1,156 @@
+"""End-to-end tuning of a quantized model's float scales against the FP model.
+
+GPTQ and the group search fit each linear to its own inputs, one layer at a
+time; what they leave is an error that piles up over the layers and that no
+layer-local fit sees. Here every integer code stays as it is and only what
+the checkpoint stores in float moves (EfficientQAT's end-to-end step, on
+scales only): each QoQ linear's per-output-channel scale s1 and each RMSNorm
+weight, as s * (1 + theta), trained with Adam on the KL divergence of the
+fake-quantized model's next-token distribution to the FP model's, over the
+calibration windows (per-token INT8 inputs and KV4 with straight-through
+gradients: quant/ste.py). The checkpoint format is unchanged.
+
+Linears kept at W8A8 by a mixed recipe pass gradients but are not tuned.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from qoqserve.kernels import qoq_ref
+from qoqserve.layers.attention import AttentionMetadata
+from qoqserve.layers.linear import Linear, LinearMethod
+from qoqserve.layers.norm import RMSNorm
+from qoqserve.layers.quantization.qoq_methods import QoQSimMethod
+from qoqserve.quant.sim import SimW8A8Method
+from qoqserve.quant.ste import KVFakeQuant, act_int8
+
+
+class _TunedQoQ(LinearMethod):
+    """A QoQ linear of the reference simulation with s1 * (1 + theta) and a
+    straight-through INT8 input (training only)."""
+    name = "scale-tuning"
+
+    def __init__(self, group_size: int, theta: nn.Parameter):
+        self.group_size, self.theta = group_size, theta
+
+    def create_weights(self, layer, dtype) -> None:  # wraps a built layer
+        raise NotImplementedError
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        s1 = layer.s1.float() * (1 + self.theta)
+        y = F.linear(act_int8(x), layer.w_expanded) * s1
+        if not self.group_size:  # per channel: codes 0..15 around a zero point
+            y = y - qoq_ref.act_row_sum(x)[..., None] * (layer.zeros.float() * s1)
+        return y + layer.bias.float() if layer.has_bias else y
+
+
+class _PassW8A8(LinearMethod):
+    """A linear kept at W8A8: its numbers, with a straight-through input."""
+    name = "scale-tuning-w8a8"
+
+    def create_weights(self, layer, dtype) -> None:
+        raise NotImplementedError
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(act_int8(x), layer.w_codes) * layer.w_scale.float()
+        return y + layer.bias.float() if layer.has_bias else y
+
+
+@dataclass
+class ScaleTuning:
+    curve: list[float] = field(default_factory=list)  # KL per step
+    seconds: float = 0.0
+    tuned: int = 0                                    # scales tuned (channels + norm weights)
+
+
+@contextlib.contextmanager
+def _tuning(model, tune_norms: bool):
+    """The model's QoQ linears on _TunedQoQ, its KV4 on a straight-through path
+    and (tune_norms) its RMSNorm weights as w * (1 + theta); yields the thetas
+    by what they scale. Restored after; the caller writes the result."""
+    saved, thetas = [], []
+    for lin in model.modules():
+        if isinstance(lin, Linear) and type(lin.method) is QoQSimMethod:
+            theta = nn.Parameter(torch.zeros(lin.out_features, device=lin.s1.device))
+            saved.append((lin, "method", lin.method))
+            lin.method = _TunedQoQ(lin.method.group_size, theta)
+            thetas.append((lin.s1, theta))
+        elif isinstance(lin, Linear) and isinstance(lin.method, SimW8A8Method):
+            saved.append((lin, "method", lin.method))
+            lin.method = _PassW8A8()
+        elif isinstance(lin, Linear):
+            raise ValueError(f"scale tuning runs on QoQ simulation models, not {lin.method.name} linears")
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)] if tune_norms else []
+    for norm in norms:
+        theta = nn.Parameter(torch.zeros_like(norm.weight, dtype=torch.float32))
+        weight = norm.weight
+        del norm._parameters["weight"]
+        saved.append((norm, "weight", weight))
+        norm.weight_base = weight
+        thetas.append((weight, theta))
+    for layer in model.layers:
+        attn = layer.self_attn.attn
+        saved.append((attn, "layout", attn.layout))
+        attn.layout = KVFakeQuant(attn.layout if attn.backend.quantized_prefill else None, lambda: True)
+    try:
+        yield thetas, norms
+    finally:
+        for norm in norms:
+            del norm.weight, norm.weight_base
+        for obj, attr, value in saved:
+            if isinstance(value, nn.Parameter):
+                obj.register_parameter(attr, value)
+            else:
+                setattr(obj, attr, value)
+
+
+def _logits(model, ids: list[int]) -> torch.Tensor:
+    device = model.embed_tokens.device
+    n = len(ids)
+    meta = AttentionMetadata(True, None, None, None, [0, n], [0])
+    hidden = model(torch.tensor(ids, device=device), torch.arange(n, device=device), meta, None)
+    return F.linear(hidden[:-1], model.lm_head).float()
+
+
+def tune_scales(model, teacher, samples: list[list[int]], epochs: int, lr: float, tune_norms: bool = True,
+                seed: int = 0, progress: bool = False) -> ScaleTuning:
+    """Tune `model` (a QoQ reference simulation, in place) toward `teacher`
+    (the FP model) over `epochs` passes of the calibration windows, one
+    window a step in a seeded order, the learning rate on a cosine to 0."""
+    start, result = time.perf_counter(), ScaleTuning()
+    steps = epochs * len(samples)
+    gen = torch.Generator().manual_seed(seed)
+    bar = tqdm(total=steps, desc="scale tuning", unit="window", disable=not progress)
+    with _tuning(model, tune_norms) as (thetas, norms), torch.enable_grad(), bar:
+        params = [theta for _, theta in thetas]
+        result.tuned = sum(p.numel() for p in params)
+        opt = torch.optim.Adam(params, lr=lr)
+        decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 * (1 + math.cos(math.pi * i / steps)))
+        for _ in range(epochs):
+            for i in torch.randperm(len(samples), generator=gen).tolist():
+                with torch.no_grad():
+                    ref = torch.log_softmax(_logits(teacher, samples[i]), -1)
+                for norm, (base, theta) in zip(norms, thetas[len(thetas) - len(norms):]):
+                    norm.weight = base.float() * (1 + theta)
+                lp = torch.log_softmax(_logits(model, samples[i]), -1)
+                loss = (ref.exp() * (ref - lp)).sum(-1).mean()  # KL(P_FP || P_quant) per token
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                decay.step()
+                result.curve.append(float(loss.detach()))
+                bar.update()
+                bar.set_postfix_str(f"KL {result.curve[-1]:.4f}")
+        with torch.no_grad():
+            for base, theta in thetas:  # s1 and norm weights keep their dtypes
+                base.copy_((base.float() * (1 + theta)).to(base.dtype))
+    result.seconds = time.perf_counter() - start
+    return result

@@ -1,0 +1,124 @@
+"""End-to-end scale tuning (quant/scale_tuning.py) on tiny random models: it
+lowers the KL to the FP model on the windows it trains, moves only the
+float scales (every integer code and group parameter stays), leaves the
+model's methods and layouts as they were, and reaches the checkpoint
+through the config, the CLI and the runtime."""
+import argparse
+import copy
+import dataclasses
+import json
+
+import pytest
+import torch
+from test_quant_pipeline import _full, calib, tiny_source
+
+from qoqserve.cli.quantize import add_quant_args, quant_config_from_args
+from qoqserve.config import CacheConfig, EngineConfig
+from qoqserve.engine.model_runner import ModelRunner
+from qoqserve.layers.kv_cache import Int4KVCacheLayout
+from qoqserve.layers.linear import Linear
+from qoqserve.layers.norm import RMSNorm
+from qoqserve.layers.quantization.qoq_methods import QoQSimMethod
+from qoqserve.model_loader import load_model_source
+from qoqserve.quant.checkpoint import save_checkpoint
+from qoqserve.quant.config import get_preset
+from qoqserve.quant.pipeline import build_fp_model, quantize_model
+from qoqserve.quant.scale_tuning import tune_scales
+
+WINDOWS = calib(4, 64).samples
+
+
+def _fp(source, cfg):
+    return build_fp_model(source, dataclasses.replace(cfg, w_bits=16, a_bits=16, kv_bits=16), "cpu")
+
+
+def _kl(model, teacher, windows) -> float:
+    """Mean KL(P_FP || P_model) per token over windows, the reference simulation."""
+    total = 0.0
+    for ids in windows:
+        ref = torch.log_softmax(_full(teacher, ids).float(), -1)
+        lp = torch.log_softmax(_full(model, ids).float(), -1)
+        total += float((ref.exp() * (ref - lp)).sum(-1).mean())
+    return total / len(windows)
+
+
+@pytest.fixture(scope="module", params=[("llama", "g64"), ("qwen2", "chn")])
+def case(request, tmp_path_factory):
+    kind, preset = request.param
+    source = tiny_source(kind, tmp_path_factory.mktemp("tune"))
+    cfg = get_preset(preset, calib_samples=4, calib_seq_len=64)
+    return source, cfg, quantize_model(source, cfg, calib(4), progress=False).model
+
+
+def _integer_state(model) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for n, t in list(model.named_parameters()) + list(model.named_buffers())
+            if not t.is_floating_point() or n.endswith(("w_expanded", ".s2"))}
+
+
+def test_tuning_lowers_kl_and_moves_only_float_scales(case):
+    source, cfg, quantized = case
+    model, teacher = copy.deepcopy(quantized), _fp(source, cfg)
+    before_codes = _integer_state(model)
+    before_s1 = {n: p.clone() for n, p in model.named_parameters() if n.endswith(".s1")}
+    before_norms = {n: m.weight.clone() for n, m in model.named_modules() if isinstance(m, RMSNorm)}
+    start = _kl(model, teacher, WINDOWS)
+    result = tune_scales(model, teacher, WINDOWS, epochs=6, lr=3e-3, seed=0)
+    end = _kl(model, teacher, WINDOWS)
+    assert len(result.curve) == 6 * len(WINDOWS) and result.tuned > 0
+    assert end < start * 0.9, (start, end)
+    after_codes = _integer_state(model)
+    assert before_codes.keys() == after_codes.keys() and before_codes
+    for name, t in before_codes.items():
+        assert torch.equal(t, after_codes[name]), name
+    params = dict(model.named_parameters())
+    moved = [n for n, s1 in before_s1.items() if not torch.equal(s1, params[n])]
+    assert len(moved) == len(before_s1) and all(params[n].dtype == torch.float16 for n in moved)
+    norms = dict(model.named_modules())
+    assert all(isinstance(norms[n].weight, torch.nn.Parameter) and not torch.equal(w, norms[n].weight)
+               for n, w in before_norms.items())
+    # the training's methods and layouts are gone again
+    assert all(type(m.method) is QoQSimMethod for m in model.modules() if isinstance(m, Linear))
+    assert all(isinstance(layer.self_attn.attn.layout, Int4KVCacheLayout) for layer in model.layers)
+
+
+def test_tune_norms_off_leaves_the_norm_weights(case):
+    source, cfg, quantized = case
+    model = copy.deepcopy(quantized)
+    before = {n: m.weight.clone() for n, m in model.named_modules() if isinstance(m, RMSNorm)}
+    tune_scales(model, _fp(source, cfg), WINDOWS[:2], epochs=1, lr=5e-3, tune_norms=False)
+    for name, module in model.named_modules():
+        if isinstance(module, RMSNorm):
+            assert torch.equal(module.weight, before[name])
+
+
+def test_tuned_checkpoint_through_cli_and_runtime(tmp_path):
+    source = tiny_source("llama", tmp_path / "src")
+    p = argparse.ArgumentParser()
+    add_quant_args(p)
+    cfg = quant_config_from_args(p.parse_args(["--scale-tuning-epochs", "1", "--scale-tuning-lr", "0.01",
+                                               "--no-scale-tuning-norms", "--calib-samples", "4",
+                                               "--calib-seq-len", "64"]))
+    assert (cfg.scale_tuning_epochs, cfg.scale_tuning_lr, cfg.scale_tuning_norms) == (1, 0.01, False)
+    assert quant_config_from_args(p.parse_args([])).scale_tuning_epochs == 0
+    result = quantize_model(source, cfg, calib(4), progress=False)
+    assert "scale-tuning" in result.steps and len(result.scale_tuning.curve) == 4
+    out = tmp_path / "ckpt"
+    save_checkpoint(result, source, calib(4), str(out))
+    stored = json.loads((out / "quant_config.json").read_text())
+    assert stored["config"]["scale_tuning_epochs"] == 1 and "scale-tuning" in stored["steps"]
+    loaded = load_model_source(str(out))
+    engine_cfg = EngineConfig(model=str(out), dtype="float32", w4a8_backend="sim", kernels="torch",
+                              cache=CacheConfig(num_blocks=8, quantized_prefill=True))
+    runner = ModelRunner(engine_cfg, loaded.arch, loaded.iter_tensors(), 512, loaded.quant_config)
+    ids = calib(1, 96, seed=5).samples[0]
+    q = _full(result.model, ids)
+    # the tuned s1 are stored as they were trained (fp16); what differs is the
+    # fp16 storage of embeddings and lm_head, as for any checkpoint
+    torch.testing.assert_close(_full(runner.model, ids), q, atol=2e-2 * q.abs().max().item(), rtol=0)
+
+
+def test_scale_tuning_needs_a_qoq_format():
+    with pytest.raises(ValueError, match="scale tuning"):
+        get_preset("rtn-w8a8", scale_tuning_epochs=1)
+    with pytest.raises(ValueError, match="scale_tuning"):
+        get_preset("g64", scale_tuning_epochs=-1)
