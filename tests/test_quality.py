@@ -276,6 +276,13 @@ def test_a_resumed_table_keeps_only_rows_measured_the_same_way():
     assert _reusable({**earlier, "options": {**earlier["options"], "window": 256}}, table) == {}
     assert _reusable({**earlier, "options": {**earlier["options"], "tasks": ["json"]}}, table) == {}
     assert _reusable(None, table) == {}
+    # a row quantized before a QuantConfig field existed ran with its default: it matches
+    # the config at that default, not one that sets the field
+    before = {k: v for k, v in settings.items() if k != "scale_tuning_epochs"}
+    kept = _reusable({**earlier, "rows": [_row("g64", quant_config=before)]}, table)["g64"]
+    assert kept["quant_config"] == settings
+    tuned = json.loads(json.dumps(get_preset("g64", scale_tuning_epochs=2).to_dict()))
+    assert kept["quant_config"] != tuned
 
 
 def test_a_group_size_that_does_not_tile_the_model_fails_before_any_work():
