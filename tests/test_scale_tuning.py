@@ -91,6 +91,21 @@ def test_tune_norms_off_leaves_the_norm_weights(case):
             assert torch.equal(module.weight, before[name])
 
 
+def test_linears_kept_at_w8a8_pass_gradients_and_stay(tmp_path):
+    # the mixed recipe: layer 0's linears at W8A8 run their own numbers in the loop
+    # (gradients reach layer 0's norms through them) and are not tuned
+    source = tiny_source("llama", tmp_path)
+    cfg = get_preset("g64", calib_samples=4, calib_seq_len=64, w8a8_linears=("layers.0.*",))
+    model = quantize_model(source, cfg, calib(4), progress=False).model
+    w8a8 = {n: t.clone() for n, t in model.layers[0].named_parameters()}
+    norm = model.layers[0].input_layernorm.weight.clone()
+    tune_scales(model, _fp(source, cfg), WINDOWS[:2], epochs=2, lr=5e-3)
+    for name, t in model.layers[0].named_parameters():
+        if "layernorm" not in name:
+            assert torch.equal(t, w8a8[name]), name
+    assert not torch.equal(model.layers[0].input_layernorm.weight, norm)
+
+
 def test_tuned_checkpoint_through_cli_and_runtime(tmp_path):
     source = tiny_source("llama", tmp_path / "src")
     p = argparse.ArgumentParser()

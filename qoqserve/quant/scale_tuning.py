@@ -74,42 +74,36 @@ class ScaleTuning:
 @contextlib.contextmanager
 def _tuning(model, tune_norms: bool):
     """The model's QoQ linears on _TunedQoQ, its KV4 on a straight-through path
-    and (tune_norms) its RMSNorm weights as w * (1 + theta); yields the thetas
-    by what they scale. Restored after; the caller writes the result."""
-    saved, thetas = [], []
+    and (tune_norms) its RMSNorm weights taken out, to be set each step from
+    (norm, weight, theta); yields the (scale, theta) pairs of the linears and
+    those triples. Restored after; the caller writes the result."""
+    saved, linears, norms = [], [], []
     for lin in model.modules():
         if isinstance(lin, Linear) and type(lin.method) is QoQSimMethod:
             theta = nn.Parameter(torch.zeros(lin.out_features, device=lin.s1.device))
             saved.append((lin, "method", lin.method))
             lin.method = _TunedQoQ(lin.method.group_size, theta)
-            thetas.append((lin.s1, theta))
+            linears.append((lin.s1, theta))
         elif isinstance(lin, Linear) and isinstance(lin.method, SimW8A8Method):
             saved.append((lin, "method", lin.method))
             lin.method = _PassW8A8()
         elif isinstance(lin, Linear):
             raise ValueError(f"scale tuning runs on QoQ simulation models, not {lin.method.name} linears")
-    norms = [m for m in model.modules() if isinstance(m, RMSNorm)] if tune_norms else []
-    for norm in norms:
-        theta = nn.Parameter(torch.zeros_like(norm.weight, dtype=torch.float32))
-        weight = norm.weight
-        del norm._parameters["weight"]
-        saved.append((norm, "weight", weight))
-        norm.weight_base = weight
-        thetas.append((weight, theta))
+    for norm in [m for m in model.modules() if isinstance(m, RMSNorm)] if tune_norms else []:
+        weight = norm._parameters.pop("weight")
+        norms.append((norm, weight, nn.Parameter(torch.zeros_like(weight, dtype=torch.float32))))
     for layer in model.layers:
         attn = layer.self_attn.attn
         saved.append((attn, "layout", attn.layout))
         attn.layout = KVFakeQuant(attn.layout if attn.backend.quantized_prefill else None, lambda: True)
     try:
-        yield thetas, norms
+        yield linears, norms
     finally:
-        for norm in norms:
-            del norm.weight, norm.weight_base
+        for norm, weight, _ in norms:
+            norm.__dict__.pop("weight", None)
+            norm.register_parameter("weight", weight)
         for obj, attr, value in saved:
-            if isinstance(value, nn.Parameter):
-                obj.register_parameter(attr, value)
-            else:
-                setattr(obj, attr, value)
+            setattr(obj, attr, value)
 
 
 def _logits(model, ids: list[int]) -> torch.Tensor:
@@ -129,8 +123,9 @@ def tune_scales(model, teacher, samples: list[list[int]], epochs: int, lr: float
     steps = epochs * len(samples)
     gen = torch.Generator().manual_seed(seed)
     bar = tqdm(total=steps, desc="scale tuning", unit="window", disable=not progress)
-    with _tuning(model, tune_norms) as (thetas, norms), torch.enable_grad(), bar:
-        params = [theta for _, theta in thetas]
+    with _tuning(model, tune_norms) as (linears, norms), torch.enable_grad(), bar:
+        pairs = linears + [(weight, theta) for _, weight, theta in norms]
+        params = [theta for _, theta in pairs]
         result.tuned = sum(p.numel() for p in params)
         opt = torch.optim.Adam(params, lr=lr)
         decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 * (1 + math.cos(math.pi * i / steps)))
@@ -138,8 +133,8 @@ def tune_scales(model, teacher, samples: list[list[int]], epochs: int, lr: float
             for i in torch.randperm(len(samples), generator=gen).tolist():
                 with torch.no_grad():
                     ref = torch.log_softmax(_logits(teacher, samples[i]), -1)
-                for norm, (base, theta) in zip(norms, thetas[len(thetas) - len(norms):]):
-                    norm.weight = base.float() * (1 + theta)
+                for norm, weight, theta in norms:  # a plain attribute while its parameter is out
+                    norm.weight = weight.float() * (1 + theta)
                 lp = torch.log_softmax(_logits(model, samples[i]), -1)
                 loss = (ref.exp() * (ref - lp)).sum(-1).mean()  # KL(P_FP || P_quant) per token
                 opt.zero_grad()
@@ -150,7 +145,7 @@ def tune_scales(model, teacher, samples: list[list[int]], epochs: int, lr: float
                 bar.update()
                 bar.set_postfix_str(f"KL {result.curve[-1]:.4f}")
         with torch.no_grad():
-            for base, theta in thetas:  # s1 and norm weights keep their dtypes
+            for base, theta in pairs:  # s1 and norm weights keep their dtypes
                 base.copy_((base.float() * (1 + theta)).to(base.dtype))
     result.seconds = time.perf_counter() - start
     return result
