@@ -30,7 +30,7 @@ from qoqserve.layers.linear import Linear, LinearMethod
 from qoqserve.layers.norm import RMSNorm
 from qoqserve.layers.quantization.qoq_methods import QoQSimMethod
 from qoqserve.quant.sim import SimW8A8Method
-from qoqserve.quant.ste import KVFakeQuant, act_int8
+from qoqserve.quant.ste import KVFakeQuant, act_int8, kl_to_reference
 
 
 class _TunedQoQ(LinearMethod):
@@ -135,8 +135,7 @@ def tune_scales(model, teacher, samples: list[list[int]], epochs: int, lr: float
                     ref = torch.log_softmax(_logits(teacher, samples[i]), -1)
                 for norm, weight, theta in norms:  # a plain attribute while its parameter is out
                     norm.weight = weight.float() * (1 + theta)
-                lp = torch.log_softmax(_logits(model, samples[i]), -1)
-                loss = (ref.exp() * (ref - lp)).sum(-1).mean()  # KL(P_FP || P_quant) per token
+                loss = kl_to_reference(ref, _logits(model, samples[i]))
                 opt.zero_grad()
                 loss.backward()
                 opt.step()

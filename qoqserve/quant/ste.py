@@ -1,7 +1,8 @@
-"""Straight-through fake quantization for the quantizer's training loops
-(the learned rotation, scale tuning): the value is the quantized one, the
-gradient goes to the unquantized input, plus the rounding error in steps to
-the step size (LSQ-style), so the loss also sees what sets each range."""
+"""What the quantizer's training loops (the learned rotation, scale tuning)
+share: straight-through fake quantization (the value is the quantized one,
+the gradient goes to the unquantized input, plus the rounding error in steps
+to the step size, LSQ-style, so the loss also sees what sets each range), and
+the loss both minimize against the FP model."""
 from __future__ import annotations
 
 from typing import Callable
@@ -9,6 +10,13 @@ from typing import Callable
 import torch
 
 from qoqserve.quant import sim
+
+
+def kl_to_reference(ref_logprobs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Mean per-token KL(P_FP || P_model): the FP model's log-probabilities
+    against the model's logits, both [tokens, vocab]."""
+    ref = ref_logprobs.float()
+    return (ref.exp() * (ref - torch.log_softmax(logits.float(), -1))).sum(-1).mean()
 
 
 def ste(x: torch.Tensor, xq: torch.Tensor, step: torch.Tensor) -> torch.Tensor:

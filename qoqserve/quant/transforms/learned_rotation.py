@@ -37,7 +37,7 @@ from qoqserve.layers.linear import Linear, LinearMethod
 from qoqserve.quant import sim
 from qoqserve.quant.config import QuantConfig
 from qoqserve.quant.hadamard import orthogonal_matrix
-from qoqserve.quant.ste import KVFakeQuant, act_int8, ste
+from qoqserve.quant.ste import KVFakeQuant, act_int8, kl_to_reference, ste
 
 # which side of the residual stream each linear of a layer touches
 READERS = ("self_attn.qkv_proj", "mlp.gate_up_proj")
@@ -137,10 +137,9 @@ def _logits(model, ids: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
 
 
 def _loss(logits: torch.Tensor, ids: torch.Tensor, ref_logprobs: torch.Tensor | None, kind: str):
+    if kind == "kl":
+        return kl_to_reference(ref_logprobs, logits)
     lp = torch.log_softmax(logits.float(), -1)
-    if kind == "kl":  # KL(P_FP || P_quant) per token, averaged
-        ref = ref_logprobs.float()
-        return (ref.exp() * (ref - lp)).sum(-1).mean()
     b, n = ids.shape
     lp = lp.view(b, n, -1)[:, :-1]
     return F.nll_loss(lp.reshape(-1, lp.shape[-1]), ids[:, 1:].reshape(-1))
