@@ -137,3 +137,16 @@ def test_scale_tuning_needs_a_qoq_format():
         get_preset("rtn-w8a8", scale_tuning_epochs=1)
     with pytest.raises(ValueError, match="scale_tuning"):
         get_preset("g64", scale_tuning_epochs=-1)
+
+
+def test_a_refused_model_is_left_as_it_was(case):
+    # a linear that is neither QoQ nor W8A8 after others were already swapped:
+    # the refusal puts every swapped method back
+    source, cfg, quantized = case
+    model = copy.deepcopy(quantized)
+    last = model.layers[-1].mlp.down_proj
+    last.method = type("Other", (QoQSimMethod,), {})(last.method.group_size)
+    methods = {n: m.method for n, m in model.named_modules() if isinstance(m, Linear)}
+    with pytest.raises(ValueError, match="scale tuning runs on QoQ simulation models"):
+        tune_scales(model, _fp(source, cfg), WINDOWS[:1], epochs=1, lr=1e-3)
+    assert {n: m.method for n, m in model.named_modules() if isinstance(m, Linear)} == methods

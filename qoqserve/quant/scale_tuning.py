@@ -78,25 +78,25 @@ def _tuning(model, tune_norms: bool):
     (norm, weight, theta); yields the (scale, theta) pairs of the linears and
     those triples. Restored after; the caller writes the result."""
     saved, linears, norms = [], [], []
-    for lin in model.modules():
-        if isinstance(lin, Linear) and type(lin.method) is QoQSimMethod:
-            theta = nn.Parameter(torch.zeros(lin.out_features, device=lin.s1.device))
-            saved.append((lin, "method", lin.method))
-            lin.method = _TunedQoQ(lin.method.group_size, theta)
-            linears.append((lin.s1, theta))
-        elif isinstance(lin, Linear) and isinstance(lin.method, SimW8A8Method):
-            saved.append((lin, "method", lin.method))
-            lin.method = _PassW8A8()
-        elif isinstance(lin, Linear):
-            raise ValueError(f"scale tuning runs on QoQ simulation models, not {lin.method.name} linears")
-    for norm in [m for m in model.modules() if isinstance(m, RMSNorm)] if tune_norms else []:
-        weight = norm._parameters.pop("weight")
-        norms.append((norm, weight, nn.Parameter(torch.zeros_like(weight, dtype=torch.float32))))
-    for layer in model.layers:
-        attn = layer.self_attn.attn
-        saved.append((attn, "layout", attn.layout))
-        attn.layout = KVFakeQuant(attn.layout if attn.backend.quantized_prefill else None, lambda: True)
-    try:
+    try:  # what was swapped before a refused linear is put back too
+        for lin in model.modules():
+            if isinstance(lin, Linear) and type(lin.method) is QoQSimMethod:
+                theta = nn.Parameter(torch.zeros(lin.out_features, device=lin.s1.device))
+                saved.append((lin, "method", lin.method))
+                lin.method = _TunedQoQ(lin.method.group_size, theta)
+                linears.append((lin.s1, theta))
+            elif isinstance(lin, Linear) and isinstance(lin.method, SimW8A8Method):
+                saved.append((lin, "method", lin.method))
+                lin.method = _PassW8A8()
+            elif isinstance(lin, Linear):
+                raise ValueError(f"scale tuning runs on QoQ simulation models, not {lin.method.name} linears")
+        for norm in [m for m in model.modules() if isinstance(m, RMSNorm)] if tune_norms else []:
+            weight = norm._parameters.pop("weight")
+            norms.append((norm, weight, nn.Parameter(torch.zeros_like(weight, dtype=torch.float32))))
+        for layer in model.layers:
+            attn = layer.self_attn.attn
+            saved.append((attn, "layout", attn.layout))
+            attn.layout = KVFakeQuant(attn.layout if attn.backend.quantized_prefill else None, lambda: True)
         yield linears, norms
     finally:
         for norm, weight, _ in norms:
