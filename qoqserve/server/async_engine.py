@@ -101,6 +101,11 @@ class AsyncEngine:
             self._thread.start()
 
     @property
+    def shares_prefixes(self) -> bool:
+        """Whether a request started after another's prefill reuses its prompt's pages."""
+        return self.engine.block_manager.enable_prefix_caching
+
+    @property
     def is_alive(self) -> bool:
         return not self._done.is_set() and not self._stopping
 

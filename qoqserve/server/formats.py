@@ -1,7 +1,8 @@
 """Engine outputs -> OpenAI JSON, for /v1/completions and /v1/chat/completions.
 
-One formatter per request; it remembers what a stream has already sent
-(the chat role, the completion text offset).
+One formatter per choice (an engine request); it remembers what a stream
+has already sent (the chat role, the completion text offset). The choices of
+one response share its id and creation time (server/choices.py joins them).
 """
 from __future__ import annotations
 
@@ -27,35 +28,22 @@ class Format:
     object_name = ""
     chunk_object_name = ""
 
-    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, num_prompt_tokens: int):
+    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, num_prompt_tokens: int,
+                 index: int = 0, created: int | None = None):
         self.id = request_id
         self.model = model
         self.tokenizer = tokenizer
         self.num_prompt_tokens = num_prompt_tokens
-        self.created = int(time.time())
+        self.index = index  # of this choice in the response
+        self.created = int(time.time()) if created is None else created
 
-    def usage(self, out: RequestOutput) -> dict:
-        n = len(out.token_ids)
-        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": n,
-                "total_tokens": self.num_prompt_tokens + n}
-
-    def _envelope(self, obj: str, choices: list[dict]) -> dict:
+    def envelope(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices}
 
-    def response(self, out: RequestOutput) -> dict:
-        body = self._envelope(self.object_name, [self.choice(out)])
-        body["usage"] = self.usage(out)
-        return body
-
     def chunk(self, out: RequestOutput) -> dict | None:
         choice = self.delta_choice(out)
-        return None if choice is None else self._envelope(self.chunk_object_name, [choice])
-
-    def usage_chunk(self, out: RequestOutput) -> dict:
-        body = self._envelope(self.chunk_object_name, [])
-        body["usage"] = self.usage(out)
-        return body
+        return None if choice is None else self.envelope(self.chunk_object_name, [choice])
 
     def choice(self, out: RequestOutput) -> dict:
         raise NotImplementedError
@@ -67,8 +55,8 @@ class Format:
 class CompletionFormat(Format):
     object_name = chunk_object_name = "text_completion"
 
-    def __init__(self, *args, echo_text: str = ""):
-        super().__init__(*args)
+    def __init__(self, *args, echo_text: str = "", **kwargs):
+        super().__init__(*args, **kwargs)
         self.echo_text = echo_text
         self.offset = 0  # characters of completion text sent so far (for text_offset)
 
@@ -85,7 +73,7 @@ class CompletionFormat(Format):
                 "top_logprobs": [{self.tokenizer.token_to_str(t): lp for t, lp in top} for top in tops]}
 
     def choice(self, out: RequestOutput) -> dict:
-        return {"index": 0, "text": self.echo_text + out.text,
+        return {"index": self.index, "text": self.echo_text + out.text,
                 "logprobs": self._logprobs(_new_token_logprobs(out, True), len(self.echo_text)),
                 "finish_reason": out.finish_reason}
 
@@ -97,15 +85,15 @@ class CompletionFormat(Format):
             return None
         lp = self._logprobs(_new_token_logprobs(out, False), self.offset)
         self.offset += len(text)
-        return {"index": 0, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
+        return {"index": self.index, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
 
 
 class ChatFormat(Format):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def __init__(self, *args, tool_parser: ToolCallParser | None = None):
-        super().__init__(*args)
+    def __init__(self, *args, tool_parser: ToolCallParser | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
         self.sent_role = False
         self.tool_parser = tool_parser  # the request has tools: its text may hold tool calls
 
@@ -134,7 +122,7 @@ class ChatFormat(Format):
             message["content"] = content.strip() or None
             if self.tool_parser.calls:
                 message["tool_calls"] = self.tool_parser.tool_calls()
-        return {"index": 0, "message": message,
+        return {"index": self.index, "message": message,
                 "logprobs": self._logprobs(_new_token_logprobs(out, True)),
                 "finish_reason": self._finish_reason(out)}
 
@@ -152,5 +140,5 @@ class ChatFormat(Format):
             delta["tool_calls"] = [c.to_dict() for c in calls]
         if not delta and not out.finished and not out.delta_token_ids:
             return None
-        return {"index": 0, "delta": delta, "logprobs": self._logprobs(_new_token_logprobs(out, False)),
+        return {"index": self.index, "delta": delta, "logprobs": self._logprobs(_new_token_logprobs(out, False)),
                 "finish_reason": self._finish_reason(out)}

@@ -125,7 +125,7 @@ class SamplingFields(_Request):
     temperature: float | None = _float("temperature", "0 is greedy; default 1")
     top_p: float | None = _float("top_p", "nucleus sampling mass; default 1")
     top_k: int | None = Field(None, ge=-1, description="-1 or 0 disables")
-    n: int = Field(1, description="must be 1")
+    n: int = Field(1, ge=1, le=128, description="choices per prompt (each sampled apart; seeded: seed + i)")
     stream: bool = Field(False, description="server-sent events ending in `data: [DONE]`")
     stream_options: StreamOptions | None = None
     stop: Text | list[Text] | None = Field(None, description="strings that end the output (not included)")
@@ -152,7 +152,7 @@ class SamplingFields(_Request):
 
 class CompletionRequest(SamplingFields):
     prompt: Text | list[int] | list[Text] | list[list[int]] = Field(
-        description="text, token ids, or a one-element list of either")
+        description="text, token ids, or a list of either (a choice per prompt and n)")
     max_tokens: int | None = Field(16, ge=1, description="null: the rest of the context window")
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
                                  description="also return this many most likely tokens per step")

@@ -3,10 +3,11 @@
 The request schemas (protocol.py) check types, ranges and text as FastAPI
 parses the body; the engine's admission (engine/admission.py) checks
 prompts, limits and sampling parameters again, as it does for the Python
-API; this layer checks only what belongs to the OpenAI API (model name, n,
+API; this layer checks only what belongs to the OpenAI API (model name,
 unsupported fields) and maps the engine's errors to OpenAI errors. All of
 it happens before the stream starts, so a stream only starts once the
-request is known to be good. A request the engine later ends with
+request is known to be good. A response's choices (`n`, several prompts)
+are engine requests of their own (server/choices.py). A request the engine later ends with
 finish_reason "error" gets a 500 server_error (streams: an error event,
 after the chunks already sent, then [DONE]).
 """
@@ -14,8 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -24,7 +26,9 @@ from qoqserve.engine.admission import PreparedRequest
 from qoqserve.engine.output import RequestOutput
 from qoqserve.errors import InvalidRequestError
 from qoqserve.sampling_params import SamplingParams, StructuredOutputs
+from qoqserve.server import choices as joined
 from qoqserve.server.async_engine import AsyncEngine
+from qoqserve.server.choices import Choice
 from qoqserve.server.config import ServerConfig
 from qoqserve.server.formats import ChatFormat, CompletionFormat, Format
 from qoqserve.server.protocol import (
@@ -68,8 +72,6 @@ class OpenAIServing:
 
     def _check_common(self, req: SamplingFields) -> None:
         self.check_model(req.model)
-        if req.n != 1:
-            raise APIError(400, f"n must be 1, got {req.n}", param="n")
         if req.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
 
@@ -112,24 +114,23 @@ class OpenAIServing:
             raise APIError(400, "best_of must be 1", param="best_of")
         if req.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError(400, "send one prompt per request (batched prompts are not supported)",
-                               param="prompt")
-            prompt = prompt[0]
+        prompts = req.prompt
+        if not (isinstance(prompts, list) and prompts and isinstance(prompts[0], (str, list))):
+            prompts = [prompts]  # one prompt: text or token ids
         if req.logprobs is not None and not 0 <= req.logprobs <= 20:
             raise APIError(400, f"logprobs must be in [0, 20], got {req.logprobs}", param="logprobs")
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo together with logprobs is not supported", param="echo")
-        prepared = await self._prepare(req, prompt, req.max_tokens, "prompt",
-                                       logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0,
-                                       structure=requested_structure(req))
-        ids = prepared.prompt_token_ids
-        echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)) if req.echo else ""
-        fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", self.model_name, self.tokenizer, len(ids),
-                               echo_text=echo)
-        return await self._respond(fmt, prepared, req, raw)
+        prepared = [await self._prepare(req, prompt, req.max_tokens, "prompt", logprobs=req.logprobs is not None,
+                                        top_logprobs=req.logprobs or 0, structure=requested_structure(req))
+                    for prompt in prompts]  # all admitted before any starts
+        rid, created, choices = f"cmpl-{uuid.uuid4().hex}", int(time.time()), []
+        for p, (prompt, request) in enumerate(zip(prompts, prepared)):
+            ids = request.prompt_token_ids
+            echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)) if req.echo else ""
+            choices += self._choices(request, req.n, p, lambda i, p=p, n=len(ids), echo=echo: CompletionFormat(
+                rid, self.model_name, self.tokenizer, n, index=p * req.n + i, created=created, echo_text=echo))
+        return await self._respond(choices, req, raw)
 
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         self._check_common(req)
@@ -158,9 +159,11 @@ class OpenAIServing:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         prepared = await self._prepare(req, ids, max_tokens, "messages", logprobs=req.logprobs,
                                        top_logprobs=req.top_logprobs or 0, structure=structure)
-        fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, self.tokenizer, len(ids),
-                         tool_parser=ToolCallParser() if calls else None)
-        return await self._respond(fmt, prepared, req, raw)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        choices = self._choices(prepared, req.n, 0, lambda i: ChatFormat(
+            rid, self.model_name, self.tokenizer, len(ids), index=i, created=created,
+            tool_parser=ToolCallParser() if calls else None))
+        return await self._respond(choices, req, raw)
 
     @staticmethod
     def _tool_choice(req: ChatCompletionRequest) -> tuple[list[dict], str | dict]:
@@ -192,22 +195,38 @@ class OpenAIServing:
 
     # ---- running ----------------------------------------------------------------
 
-    async def _respond(self, fmt: Format, prepared: PreparedRequest, req: SamplingFields,
-                       raw: Request):
-        outputs = self.engine.generate(fmt.id, prepared)
+    def _choices(self, prepared: PreparedRequest, n: int, prompt: int,
+                 make_format: Callable[[int], Format]) -> list[Choice]:
+        """The n choices of one prompt, each an engine request (raises before
+        any output if the engine cannot take them all)."""
+        choices = []
+        for i in range(n):
+            fmt = make_format(i)
+            rid = fmt.id if fmt.index == 0 else f"{fmt.id}-{fmt.index}"  # one choice: the response's id
+            choices.append(Choice(fmt, self.engine.generate(rid, joined.child_request(prepared, i)), prompt, i == 0))
+        return choices
+
+    async def _respond(self, choices: list[Choice], req: SamplingFields, raw: Request):
+        outputs = joined.merged(choices, stagger=self.engine.shares_prefixes)
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._sse(outputs, fmt, usage), media_type="text/event-stream",
+            return StreamingResponse(self._sse(outputs, choices, usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        final = await self._collect(outputs, raw)
-        return JSONResponse(fmt.response(final))
+        finals = await self._collect(outputs, len(choices), raw)
+        return JSONResponse(joined.response(choices, finals))
 
-    async def _collect(self, outputs: AsyncIterator[RequestOutput], raw: Request) -> RequestOutput:
-        """The final output; aborts the request if the client hangs up while waiting."""
+    async def _collect(self, outputs: AsyncIterator[tuple[Choice, RequestOutput]], choices: int,
+                       raw: Request) -> dict[int, RequestOutput]:
+        """Each choice's final output, by index; aborts the requests if the
+        client hangs up while waiting."""
         async def drain():
-            last = None
-            async for out in outputs:
-                last = out
+            last: dict[int, RequestOutput] = {}
+            async for c, out in outputs:
+                if out.finish_reason == "error":
+                    raise _failed(out)
+                last[c.fmt.index] = out
+            if len(last) < choices:
+                raise APIError(500, "a request ended without output", type="server_error")
             return last
 
         task = asyncio.ensure_future(drain())
@@ -215,33 +234,26 @@ class OpenAIServing:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=0.5)
                 if done:
-                    return self._final(task.result())
+                    return task.result()
                 if await raw.is_disconnected():
                     raise ClientGone()
         finally:
             if not task.done():
-                task.cancel()  # the generator's cleanup aborts the request and frees its pages
+                task.cancel()  # the generator's cleanup aborts the requests and frees their pages
 
-    @staticmethod
-    def _final(out: RequestOutput | None) -> RequestOutput:
-        if out is None:
-            raise APIError(500, "the request ended without output", type="server_error")
-        if out.finish_reason == "error":
-            raise _failed(out)
-        return out
-
-    async def _sse(self, outputs: AsyncIterator[RequestOutput], fmt: Format, include_usage: bool):
-        last = None
+    async def _sse(self, outputs: AsyncIterator[tuple[Choice, RequestOutput]], choices: list[Choice],
+                   include_usage: bool):
+        last: dict[int, RequestOutput] = {}
         try:
-            async for out in outputs:
-                last = out
+            async for c, out in outputs:
+                last[c.fmt.index] = out
                 if out.finish_reason == "error":  # what was streamed stands; the error ends it
                     raise _failed(out)
-                chunk = fmt.chunk(out)
+                chunk = c.fmt.chunk(out)
                 if chunk is not None:
                     yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
-            if include_usage and last is not None:
-                yield f"data: {json.dumps(fmt.usage_chunk(last))}\n\n"
+            if include_usage and last:
+                yield f"data: {json.dumps(joined.usage_chunk(choices, last))}\n\n"
         except Exception as e:  # headers are gone: the error travels in the stream
             err = e if isinstance(e, APIError) else APIError(500, str(e), type="server_error")
             yield f"data: {json.dumps(err.body())}\n\n"
