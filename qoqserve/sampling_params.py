@@ -121,6 +121,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputs | None = None  # constrain the output (a grammar)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI: -100..100)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -131,7 +132,11 @@ class SamplingParams:
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
             raise InvalidSamplingParams("stop_token_ids must be a list of integers", param="stop_token_ids")
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise InvalidSamplingParams("logit_bias must map token ids to numbers", param="logit_bias")
         self.validate()
+        if self.logit_bias is not None:  # an empty one is none
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()} or None
         for name in FLOAT_RANGES:  # ints are accepted, floats are stored
             setattr(self, name, float(getattr(self, name)))
         if self.top_k == 0:
@@ -155,6 +160,13 @@ class SamplingParams:
             bad(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        for t, b in (self.logit_bias or {}).items():
+            if not _is_int(t) or t < 0:
+                raise InvalidSamplingParams(f"logit_bias keys must be token ids (integers >= 0), got {t!r}",
+                                            param="logit_bias")
+            if not (isinstance(b, (int, float)) and not isinstance(b, bool) and -100 <= b <= 100):
+                raise InvalidSamplingParams(f"logit_bias values must be numbers in [-100, 100], got {b!r}",
+                                            param="logit_bias")
         if self.seed is not None and (not _is_int(self.seed)
                                       or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
             bad(f"seed must be an integer in [-2^63, 2^64 - 1], got {self.seed!r}")
@@ -182,4 +194,4 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+                or self.frequency_penalty != 0.0 or bool(self.logit_bias))

@@ -83,11 +83,33 @@ def test_penalties():
     assert out.tolist() == [2.0, -2.0, 1.0 - 0.5 - 0.5, 0.5]
 
 
+def test_logit_bias_is_added_to_its_tokens_after_the_penalties():
+    logits = torch.tensor([2.0, -2.0, 1.0, 0.5])
+    p = SamplingParams(presence_penalty=0.5, logit_bias={2: 3.0, 3: -100})
+    assert apply_penalties(logits, p, [], {2: 1}).tolist() == [2.0, -2.0, 1.0 - 0.5 + 3.0, 0.5 - 100]
+    assert SamplingParams(logit_bias={}).logit_bias is None and not SamplingParams(logit_bias={}).has_penalties
+
+
+def test_a_biased_row_moves_only_itself_and_logprobs_stay_the_models():
+    logits = torch.randn(3, 50)
+    banned = int(logits[1].argmax())
+    params = [SamplingParams(temperature=0, logprobs=True),
+              SamplingParams(temperature=0, logprobs=True, logit_bias={banned: -100}),
+              SamplingParams(temperature=0, logprobs=True, logit_bias={7: 100})]
+    toks, lps, _ = Sampler()(logits.clone(), reqs(params))
+    second = int(logits[1].topk(2).indices[1])
+    assert toks == [int(logits[0].argmax()), second, 7]
+    ref = torch.log_softmax(logits, -1)
+    assert lps == pytest.approx([float(ref[i, t]) for i, t in enumerate(toks)])
+
+
 @pytest.mark.parametrize("kwargs", [
     dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-5), dict(max_tokens=0),
     dict(max_tokens=1.5), dict(stop=[""]), dict(seed="x"), dict(repetition_penalty=0),
     dict(presence_penalty=3), dict(min_tokens=5, max_tokens=2), dict(top_k=True), dict(seed=2**70),
-    dict(top_logprobs=21, logprobs=True), dict(top_logprobs=2),
+    dict(top_logprobs=21, logprobs=True), dict(top_logprobs=2), dict(logit_bias={3: 101}),
+    dict(logit_bias={-1: 1}), dict(logit_bias={"3": 1}), dict(logit_bias={3: float("nan")}),
+    dict(logit_bias=[(3, 1)]),
 ])
 def test_invalid_params_are_rejected_with_a_message(kwargs):
     with pytest.raises(InvalidSamplingParams) as e:

@@ -112,6 +112,20 @@ def test_chat_logprobs_with_top_logprobs(client, model_id):
         assert sum(math.exp(t.logprob) for t in c.top_logprobs) <= 1.0 + 1e-6
 
 
+def test_logit_bias_steers_the_output_as_offline(client, model_id, reference_llm):
+    tok = reference_llm.engine.tokenizer
+    plain = reference_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=6))[0]
+    banned = plain.token_ids[0]
+    bias = {banned: -100, tok.encode(" blue", add_special_tokens=False)[0]: 5}
+    ref = reference_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=6, logit_bias=bias))[0]
+    got = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=6, temperature=0,
+                                    logit_bias={str(t): b for t, b in bias.items()})
+    assert got.choices[0].text == ref.text and banned not in ref.token_ids and ref.text != plain.text
+    forced = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=4, temperature=0.7, seed=1,
+                                       logit_bias={str(banned): 100})
+    assert forced.choices[0].text == tok.decode([banned] * 4)
+
+
 def test_seeded_sampling_is_reproducible(client, model_id):
     kw = dict(model=model_id, prompt=PROMPT, max_tokens=12, temperature=1.0, top_p=0.9, seed=7)
     a = client.completions.create(**kw).choices[0].text

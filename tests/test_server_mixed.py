@@ -28,7 +28,7 @@ valid_bodies = st.builds(
     st.lists(st.sampled_from(WORDS), min_size=1, max_size=8), st.integers(1, 4), st.booleans(), st.booleans())
 
 BREAKS = [("max_tokens", -1), ("max_tokens", "4"), ("temperature", "hot"), ("seed", 2**70), ("top_p", 5),
-          ("n", 2), ("stop", [1]), ("prompt", ""), ("prompt", "\ud800"), ("logit_bias", {"1": 5}),
+          ("n", 0), ("stop", [1]), ("prompt", ""), ("prompt", "\ud800"), ("logit_bias", {"1": 500}),
           ("frequency_penalty", float("inf")), ("model", "nope"), ("max_tokens", 10**9)]
 
 

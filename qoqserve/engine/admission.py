@@ -83,6 +83,9 @@ class Admission:
         if not all(t < self.vocab_size for t in params.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids must be below the vocabulary size {self.vocab_size}",
                                       param="stop_token_ids")
+        if not all(t < self.vocab_size for t in params.logit_bias or ()):
+            raise InvalidRequestError(f"logit_bias token ids must be below the vocabulary size {self.vocab_size}",
+                                      param="logit_bias")
         grammar = None
         if params.structured_outputs is not None:  # last: the other checks are cheap
             if self.grammars is None:

@@ -29,7 +29,8 @@ class SamplingRequest(Protocol):
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
                     output_counts: dict[int, int]) -> torch.Tensor:
-    """Repetition (HF/CTRL style, prompt + output) and OpenAI presence/frequency (output)."""
+    """Repetition (HF/CTRL style, prompt + output), OpenAI presence/frequency
+    (output) and logit_bias (added last, as OpenAI's)."""
     logits = logits.clone()
     if params.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(prompt_ids) | set(output_counts)), dtype=torch.long,
@@ -41,6 +42,9 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
         ids = torch.tensor(list(output_counts), dtype=torch.long, device=logits.device)
         counts = torch.tensor(list(output_counts.values()), dtype=logits.dtype, device=logits.device)
         logits[ids] -= params.frequency_penalty * counts + params.presence_penalty
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=logits.device)
+        logits[ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
     return logits
 
 

@@ -138,7 +138,8 @@ class SamplingFields(_Request):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
-    logit_bias: dict[Text, float] | None = Field(None, description="not supported: refused when set")
+    logit_bias: dict[Text, float] | None = Field(
+        None, description='{"token id": bias in [-100, 100]}, added to the logits before sampling')
     user: Text | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = Field(

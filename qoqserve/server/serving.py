@@ -46,6 +46,17 @@ from qoqserve.server.tools import (
 )
 
 
+def _token_biases(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias ({"token id": bias}, ids as strings) with int keys."""
+    if not bias:
+        return None
+    try:
+        return {int(t): b for t, b in bias.items()}
+    except ValueError:
+        raise APIError(400, "logit_bias keys must be token ids (integers as strings)",
+                       param="logit_bias") from None
+
+
 class ClientGone(Exception):
     pass
 
@@ -72,8 +83,6 @@ class OpenAIServing:
 
     def _check_common(self, req: SamplingFields) -> None:
         self.check_model(req.model)
-        if req.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
 
     async def _prepare(self, req: SamplingFields, prompt: str | list[int], max_tokens: int | None,
                        prompt_param: str, logprobs: bool = False, top_logprobs: int = 0,
@@ -96,7 +105,8 @@ class OpenAIServing:
                 repetition_penalty=req.repetition_penalty or 1.0,
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
-                include_stop_str_in_output=req.include_stop_str_in_output, structured_outputs=spec)
+                include_stop_str_in_output=req.include_stop_str_in_output, structured_outputs=spec,
+                logit_bias=_token_biases(req.logit_bias))
             if spec is None:
                 return self.engine.prepare_request(prompt, params, max_tokens_must_fit=True)
             return await asyncio.to_thread(self.engine.prepare_request, prompt, params, True)
