@@ -23,6 +23,18 @@ class InvalidRequestError(ValueError):
         self.code = code
 
 
+class ConstraintDeadEndError(InvalidRequestError):
+    """Constrained requests whose grammar allows no token of the vocabulary
+    next (e.g. a choice holding bytes the tokenizer has no token for): found
+    while sampling, their own fault; the step goes on without them."""
+
+    def __init__(self, request_ids: list[str]):
+        super().__init__("the output constraint cannot be continued: no token of this model's vocabulary "
+                         "produces what it requires next (text the tokenizer cannot spell?)",
+                         param="structured_outputs", code="constraint_dead_end")
+        self.request_ids = list(request_ids)
+
+
 class QueueFullError(RuntimeError):
     """The engine's waiting queue is at its bound (--max-waiting-queue-length):
     the request was not queued. Not the request's fault; retrying later may

@@ -29,7 +29,7 @@ MAX_NEW = 2
 MAX_CHOICES = 2  # choices per valid request (n, and prompts in a list)
 
 
-PATHS = ["/v1/completions", "/v1/chat/completions"]
+PATHS = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
 
 
 @pytest.fixture(scope="module")

@@ -172,3 +172,32 @@ def test_bad_specs_get_a_400_naming_the_problem_and_the_server_goes_on(live, cli
         "parallel_tool_calls": False})
     assert r.status_code == 200
     ChatCompletionResponse.model_validate(r.json())  # the documented schema holds tool calls
+
+
+def test_a_grammar_the_vocabulary_cannot_spell_ends_that_request_alone(live, client, model):
+    """A choice holding U+7EF0B needs byte 0xF1 alone, which SmolLM2's vocabulary
+    has no token for: the grammar dead-ends after "D". That request gets a 400
+    (an error event once streaming), the requests beside it their own output,
+    and the server's health does not change (a request fault, not an engine fault)."""
+    unspellable = {"messages": [{"role": "user", "content": "t"}], "max_tokens": 5,
+                   "structured_outputs": {"choice": ["D\U0007ef0bK"]}}
+    free = dict(prompt="The capital of France is", max_tokens=10, temperature=0)
+    alone = client.completions.create(model=model, **free).choices[0].text
+    before = httpx.get(live + "/health").json()
+
+    def dead(stream: bool):
+        body = json.dumps({**unspellable, "stream": stream}).encode()
+        return httpx.post(live + "/v1/chat/completions", content=body, timeout=60,
+                          headers={"Content-Type": "application/json"})
+
+    got = parallel([lambda: client.completions.create(model=model, **free).choices[0].text,
+                    lambda: dead(False), lambda: dead(True)])
+    assert got[0] == alone
+    assert got[1].status_code == 400 and got[1].json()["error"]["code"] == "constraint_dead_end"
+    events = [json.loads(ln[6:]) for ln in got[2].text.splitlines() if ln.startswith("data: {")]
+    assert got[2].status_code == 200 and events[-1]["error"]["code"] == "constraint_dead_end"
+    assert got[2].text.rstrip().endswith("data: [DONE]")
+    after = httpx.get(live + "/health").json()
+    # the engine is the session's (fault tests may have left it "degraded" before): nothing new
+    assert after["status"] == before["status"] and after["engine_faults"] == before["engine_faults"]
+    assert after["request_faults"] == before["request_faults"] + 2

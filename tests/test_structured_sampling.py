@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from qoqserve.engine.sequence import Sequence
+from qoqserve.errors import ConstraintDeadEndError
 from qoqserve.kernels.cpu import token_mask as cpu_token_mask
 from qoqserve.layers.sampler import Sampler
 from qoqserve.layers.token_mask import apply_token_bitmask, apply_token_bitmask_reference, bitmask_words
@@ -100,3 +101,15 @@ def test_structured_outputs_spec_is_checked_and_normalized():
             StructuredOutputs(**bad)
     with pytest.raises(InvalidSamplingParams):
         SamplingParams(structured_outputs={"regex": "a"})
+
+
+def test_a_row_with_no_allowed_token_names_its_request_instead_of_sampling_nan():
+    logits = torch.randn(3, 300)
+    batch = [Sequence("ok", [1], SamplingParams(temperature=1.0, seed=1), constraint=FixedConstraint([5])),
+             Sequence("dead", [1], SamplingParams(temperature=1.0, seed=2), constraint=FixedConstraint([])),
+             Sequence("free", [1], SamplingParams(temperature=0))]
+    with pytest.raises(ConstraintDeadEndError) as e:
+        Sampler(seed=0)(logits.clone(), batch)
+    assert e.value.request_ids == ["dead"] and e.value.code == "constraint_dead_end"
+    toks, _, _ = Sampler(seed=0)(logits[[0, 2]], [batch[0], batch[2]])
+    assert toks == [5, int(logits[2].argmax())]

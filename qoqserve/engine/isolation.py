@@ -13,6 +13,9 @@ batch-invariant, so a request's values do not depend on who shares its
 batch); the prefix cache registers pages only after a step succeeds; and the
 sampler rolls back the seeded generators a failed run drew from.
 
+A request whose grammar allows no token next (ConstraintDeadEndError) names
+itself: it is ended and the step re-run without it, no bisection needed.
+
 A failure that no single request explains (every request fails alone too,
 or the batch holds only one) is retried once as a whole; when that fails as
 well, every request of the step fails and the caller counts an engine fault
@@ -25,7 +28,7 @@ import logging
 from dataclasses import dataclass, field
 
 from qoqserve.engine.scheduler import ScheduledBatch
-from qoqserve.errors import WorkerFailedError
+from qoqserve.errors import ConstraintDeadEndError, WorkerFailedError
 
 log = logging.getLogger(__name__)
 
@@ -47,15 +50,26 @@ class StepIsolation:
         self.runner = runner
 
     def run(self, batch: ScheduledBatch) -> StepOutcome:
-        try:
-            return StepOutcome(batch, *self.runner.run(batch))
-        except WorkerFailedError:
-            raise  # the ranks disagree now: re-running anything could only hang or lie
-        except Exception as e:
-            self.runner.rollback()
-            log.warning("step of %d requests failed (%s: %s); isolating the cause",
-                        len(batch.request_ids), type(e).__name__, e)
-            return self._isolate(batch, e)
+        dead_ends: dict[str, BaseException] = {}
+        while True:
+            try:
+                out = StepOutcome(batch, *self.runner.run(batch))
+            except WorkerFailedError:
+                raise  # the ranks disagree now: re-running anything could only hang or lie
+            except ConstraintDeadEndError as e:
+                self.runner.rollback()
+                dead_ends.update((rid, e) for rid in e.request_ids)
+                batch = batch.only(set(batch.request_ids) - set(dead_ends))
+                if batch.request_ids:
+                    continue
+                out = StepOutcome(batch, [], None, None)
+            except Exception as e:
+                self.runner.rollback()
+                log.warning("step of %d requests failed (%s: %s); isolating the cause",
+                            len(batch.request_ids), type(e).__name__, e)
+                out = self._isolate(batch, e)
+            out.failed.update(dead_ends)
+            return out
 
     def _attempt(self, batch: ScheduledBatch, sampled: dict[str, Sample]) -> BaseException | None:
         """Run a sub-batch; on success record its samples, else return the error."""

@@ -149,6 +149,8 @@ class LLMEngine:
         the tokens it already produced stay as they were."""
         tracker = self.trackers.pop(request_id)
         self._finish(tracker.seq, "error")
+        if isinstance(error, InvalidRequestError):  # the request's own fault, found while running it
+            return tracker.make_output(error=str(error), error_code=error.code)
         return tracker.make_output(error=f"{type(error).__name__}: {error}")
 
     def _finish(self, seq: Sequence, reason: str) -> None:

@@ -22,7 +22,8 @@ class RequestOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
-    error: str | None = None      # finish_reason "error": what failed (the engine's fault, not the caller's)
+    error: str | None = None      # finish_reason "error": what failed
+    error_code: str | None = None  # set when it was the request's own fault (InvalidRequestError.code)
 
 
 class OutputTracker:
@@ -74,7 +75,7 @@ class OutputTracker:
                 best = end if best is None else min(best, end)
         return best
 
-    def make_output(self, error: str | None = None) -> RequestOutput:
+    def make_output(self, error: str | None = None, error_code: str | None = None) -> RequestOutput:
         seq = self.seq
         finished = seq.is_finished
         limit = len(self.text) if finished else max(self.released, len(self.text) - self.hold)
@@ -97,4 +98,4 @@ class OutputTracker:
             delta_token_ids=new_tokens, finished=finished, finish_reason=seq.finish_reason,
             logprobs=list(seq.logprobs) if seq.params.logprobs else None,
             top_logprobs=list(seq.top_logprobs) if seq.params.top_logprobs else None,
-            num_cached_tokens=seq.num_cached_tokens, metrics=metrics, error=error)
+            num_cached_tokens=seq.num_cached_tokens, metrics=metrics, error=error, error_code=error_code)

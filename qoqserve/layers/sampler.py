@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from qoqserve.errors import ConstraintDeadEndError
 from qoqserve.kernels.cpu import elementwise
 from qoqserve.layers.token_mask import ConstraintMasks, TokenConstraint
 from qoqserve.sampling_params import SamplingParams
@@ -155,7 +156,9 @@ class Sampler:
         masked in place (the step's logits are not used after sampling)."""
         params = [r.params for r in requests]
         logits = logits.float()
-        self.masks.apply(logits, [r.constraint for r in requests])
+        dead = self.masks.apply(logits, [r.constraint for r in requests])
+        if dead:  # nothing to sample from: those requests end (engine/isolation.py), the rest go on
+            raise ConstraintDeadEndError([requests[i].request_id for i in dead])
         want_logprobs = any(p.logprobs for p in params)
         logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         # greedy rows without penalties: one argmax for the batch

@@ -52,10 +52,12 @@ class ConstraintMasks:
     def __init__(self):
         self._buf: torch.Tensor | None = None
 
-    def apply(self, logits: torch.Tensor, constraints: list[TokenConstraint | None]) -> None:
+    def apply(self, logits: torch.Tensor, constraints: list[TokenConstraint | None]) -> list[int]:
+        """Masks the constrained rows in place; returns the rows left with no
+        token at all (their grammar has reached a dead end)."""
         rows = [i for i, c in enumerate(constraints) if c is not None]
         if not rows:
-            return
+            return []
         words = bitmask_words(logits.shape[1])
         if self._buf is None or self._buf.shape[0] < len(rows) or self._buf.shape[1] != words:
             self._buf = torch.empty(max(len(rows), 8), words, dtype=torch.int32)
@@ -63,3 +65,5 @@ class ConstraintMasks:
         for j, i in enumerate(rows):
             constraints[i].fill_bitmask(mask, j)
         apply_token_bitmask(logits, mask, rows)
+        dead = torch.isneginf(logits[rows]).all(dim=1).tolist()
+        return [i for i, d in zip(rows, dead) if d]

@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from qoqserve.errors import InvalidRequestError, QueueFullError
+from qoqserve.server import tokenization
 from qoqserve.server.async_engine import AsyncEngine, EngineDeadError
 from qoqserve.server.config import ServerConfig
 from qoqserve.server.guard import GuardMiddleware
@@ -28,6 +29,8 @@ from qoqserve.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     error_response,
     from_validation_errors,
 )
@@ -36,9 +39,11 @@ from qoqserve.server.responses import (
     STREAM,
     ChatCompletionResponse,
     CompletionResponse,
+    DetokenizeResponse,
     ErrorResponse,
     Health,
     ModelList,
+    TokenizeResponse,
 )
 from qoqserve.server.serving import ClientGone, OpenAIServing
 
@@ -129,6 +134,15 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str,
               description=STREAM)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await serving.chat(body, request)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
+    async def tokenize(body: TokenizeRequest):
+        """vLLM's: a text (`prompt`) or a conversation (`messages`, through the chat template) as token ids."""
+        return tokenization.tokenize(serving, body)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=ERRORS)
+    async def detokenize(body: DetokenizeRequest):
+        return tokenization.detokenize(serving, body)
 
     @app.get("/metrics", include_in_schema=False)
     async def prometheus():

@@ -86,6 +86,7 @@ class AsyncEngine:
         self.num_refused = 0
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.arch.vocab_size
         self._on_step = on_step
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}

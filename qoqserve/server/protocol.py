@@ -13,7 +13,16 @@ import json
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationInfo,
+    field_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from qoqserve.sampling_params import FLOAT_RANGES, MAX_TOP_LOGPROBS, SEED_RANGE, is_valid_text
@@ -226,3 +235,35 @@ class ChatCompletionRequest(SamplingFields):
         None, description='default "auto" with tools, else "none"')
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
+
+
+class TokenizeCompletionRequest(_Request):
+    """vLLM's /tokenize of a text."""
+    model: Text | None = None
+    prompt: Text
+    add_special_tokens: bool = Field(True, description="BOS where the model wants one")
+    return_token_strs: bool = Field(False, description="also each token's text")
+
+
+class TokenizeChatRequest(_Request):
+    """vLLM's /tokenize of a conversation, through the chat template as /v1/chat/completions renders it."""
+    model: Text | None = None
+    messages: list[ChatMessage]
+    tools: list[Tool] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = Field(False, description="the template already carries BOS")
+    return_token_strs: bool = False
+
+
+def _tokenize_kind(body) -> str:
+    return "chat[messages]" if isinstance(body, dict) and "messages" in body else "text[prompt]"
+
+
+# one body, two shapes, told apart by `messages` (the tags hold "[": error paths drop them)
+TokenizeRequest = Annotated[Annotated[TokenizeChatRequest, Tag("chat[messages]")]
+                            | Annotated[TokenizeCompletionRequest, Tag("text[prompt]")], Discriminator(_tokenize_kind)]
+
+
+class DetokenizeRequest(_Request):
+    model: Text | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]

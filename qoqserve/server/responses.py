@@ -139,3 +139,14 @@ ERRORS = {
     "5XX": {"model": ErrorResponse, "description": "500 the request failed in the engine "
             "(server_error); 503 the engine is not running"},
 }
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -62,7 +62,10 @@ class ClientGone(Exception):
 
 
 def _failed(out: RequestOutput) -> APIError:
-    """A request the engine ended because a step failed on it: the server's fault."""
+    """A request the engine ended because a step failed on it: the server's
+    fault, unless the engine found the request's own (error_code)."""
+    if out.error_code is not None:
+        return APIError(400, out.error, code=out.error_code)
     return APIError(500, f"the request failed in the engine: {out.error}", type="server_error",
                     code="engine_error")
 
@@ -157,15 +160,7 @@ class OpenAIServing:
         if calls:
             tag = tool_structural_tag(tools, choice, req.parallel_tool_calls)
             structure = spec_or_400({"structural_tag": tag}, "tools"), "tools"
-        native = template_speaks_tools(self.tokenizer.chat_template)
-        messages = template_messages([self._message(m) for m in req.messages], tools, native)
-        extra = {"tools": [{"type": "function", "function": f} for f in tools]} if tools and native else {}
-        try:
-            text = self.tokenizer.apply_chat_template(messages, req.add_generation_prompt, **extra)
-        except Exception as e:  # templates raise on e.g. roles out of order
-            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
-        # the template already carries BOS where the model wants one
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = self.chat_prompt(req.messages, tools, req.add_generation_prompt)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         prepared = await self._prepare(req, ids, max_tokens, "messages", logprobs=req.logprobs,
                                        top_logprobs=req.top_logprobs or 0, structure=structure)
@@ -174,6 +169,19 @@ class OpenAIServing:
             rid, self.model_name, self.tokenizer, len(ids), index=i, created=created,
             tool_parser=ToolCallParser() if calls else None))
         return await self._respond(choices, req, raw)
+
+    def chat_prompt(self, messages: list, tools: list[dict], add_generation_prompt: bool,
+                    add_special_tokens: bool = False) -> list[int]:
+        """The conversation through the model's chat template, as token ids (the
+        template already carries BOS where the model wants one)."""
+        native = template_speaks_tools(self.tokenizer.chat_template)
+        turns = template_messages([self._message(m) for m in messages], tools, native)
+        extra = {"tools": [{"type": "function", "function": f} for f in tools]} if tools and native else {}
+        try:
+            text = self.tokenizer.apply_chat_template(turns, add_generation_prompt, **extra)
+        except Exception as e:  # templates raise on e.g. roles out of order
+            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     @staticmethod
     def _tool_choice(req: ChatCompletionRequest) -> tuple[list[dict], str | dict]:
