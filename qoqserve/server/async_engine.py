@@ -167,6 +167,18 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
+    async def prompt_logprobs(self, token_ids: list[int], top_k: int):
+        """LLMEngine.prompt_token_logprobs on the engine thread, between steps
+        (a scored pass over the prompt, as long as one prefill of it)."""
+        if not self.is_alive:
+            raise EngineDeadError("the engine is not running")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._inbox.put(("score", token_ids, top_k, stream))
+        result = await stream.queue.get()
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
@@ -192,6 +204,17 @@ class AsyncEngine:
             self._loop()
         finally:
             self._done.set()
+            self._refuse_inbox()
+
+    def _refuse_inbox(self) -> None:
+        """The loop has ended: whoever still waits on a message gets an error, not silence."""
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg[0] in ("add", "score"):
+                msg[-1].put(EngineDeadError("the engine is not running"))
 
     def _run_thread(self) -> None:
         try:
@@ -231,6 +254,12 @@ class AsyncEngine:
                 stream.put(e)
                 return
             self._streams[rid] = stream
+        elif msg[0] == "score":
+            _, ids, top_k, stream = msg
+            try:
+                stream.put(self.engine.prompt_token_logprobs(ids, top_k))
+            except Exception as e:
+                stream.put(e)
         elif msg[0] == "drain":
             self._drain_deadline = msg[1]
         elif msg[0] == "abort":

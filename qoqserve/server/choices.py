@@ -42,6 +42,14 @@ def child_request(prepared: PreparedRequest, i: int) -> PreparedRequest:
     return dataclasses.replace(prepared, params=dataclasses.replace(prepared.params, seed=seed))
 
 
+async def prompt_only(request_id: str, prepared: PreparedRequest) -> AsyncIterator[RequestOutput]:
+    """The output of a choice that generates nothing (max_tokens 0 with echo)."""
+    params = prepared.params
+    yield RequestOutput(request_id=request_id, prompt_token_ids=prepared.prompt_token_ids, token_ids=[], text="",
+                        delta_text="", delta_token_ids=[], finished=True, finish_reason="length",
+                        logprobs=[] if params.logprobs else None, top_logprobs=[] if params.top_logprobs else None)
+
+
 def usage(choices: list[Choice], finals: dict[int, RequestOutput]) -> dict:
     """OpenAI's usage: each prompt counted once, every choice's tokens."""
     prompt = sum(c.fmt.num_prompt_tokens for c in choices if c.leader)

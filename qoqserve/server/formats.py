@@ -55,10 +55,12 @@ class Format:
 class CompletionFormat(Format):
     object_name = chunk_object_name = "text_completion"
 
-    def __init__(self, *args, echo_text: str = "", **kwargs):
+    def __init__(self, *args, echo_text: str = "", prompt_logprobs: tuple | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.echo_text = echo_text
-        self.offset = 0  # characters of completion text sent so far (for text_offset)
+        # (ids, logprobs, tops) of the echoed prompt; its first token has none (null, as OpenAI)
+        self.prompt_logprobs = prompt_logprobs
+        self.offset = 0  # characters of text sent so far (for text_offset)
 
     def _logprobs(self, entries, start: int) -> dict | None:
         if entries is None:
@@ -70,20 +72,30 @@ class CompletionFormat(Format):
             offsets.append(start)
             start += len(s)
         return {"tokens": tokens, "token_logprobs": lps, "text_offset": offsets,
-                "top_logprobs": [{self.tokenizer.token_to_str(t): lp for t, lp in top} for top in tops]}
+                "top_logprobs": [None if top is None else {self.tokenizer.token_to_str(t): lp for t, lp in top}
+                                 for top in tops]}
+
+    def _after_prompt(self, lp: dict | None) -> dict | None:
+        """The echoed prompt's entries, then the output's."""
+        if self.prompt_logprobs is None:
+            return lp
+        prompt = self._logprobs(self.prompt_logprobs, 0)
+        return prompt if lp is None else {k: prompt[k] + lp[k] for k in prompt}
 
     def choice(self, out: RequestOutput) -> dict:
-        return {"index": self.index, "text": self.echo_text + out.text,
-                "logprobs": self._logprobs(_new_token_logprobs(out, True), len(self.echo_text)),
+        lp = self._logprobs(_new_token_logprobs(out, True), len(self.echo_text))
+        return {"index": self.index, "text": self.echo_text + out.text, "logprobs": self._after_prompt(lp),
                 "finish_reason": out.finish_reason}
 
     def delta_choice(self, out: RequestOutput) -> dict | None:
-        text = out.delta_text
-        if self.echo_text:
-            text, self.echo_text = self.echo_text + text, ""
+        text, echo = out.delta_text, self.echo_text
+        if echo:
+            text, self.echo_text = echo + text, ""
         if not text and not out.finished and not out.delta_token_ids:
             return None
-        lp = self._logprobs(_new_token_logprobs(out, False), self.offset)
+        lp = self._logprobs(_new_token_logprobs(out, False), self.offset + len(echo))
+        if echo:
+            lp = self._after_prompt(lp)
         self.offset += len(text)
         return {"index": self.index, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
 

@@ -163,10 +163,10 @@ class SamplingFields(_Request):
 class CompletionRequest(SamplingFields):
     prompt: Text | list[int] | list[Text] | list[list[int]] = Field(
         description="text, token ids, or a list of either (a choice per prompt and n)")
-    max_tokens: int | None = Field(16, ge=1, description="null: the rest of the context window")
+    max_tokens: int | None = Field(16, ge=0, description="null: the rest of the context window; 0 only with echo")
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
                                  description="also return this many most likely tokens per step")
-    echo: bool = False
+    echo: bool = Field(False, description="the prompt before the output; with logprobs, its tokens' logprobs too")
     best_of: int | None = Field(None, description="must be 1")
     suffix: Text | None = Field(None, description="not supported: refused when set")
 

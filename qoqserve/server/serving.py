@@ -132,17 +132,26 @@ class OpenAIServing:
             prompts = [prompts]  # one prompt: text or token ids
         if req.logprobs is not None and not 0 <= req.logprobs <= 20:
             raise APIError(400, f"logprobs must be in [0, 20], got {req.logprobs}", param="logprobs")
-        if req.echo and req.logprobs is not None:
-            raise APIError(400, "echo together with logprobs is not supported", param="echo")
-        prepared = [await self._prepare(req, prompt, req.max_tokens, "prompt", logprobs=req.logprobs is not None,
-                                        top_logprobs=req.logprobs or 0, structure=requested_structure(req))
+        if req.max_tokens == 0 and not req.echo:
+            raise APIError(400, "max_tokens must be at least 1 (0 only with echo: the prompt scored alone)",
+                           param="max_tokens")
+        score_only = req.max_tokens == 0  # echo (with logprobs: the prompt's), nothing generated
+        prepared = [await self._prepare(req, prompt, 1 if score_only else req.max_tokens, "prompt",
+                                        logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0,
+                                        structure=requested_structure(req))
                     for prompt in prompts]  # all admitted before any starts
         rid, created, choices = f"cmpl-{uuid.uuid4().hex}", int(time.time()), []
         for p, (prompt, request) in enumerate(zip(prompts, prepared)):
             ids = request.prompt_token_ids
             echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)) if req.echo else ""
-            choices += self._choices(request, req.n, p, lambda i, p=p, n=len(ids), echo=echo: CompletionFormat(
-                rid, self.model_name, self.tokenizer, n, index=p * req.n + i, created=created, echo_text=echo))
+            scored = None
+            if req.echo and req.logprobs is not None:  # the prompt's own logprobs, first token null
+                chosen, tops = await self.engine.prompt_logprobs(ids, req.logprobs)
+                scored = (ids, [None, *chosen], [None, *(tops or [[] for _ in chosen])])
+            choices += self._choices(
+                request, req.n, p, lambda i, p=p, n=len(ids), echo=echo, scored=scored: CompletionFormat(
+                    rid, self.model_name, self.tokenizer, n, index=p * req.n + i, created=created,
+                    echo_text=echo, prompt_logprobs=scored), start=not score_only)
         return await self._respond(choices, req, raw)
 
     async def chat(self, req: ChatCompletionRequest, raw: Request):
@@ -214,14 +223,17 @@ class OpenAIServing:
     # ---- running ----------------------------------------------------------------
 
     def _choices(self, prepared: PreparedRequest, n: int, prompt: int,
-                 make_format: Callable[[int], Format]) -> list[Choice]:
+                 make_format: Callable[[int], Format], start: bool = True) -> list[Choice]:
         """The n choices of one prompt, each an engine request (raises before
-        any output if the engine cannot take them all)."""
+        any output if the engine cannot take them all); start False: none, each
+        choice its prompt alone (max_tokens 0)."""
         choices = []
         for i in range(n):
             fmt = make_format(i)
             rid = fmt.id if fmt.index == 0 else f"{fmt.id}-{fmt.index}"  # one choice: the response's id
-            choices.append(Choice(fmt, self.engine.generate(rid, joined.child_request(prepared, i)), prompt, i == 0))
+            outputs = (self.engine.generate(rid, joined.child_request(prepared, i)) if start
+                       else joined.prompt_only(rid, prepared))
+            choices.append(Choice(fmt, outputs, prompt, i == 0))
         return choices
 
     async def _respond(self, choices: list[Choice], req: SamplingFields, raw: Request):

@@ -1,0 +1,70 @@
+"""/v1/completions with echo and logprobs: the prompt's own token logprobs
+(the request lm-eval-harness sends for log-likelihoods: token-id prompts in a
+list, echo, logprobs, max_tokens 0 or 1)."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+KEY = {"Authorization": "Bearer test-key"}
+PROMPT = "The three primary colors are red, yellow and blue."
+
+
+def complete(server, **body) -> dict:
+    r = httpx.post(server.base + "/v1/completions", json=body, headers=KEY, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_scoring_a_prompt_gives_the_engines_prompt_logprobs(server, reference_llm):
+    eng = reference_llm.engine
+    ids = eng.tokenizer.encode(PROMPT)
+    got = complete(server, prompt=PROMPT, max_tokens=0, echo=True, logprobs=3)
+    (c,) = got["choices"]
+    lp = c["logprobs"]
+    assert c["text"] == PROMPT and c["finish_reason"] == "length" and got["usage"]["completion_tokens"] == 0
+    assert lp["tokens"] == [eng.tokenizer.token_to_str(t) for t in ids]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    chosen, tops = eng.prompt_token_logprobs(ids, 3)
+    assert lp["token_logprobs"][1:] == pytest.approx(chosen, abs=1e-4)
+    for top, ref in zip(lp["top_logprobs"][1:], tops):
+        assert list(top) == [eng.tokenizer.token_to_str(t) for t, _ in ref]
+        assert max(top.values()) >= lp["token_logprobs"][lp["top_logprobs"].index(top)] - 1e-4
+
+
+def test_a_scored_continuation_matches_the_logprobs_it_was_generated_with(server):
+    gen = complete(server, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=1)["choices"][0]
+    scored = complete(server, prompt=PROMPT + gen["text"], max_tokens=0, echo=True, logprobs=1)["choices"][0]
+    n = len(gen["logprobs"]["tokens"])
+    assert scored["logprobs"]["tokens"][-n:] == gen["logprobs"]["tokens"]
+    assert scored["logprobs"]["token_logprobs"][-n:] == pytest.approx(gen["logprobs"]["token_logprobs"], abs=1e-3)
+
+
+def test_echo_logprobs_then_generated_ones_streamed_or_not(server):
+    body = dict(prompt=PROMPT, max_tokens=5, temperature=0, echo=True, logprobs=2)
+    full = complete(server, **body)["choices"][0]
+    with httpx.stream("POST", server.base + "/v1/completions", json={**body, "stream": True}, headers=KEY,
+                      timeout=120) as r:
+        chunks = [json.loads(ln[6:])["choices"][0] for ln in r.iter_lines() if ln.startswith("data: {")]
+    joined = {k: [x for c in chunks if c["logprobs"] for x in c["logprobs"][k]] for k in full["logprobs"]}
+    assert "".join(c["text"] for c in chunks) == full["text"]
+    assert joined == full["logprobs"]
+    offsets, text = full["logprobs"]["text_offset"], full["text"]
+    assert [text[o:o + len(t)] for o, t in zip(offsets, full["logprobs"]["tokens"])] == full["logprobs"]["tokens"]
+
+
+def test_lm_eval_shape_token_prompts_in_a_list(server, reference_llm):
+    eng = reference_llm.engine
+    prompts = [eng.tokenizer.encode(p) for p in ("Water boils at 100 degrees.", "Paris is in France.")]
+    got = complete(server, prompt=prompts, max_tokens=1, echo=True, logprobs=1, temperature=0)
+    for c, ids in zip(got["choices"], prompts):
+        lp = c["logprobs"]
+        assert len(lp["tokens"]) == len(ids) + 1  # the prompt, then the one generated token
+        assert lp["token_logprobs"][1:len(ids)] == pytest.approx(eng.prompt_token_logprobs(ids)[0], abs=1e-4)
+
+
+def test_max_tokens_zero_needs_echo(server):
+    r = httpx.post(server.base + "/v1/completions", json={"prompt": "hi", "max_tokens": 0}, headers=KEY)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
