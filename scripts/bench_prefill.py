@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Prefill throughput on CPU: qoqserve's engines beside llama.cpp's
-`llama-bench -p 512`, in one run, taking turns round by round so that load
+`llama-bench -p 512` (and other -p with --llama-prompts), in one run, taking turns round by round so that load
 from other jobs hits every contestant alike.
 
 Each qoqserve row prefills B x L random-token prompts (prefix cache off, one
@@ -65,12 +65,15 @@ def main():
     ap.add_argument("--before", action="store_true", help="also the fp64-SDPA prefill attention rows")
     ap.add_argument("--gguf", action="append", default=[], help="NAME=PATH, a model for llama-bench")
     ap.add_argument("--llama-bench", default=None, help="path of llama-bench")
+    ap.add_argument("--llama-prompts", nargs="+", type=int, default=[512],
+                    help="llama-bench prompt lengths (-p), each its own row")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     threads = torch.get_num_threads()
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes]
     print(f"# {platform.processor() or platform.machine()}, {threads} threads, torch {torch.__version__}")
-    print(f"# qoqserve: prefix cache off, default step budget; llama-bench -p 512 -n 0 -t {threads}")
+    pp = ",".join(str(n) for n in args.llama_prompts)
+    print(f"# qoqserve: prefix cache off, default step budget; llama-bench -p {pp} -n 0 -t {threads}")
     engines = {}
     for name in args.precisions:
         p = get_precision(name)
@@ -90,9 +93,10 @@ def main():
                 best[key] = min(best.get(key, float("inf")), dt / (b * n))
         for spec in args.gguf:
             label, path = spec.split("=", 1)
-            if args.llama_bench:
-                key = (f"llama.cpp {label}", "pp512")
-                best[key] = min(best.get(key, float("inf")), 1.0 / llama_bench(args.llama_bench, path, 512, threads))
+            for n_prompt in args.llama_prompts if args.llama_bench else []:
+                key = (f"llama.cpp {label}", f"pp{n_prompt}")
+                best[key] = min(best.get(key, float("inf")),
+                                1.0 / llama_bench(args.llama_bench, path, n_prompt, threads))
         print(f"# round {r + 1}/{args.rounds} done", flush=True)
     rows = [{"engine": k[0], "shape": k[1], "tok_per_s": round(1.0 / v, 1)} for k, v in best.items()]
     width = max(len(r["engine"]) for r in rows)
