@@ -68,7 +68,8 @@ class FixedConstraint:
 MODES = [dict(temperature=0), dict(temperature=0, repetition_penalty=1.3), dict(temperature=1.0, seed=1),
          dict(temperature=0.7, top_k=3, seed=2), dict(temperature=1.2, top_p=0.5, seed=3),
          dict(temperature=1.0, presence_penalty=1.0, frequency_penalty=0.5, seed=4),
-         dict(temperature=1e-30, seed=5), dict(temperature=0, logprobs=True, top_logprobs=3)]
+         dict(temperature=1e-30, seed=5), dict(temperature=0, logprobs=True, top_logprobs=3),
+         dict(temperature=0, repetition_penalty=5e-324), dict(temperature=1.0, repetition_penalty=5e-324, seed=6)]
 
 
 @pytest.mark.parametrize("mode", MODES, ids=[",".join(f"{k}={v}" for k, v in m.items()) for m in MODES])

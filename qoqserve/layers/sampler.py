@@ -38,7 +38,9 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
                             device=logits.device)
         vals = logits[seen]
         p = params.repetition_penalty
-        logits[seen] = torch.where(vals > 0, vals / p, vals * p)
+        # a masked token stays -inf: a tiny p (5e-324, found by schemathesis) is 0 in fp32,
+        # and -inf * 0 is NaN, which argmax would pick
+        logits[seen] = torch.where(vals > 0, vals / p, torch.where(torch.isneginf(vals), vals, vals * p))
     if output_counts and (params.presence_penalty or params.frequency_penalty):
         ids = torch.tensor(list(output_counts), dtype=torch.long, device=logits.device)
         counts = torch.tensor(list(output_counts.values()), dtype=logits.dtype, device=logits.device)
