@@ -201,3 +201,19 @@ def test_a_grammar_the_vocabulary_cannot_spell_ends_that_request_alone(live, cli
     # the engine is the session's (fault tests may have left it "degraded" before): nothing new
     assert after["status"] == before["status"] and after["engine_faults"] == before["engine_faults"]
     assert after["request_faults"] == before["request_faults"] + 2
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_top_logprobs_beyond_what_the_grammar_allows_are_floored_not_minus_infinity(live, path):
+    """A choice allows one token per step; 5 top logprobs ask for tokens it rules
+    out (-inf, which JSON cannot carry): they get vLLM's floor, -9999."""
+    chat = path.endswith("chat/completions")
+    body = ({"messages": [{"role": "user", "content": "Pick."}], "logprobs": True, "top_logprobs": 5} if chat
+            else {"prompt": "Pick:", "logprobs": 5}) | {"max_tokens": 3, "temperature": 0,
+                                                        "structured_outputs": {"choice": ["yes"]}}
+    r = httpx.post(live + path, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    tops = [[t["logprob"] for t in e["top_logprobs"]] for e in lp["content"]] if chat else \
+        [list(e.values()) for e in lp["top_logprobs"]]
+    assert all(len(t) == 5 and t[0] > -9999.0 and min(t) == -9999.0 for t in tops), tops

@@ -12,6 +12,14 @@ from qoqserve.engine.output import RequestOutput
 from qoqserve.model_loader.tokenizer import Tokenizer
 from qoqserve.server.tools import ToolCallParser
 
+# JSON has no -inf: a token a constraint rules out (in a top list longer than
+# what the grammar allows) gets vLLM's floor instead
+LOGPROB_FLOOR = -9999.0
+
+
+def _finite(lp: float | None) -> float | None:
+    return None if lp is None else max(lp, LOGPROB_FLOOR)
+
 
 def _new_token_logprobs(out: RequestOutput, everything: bool):
     """(token ids, logprobs, top lists) of this output's new tokens, or of all of them."""
@@ -71,9 +79,9 @@ class CompletionFormat(Format):
         for s in tokens:
             offsets.append(start)
             start += len(s)
-        return {"tokens": tokens, "token_logprobs": lps, "text_offset": offsets,
-                "top_logprobs": [None if top is None else {self.tokenizer.token_to_str(t): lp for t, lp in top}
-                                 for top in tops]}
+        return {"tokens": tokens, "token_logprobs": [_finite(lp) for lp in lps], "text_offset": offsets,
+                "top_logprobs": [None if top is None else {self.tokenizer.token_to_str(t): _finite(lp)
+                                                           for t, lp in top} for top in tops]}
 
     def _after_prompt(self, lp: dict | None) -> dict | None:
         """The echoed prompt's entries, then the output's."""
@@ -116,7 +124,7 @@ class ChatFormat(Format):
 
         def entry(t: int, lp: float) -> dict:
             s = self.tokenizer.token_to_str(t)
-            return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+            return {"token": s, "logprob": _finite(lp), "bytes": list(s.encode("utf-8"))}
 
         return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in top]}
                             for t, lp, top in zip(ids, lps, tops)]}
