@@ -130,3 +130,27 @@ def test_choice_and_ignore_eos_end_when_the_grammar_does(engine):
     out = run(engine, {"c": ("Answer:", params)})["c"]
     assert out.text in ('say "yes"', "no\\way") and out.finish_reason == "stop"
 
+
+
+def matches(compiler, spec: StructuredOutputs, text: str) -> bool:
+    import xgrammar as xgr
+
+    return xgr.GrammarMatcher(compiler.compile(spec)).accept_string(text)
+
+
+def test_json_whitespace_is_bounded_per_gap_and_json_object_is_an_object(engine):
+    from qoqserve.engine.structured import GrammarCompiler
+
+    tok, vocab, stops = engine.tokenizer, engine.arch.vocab_size, sorted(engine.eos_ids)
+    bounded, free = GrammarCompiler(tok, vocab, stops, max_whitespace=3), GrammarCompiler(tok, vocab, stops)
+    assert engine.grammars.max_whitespace == 8  # the engine's default
+    schema = StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "integer"}}})
+    assert matches(bounded, schema, '{"a":\n  1}') and not matches(bounded, schema, '{"a":    1}')
+    assert matches(free, schema, '{"a":' + " " * 30 + "1}")
+    obj = StructuredOutputs(json_object=True)
+    assert matches(bounded, obj, '{"x": [1, {"y": null}]}') and not matches(bounded, obj, '{"x":\n\n\n\n1}')
+    assert not matches(bounded, obj, "[1]") and not matches(free, obj, "[1]")  # OpenAI's json_object
+    compact = StructuredOutputs(json=schema.json, disable_any_whitespace=True)
+    assert not matches(free, compact, '{"a":  1}')
+    with pytest.raises(ValueError, match="max_whitespace"):
+        GrammarCompiler(tok, vocab, stops, max_whitespace=-1)

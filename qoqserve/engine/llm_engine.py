@@ -56,7 +56,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         sched = config.scheduler
         self.eos_ids = set(self.tokenizer.eos_token_ids) | set(self.arch.eos_token_ids)
-        self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size, sorted(self.eos_ids))
+        self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size, sorted(self.eos_ids),
+                                        max_whitespace=config.structured_outputs_max_whitespace)
         self.admission = Admission(self.tokenizer, self.arch.vocab_size, self.max_model_len,
                                    sched.max_prompt_tokens, sched.max_tokens_limit, self.grammars)
         self.trackers: dict[str, OutputTracker] = {}

@@ -66,7 +66,10 @@ class GrammarCompiler:
     so an engine that never sees a structured request never pays it."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int],
-                 cache_size: int = 256, threads: int = 2):
+                 cache_size: int = 256, threads: int = 2, max_whitespace: int = 0):
+        if not isinstance(max_whitespace, int) or isinstance(max_whitespace, bool) or max_whitespace < 0:
+            raise ValueError(f"structured_outputs_max_whitespace must be an integer >= 0, got {max_whitespace!r}")
+        self.max_whitespace = max_whitespace  # per gap of constrained JSON; 0: unbounded
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self.cache_size, self.threads = cache_size, threads
@@ -100,7 +103,7 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 self.hits += 1
                 return hit
-        compiled = self._compile(spec, self._xgr())
+        compiled = self._compile(spec, self._xgr(), self.max_whitespace or None)
         with self._lock:
             self.misses += 1
             self._cache[key] = compiled
@@ -109,13 +112,13 @@ class GrammarCompiler:
         return compiled
 
     @staticmethod
-    def _compile(spec: StructuredOutputs, c: xgr.GrammarCompiler) -> xgr.CompiledGrammar:
+    def _compile(spec: StructuredOutputs, c: xgr.GrammarCompiler, max_ws: int | None) -> xgr.CompiledGrammar:
         kind = spec.kind
         try:
-            if kind == "json":
-                return c.compile_json_schema(spec.json, any_whitespace=not spec.disable_any_whitespace)
-            if kind == "json_object":
-                return c.compile_builtin_json_grammar()
+            if kind in ("json", "json_object"):
+                schema = spec.json if kind == "json" else {"type": "object"}  # OpenAI's json_object: an object
+                return c.compile_json_schema(schema, any_whitespace=not spec.disable_any_whitespace,
+                                             max_whitespace_cnt=max_ws)
             if kind == "regex":
                 return c.compile_regex(spec.regex)
             if kind == "choice":
