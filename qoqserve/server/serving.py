@@ -7,9 +7,11 @@ API; this layer checks only what belongs to the OpenAI API (model name,
 unsupported fields) and maps the engine's errors to OpenAI errors. All of
 it happens before the stream starts, so a stream only starts once the
 request is known to be good. A response's choices (`n`, several prompts)
-are engine requests of their own (server/choices.py). A request the engine later ends with
-finish_reason "error" gets a 500 server_error (streams: an error event,
-after the chunks already sent, then [DONE]).
+are engine requests of their own (server/choices.py). A request the engine
+later ends with finish_reason "error" gets a 500 server_error, or a 400 when
+the engine found it to be the request's own fault (error_code: a grammar
+the vocabulary cannot continue); streams get an error event after the
+chunks already sent, then [DONE].
 """
 from __future__ import annotations
 
@@ -251,10 +253,13 @@ class OpenAIServing:
         client hangs up while waiting."""
         async def drain():
             last: dict[int, RequestOutput] = {}
-            async for c, out in outputs:
-                if out.finish_reason == "error":
-                    raise _failed(out)
-                last[c.fmt.index] = out
+            try:
+                async for c, out in outputs:
+                    if out.finish_reason == "error":
+                        raise _failed(out)
+                    last[c.fmt.index] = out
+            finally:
+                await outputs.aclose()  # one choice failed: the others are aborted now
             if len(last) < choices:
                 raise APIError(500, "a request ended without output", type="server_error")
             return last
