@@ -217,3 +217,12 @@ def test_top_logprobs_beyond_what_the_grammar_allows_are_floored_not_minus_infin
     tops = [[t["logprob"] for t in e["top_logprobs"]] for e in lp["content"]] if chat else \
         [list(e.values()) for e in lp["top_logprobs"]]
     assert all(len(t) == 5 and t[0] > -9999.0 and min(t) == -9999.0 for t in tops), tops
+
+
+def test_each_of_n_choices_has_its_own_grammar_state(client, model):
+    got = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "A phone number?"}], max_tokens=12, n=3,
+        temperature=1.0, seed=7, extra_body={"structured_outputs": {"regex": PHONE}})
+    texts = [c.message.content for c in got.choices]
+    assert all(re.fullmatch(PHONE, t) for t in texts) and len(set(texts)) > 1, texts
+    assert [c.finish_reason for c in got.choices] == ["stop"] * 3
