@@ -55,3 +55,9 @@ def test_bad_bodies_are_openai_errors(server, path, body, param):
     r = post(server, path, body)
     assert r.status_code in (400, 404), r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_version_is_the_packages(server):
+    from qoqserve import __version__
+
+    assert httpx.get(server.base + "/version").json() == {"version": __version__}

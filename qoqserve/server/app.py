@@ -46,6 +46,7 @@ from qoqserve.server.responses import (
     TokenizeResponse,
 )
 from qoqserve.server.serving import ClientGone, OpenAIServing
+from qoqserve.version import __version__
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,11 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str,
         if not engine.is_alive:
             return error_response(APIError(503, "the engine is not running", type="service_unavailable"))
         return JSONResponse(engine.health())
+
+    @app.get("/version")
+    async def version():
+        """vLLM's: the server's version."""
+        return {"version": __version__}
 
     @app.get("/v1/models", response_model=ModelList)
     async def models():
