@@ -251,3 +251,32 @@ def killed_mid_request(llm: LLM) -> None:
         assert r.status_code == 503, r.text
     with pytest.raises(WorkerFailedError, match=r"rank 1 \(pid \d+\) exited with code -9"):
         llm.generate([[5, 6]], SamplingParams(max_tokens=2))
+
+
+def test_dead_end_grammars_logit_bias_and_prompt_scoring_match_one_rank(tiny_ref):
+    """What the sampler and the scored pass add on top of a step (a request
+    whose grammar dead-ends, re-run without it on every rank; logit_bias; the
+    prompt logprobs of echo) gives the same at TP=2 as in one process."""
+    from qoqserve.sampling_params import StructuredOutputs
+
+    def run(engine):
+        requests = {"dead": ("t", SamplingParams(max_tokens=5, structured_outputs=StructuredOutputs(
+                        regex="\U0007ef0b+"))),  # no token spells it
+                    "free": ("hello world", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)),
+                    "bias": ("hello world", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True,
+                                                           logit_bias={5: 100}))}
+        for rid, (prompt, params) in requests.items():
+            engine.add_request(rid, prompt, params)
+        outs = {}
+        while engine.has_unfinished():
+            outs.update((o.request_id, (o.finish_reason, o.error_code, o.token_ids)) for o in engine.step()
+                        if o.finished)
+        return outs, engine.prompt_token_logprobs([3, 4, 5, 6, 7], 2)
+
+    ref = run(tiny_ref.engine)
+    assert ref[0]["dead"][:2] == ("error", "constraint_dead_end") and ref[0]["bias"][2] == [5, 5, 5]
+    with tiny_split() as split:
+        got = run(split.engine)
+    assert got[0] == ref[0]
+    assert got[1][0] == pytest.approx(ref[1][0], abs=1e-5)
+    assert [[t for t, _ in row] for row in got[1][1]] == [[t for t, _ in row] for row in ref[1][1]]
