@@ -27,7 +27,7 @@ def test_scoring_a_prompt_gives_the_engines_prompt_logprobs(server, reference_ll
     assert c["text"] == PROMPT and c["finish_reason"] == "length" and got["usage"]["completion_tokens"] == 0
     assert lp["tokens"] == [eng.tokenizer.token_to_str(t) for t in ids]
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
-    chosen, tops = eng.prompt_token_logprobs(ids, 3)
+    chosen, tops, _ = eng.prompt_token_logprobs(ids, 3)
     assert lp["token_logprobs"][1:] == pytest.approx(chosen, abs=1e-4)
     for top, ref in zip(lp["top_logprobs"][1:], tops):
         assert list(top) == [eng.tokenizer.token_to_str(t) for t, _ in ref]
@@ -68,3 +68,33 @@ def test_lm_eval_shape_token_prompts_in_a_list(server, reference_llm):
 def test_max_tokens_zero_needs_echo(server):
     r = httpx.post(server.base + "/v1/completions", json={"prompt": "hi", "max_tokens": 0}, headers=KEY)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_vllm_prompt_logprobs_give_each_prompt_tokens_logprob_rank_and_top(server, reference_llm, path):
+    eng = reference_llm.engine
+    chat = path.endswith("chat/completions")
+    body = {"messages": [{"role": "user", "content": PROMPT}]} if chat else {"prompt": PROMPT}
+    r = httpx.post(server.base + path, json={**body, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2},
+                   headers=KEY, timeout=120)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    plp = got["prompt_logprobs"] if chat else got["choices"][0]["prompt_logprobs"]
+    ids = httpx.post(server.base + "/tokenize", json=body, timeout=60).json()["tokens"]
+    chosen, tops, ranks = eng.prompt_token_logprobs(ids, 2)
+    assert len(plp) == len(ids) == got["usage"]["prompt_tokens"] and plp[0] is None
+    for at, tok in enumerate(ids[1:]):
+        entries = plp[at + 1]
+        own = entries[str(tok)]
+        assert own["logprob"] == pytest.approx(chosen[at], abs=1e-4) and own["rank"] == ranks[at]
+        assert own["decoded_token"] == eng.tokenizer.token_to_str(tok)
+        best = [t for t, _ in tops[at]]
+        assert [entries[str(t)]["rank"] for t in best] == [1, 2]
+        assert len(entries) == 2 + (tok not in best)
+    assert any(e["rank"] > 2 for e in plp[1:] for e in e.values())  # some prompt tokens are not the top
+
+
+def test_prompt_logprobs_are_refused_in_a_stream(server):
+    r = httpx.post(server.base + "/v1/completions", json={"prompt": "hi", "prompt_logprobs": 1, "stream": True},
+                   headers=KEY, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"

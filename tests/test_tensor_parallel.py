@@ -280,3 +280,4 @@ def test_dead_end_grammars_logit_bias_and_prompt_scoring_match_one_rank(tiny_ref
     assert got[0] == ref[0]
     assert got[1][0] == pytest.approx(ref[1][0], abs=1e-5)
     assert [[t for t, _ in row] for row in got[1][1]] == [[t for t, _ in row] for row in ref[1][1]]
+    assert got[1][2] == ref[1][2]  # ranks

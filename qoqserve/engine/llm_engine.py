@@ -165,17 +165,20 @@ class LLMEngine:
         return self._on_scratch(token_ids, lambda pages: self.runner.prompt_logprobs(token_ids, pages))
 
     def prompt_token_logprobs(self, token_ids: list[int], top_k: int = 0
-                              ) -> tuple[list[float], list[list[tuple[int, float]]] | None]:
+                              ) -> tuple[list[float], list[list[tuple[int, float]]] | None, list[int]]:
         """Each prompt token's logprob given the tokens before it (from the
-        second on) and, with top_k, the top_k most likely (token, logprob)
-        pairs at each of those positions: OpenAI's echo with logprobs."""
+        second on), with top_k the top_k most likely (token, logprob) pairs at
+        each of those positions, and each token's rank there (1: the most
+        likely): OpenAI's echo with logprobs, vLLM's prompt_logprobs."""
         logprobs = torch.log_softmax(self.prompt_logits(token_ids).float(), dim=-1)
         targets = torch.tensor(token_ids[1:], device=logprobs.device)
-        chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+        chosen = logprobs.gather(1, targets[:, None])
+        ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+        chosen = chosen[:, 0].tolist()
         if not top_k:
-            return chosen, None
+            return chosen, None, ranks
         vals, ids = logprobs.topk(top_k, dim=-1)
-        return chosen, [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+        return chosen, [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())], ranks
 
     def prompt_logits(self, token_ids: list[int], rows: list[int] | None = None) -> torch.Tensor:
         """Next-token logits at rows (default: every position but the last) of

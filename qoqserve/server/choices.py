@@ -60,6 +60,7 @@ def usage(choices: list[Choice], finals: dict[int, RequestOutput]) -> dict:
 def response(choices: list[Choice], finals: dict[int, RequestOutput]) -> dict:
     first = choices[0].fmt
     body = first.envelope(first.object_name, [c.fmt.choice(finals[c.fmt.index]) for c in choices])
+    body.update(first.response_fields())
     body["usage"] = usage(choices, finals)
     return body
 

@@ -21,6 +21,17 @@ def _finite(lp: float | None) -> float | None:
     return None if lp is None else max(lp, LOGPROB_FLOOR)
 
 
+def ranked_prompt_logprobs(tokenizer: Tokenizer, ids: list[int], chosen: list[float],
+                           tops: list[list[tuple[int, float]]] | None, ranks: list[int]) -> list:
+    """vLLM's prompt_logprobs: per prompt token (the first: null) its own and the
+    top N {token id: {logprob, rank, decoded_token}} at its position."""
+    def entry(t: int, lp: float, rank: int) -> tuple[str, dict]:
+        return str(t), {"logprob": _finite(lp), "rank": rank, "decoded_token": tokenizer.token_to_str(t)}
+
+    return [None] + [dict([*(entry(t, lp, j + 1) for j, (t, lp) in enumerate(top or [])), entry(tok, lp, rank)])
+                     for tok, lp, rank, top in zip(ids[1:], chosen, ranks, tops or [None] * len(chosen))]
+
+
 def _new_token_logprobs(out: RequestOutput, everything: bool):
     """(token ids, logprobs, top lists) of this output's new tokens, or of all of them."""
     if out.logprobs is None:
@@ -37,13 +48,18 @@ class Format:
     chunk_object_name = ""
 
     def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, num_prompt_tokens: int,
-                 index: int = 0, created: int | None = None):
+                 index: int = 0, created: int | None = None, ranked_prompt: list | None = None):
         self.id = request_id
         self.model = model
         self.tokenizer = tokenizer
         self.num_prompt_tokens = num_prompt_tokens
         self.index = index  # of this choice in the response
         self.created = int(time.time()) if created is None else created
+        self.ranked_prompt = ranked_prompt  # vLLM's prompt_logprobs, when asked for
+
+    def response_fields(self) -> dict:
+        """What the whole response carries beside its choices."""
+        return {}
 
     def envelope(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -92,8 +108,11 @@ class CompletionFormat(Format):
 
     def choice(self, out: RequestOutput) -> dict:
         lp = self._logprobs(_new_token_logprobs(out, True), len(self.echo_text))
-        return {"index": self.index, "text": self.echo_text + out.text, "logprobs": self._after_prompt(lp),
-                "finish_reason": out.finish_reason}
+        choice = {"index": self.index, "text": self.echo_text + out.text, "logprobs": self._after_prompt(lp),
+                  "finish_reason": out.finish_reason}
+        if self.ranked_prompt is not None:  # vLLM puts it on each completion choice
+            choice["prompt_logprobs"] = self.ranked_prompt
+        return choice
 
     def delta_choice(self, out: RequestOutput) -> dict | None:
         text, echo = out.delta_text, self.echo_text
@@ -128,6 +147,10 @@ class ChatFormat(Format):
 
         return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in top]}
                             for t, lp, top in zip(ids, lps, tops)]}
+
+    def response_fields(self) -> dict:
+        # vLLM puts it on the chat response, beside the choices
+        return {} if self.ranked_prompt is None else {"prompt_logprobs": self.ranked_prompt}
 
     def _finish_reason(self, out: RequestOutput) -> str | None:
         # OpenAI's: a turn that ends in tool calls ends with "tool_calls"

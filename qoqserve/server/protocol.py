@@ -147,6 +147,8 @@ class SamplingFields(_Request):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=(
+        "vLLM's: each prompt token's logprob and rank and the N most likely at its position (not with stream)"))
     logit_bias: dict[Text, float] | None = Field(
         None, description='{"token id": bias in [-100, 100]}, added to the logits before sampling')
     user: Text | None = None
@@ -158,6 +160,16 @@ class SamplingFields(_Request):
     guided_regex: Text | None = None
     guided_choice: list[Text] | None = None
     guided_grammar: Text | None = None
+
+    def token_biases(self) -> dict[int, float] | None:
+        """logit_bias ({"token id": bias}, OpenAI's ids as strings) with int keys."""
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(t): b for t, b in self.logit_bias.items()}
+        except ValueError:
+            raise APIError(400, "logit_bias keys must be token ids (integers as strings)",
+                           param="logit_bias") from None
 
 
 class CompletionRequest(SamplingFields):

@@ -39,11 +39,21 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float]]
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]  # vLLM's prompt_logprobs, by token id
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -101,6 +111,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ModelCard(BaseModel):

@@ -32,7 +32,7 @@ from qoqserve.server import choices as joined
 from qoqserve.server.async_engine import AsyncEngine
 from qoqserve.server.choices import Choice
 from qoqserve.server.config import ServerConfig
-from qoqserve.server.formats import ChatFormat, CompletionFormat, Format
+from qoqserve.server.formats import ChatFormat, CompletionFormat, Format, ranked_prompt_logprobs
 from qoqserve.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -46,17 +46,6 @@ from qoqserve.server.tools import (
     template_speaks_tools,
     tool_structural_tag,
 )
-
-
-def _token_biases(bias: dict[str, float] | None) -> dict[int, float] | None:
-    """OpenAI's logit_bias ({"token id": bias}, ids as strings) with int keys."""
-    if not bias:
-        return None
-    try:
-        return {int(t): b for t, b in bias.items()}
-    except ValueError:
-        raise APIError(400, "logit_bias keys must be token ids (integers as strings)",
-                       param="logit_bias") from None
 
 
 class ClientGone(Exception):
@@ -111,7 +100,7 @@ class OpenAIServing:
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
                 include_stop_str_in_output=req.include_stop_str_in_output, structured_outputs=spec,
-                logit_bias=_token_biases(req.logit_bias))
+                logit_bias=req.token_biases())
             if spec is None:
                 return self.engine.prepare_request(prompt, params, max_tokens_must_fit=True)
             return await asyncio.to_thread(self.engine.prepare_request, prompt, params, True)
@@ -146,14 +135,15 @@ class OpenAIServing:
         for p, (prompt, request) in enumerate(zip(prompts, prepared)):
             ids = request.prompt_token_ids
             echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)) if req.echo else ""
-            scored = None
+            scored, ranked = None, await self._prompt_logprobs(req, ids)
             if req.echo and req.logprobs is not None:  # the prompt's own logprobs, first token null
-                chosen, tops = await self.engine.prompt_logprobs(ids, req.logprobs)
+                chosen, tops, _ = await self.engine.prompt_logprobs(ids, req.logprobs)
                 scored = (ids, [None, *chosen], [None, *(tops or [[] for _ in chosen])])
             choices += self._choices(
-                request, req.n, p, lambda i, p=p, n=len(ids), echo=echo, scored=scored: CompletionFormat(
-                    rid, self.model_name, self.tokenizer, n, index=p * req.n + i, created=created,
-                    echo_text=echo, prompt_logprobs=scored), start=not score_only)
+                request, req.n, p, lambda i, p=p, n=len(ids), echo=echo, scored=scored, ranked=ranked:
+                CompletionFormat(rid, self.model_name, self.tokenizer, n, index=p * req.n + i, created=created,
+                                 echo_text=echo, prompt_logprobs=scored, ranked_prompt=ranked),
+                start=not score_only)
         return await self._respond(choices, req, raw)
 
     async def chat(self, req: ChatCompletionRequest, raw: Request):
@@ -175,11 +165,20 @@ class OpenAIServing:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         prepared = await self._prepare(req, ids, max_tokens, "messages", logprobs=req.logprobs,
                                        top_logprobs=req.top_logprobs or 0, structure=structure)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        rid, created, ranked = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), await self._prompt_logprobs(req, ids)
         choices = self._choices(prepared, req.n, 0, lambda i: ChatFormat(
-            rid, self.model_name, self.tokenizer, len(ids), index=i, created=created,
+            rid, self.model_name, self.tokenizer, len(ids), index=i, created=created, ranked_prompt=ranked,
             tool_parser=ToolCallParser() if calls else None))
         return await self._respond(choices, req, raw)
+
+    async def _prompt_logprobs(self, req: SamplingFields, ids: list[int]) -> list | None:
+        """vLLM's prompt_logprobs of this prompt, when asked for (not in a stream)."""
+        if req.prompt_logprobs is None:
+            return None
+        if req.stream:
+            raise APIError(400, "prompt_logprobs is not available with stream", param="prompt_logprobs")
+        scored = await self.engine.prompt_logprobs(ids, req.prompt_logprobs)
+        return ranked_prompt_logprobs(self.tokenizer, ids, *scored)
 
     def chat_prompt(self, messages: list, tools: list[dict], add_generation_prompt: bool,
                     add_special_tokens: bool = False) -> list[int]:
