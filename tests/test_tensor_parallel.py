@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -178,17 +179,24 @@ def test_two_torchrun_nodes_serve_the_openai_api(tiny_ref):
         s1.bind(("127.0.0.1", 0))
         s2.bind(("127.0.0.1", 0))
         master, port = s1.getsockname()[1], s2.getsockname()[1]
+    logs = [tempfile.TemporaryFile("w+") for _ in range(2)]
     nodes = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
          "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(master),
          "-m", "qoqserve.cli.main", "serve", TINY, "-tp", "2", "--dtype", "float32", "--port", str(port),
          "--max-model-len", "128", "--kv-cache-gb", "0.01"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for rank in (0, 1)]
+        stdout=logs[rank], stderr=subprocess.STDOUT) for rank in (0, 1)]
+
+    def output() -> str:
+        for log in logs:
+            log.seek(0)
+        return "\n".join(f"--- node {i} ---\n{log.read()[-3000:]}" for i, log in enumerate(logs))
+
     try:
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
         while True:
-            assert time.monotonic() < deadline and all(p.poll() is None for p in nodes), "no server"
+            assert time.monotonic() < deadline and all(p.poll() is None for p in nodes), f"no server\n{output()}"
             try:
                 if httpx.get(base + "/health", timeout=1).status_code == 200:
                     break
