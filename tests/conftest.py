@@ -15,6 +15,31 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 
 
+def free_port() -> int:
+    """A free 127.0.0.1 port below the kernel's ephemeral range: a server binds
+    it seconds after it is chosen (after loading its model), and a port from
+    bind(0) can meanwhile become the local end of an outgoing connection (a
+    client's, torch.distributed's), which an ephemeral-range port may be."""
+    import random
+    import socket
+
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for port in random.Random().sample(range(max(1024, low - 12000), low), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # a crowded machine: any port
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="session", autouse=True)
 def cpu_kernels_built():
     """Every C kernel built up front, on all cores (else each test that first
@@ -66,14 +91,11 @@ class ServerProcess:
     """`qoqserve serve` in a subprocess on a free 127.0.0.1 port."""
 
     def __init__(self, args: list[str], api_key: str | None = None, env: dict | None = None):
-        import socket
         import subprocess
         import sys
         import tempfile
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.api_key = api_key
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,7 +18,7 @@ import time
 import httpx
 import pytest
 import torch
-from conftest import in_process_server
+from conftest import free_port, in_process_server
 
 from qoqserve.bench.memory import plan_memory
 from qoqserve.bench.precisions import get_precision
@@ -175,10 +174,9 @@ def test_two_torchrun_nodes_serve_the_openai_api(tiny_ref):
     """Two torchrun "nodes" (one rank each) over loopback: rank 0 serves, rank 1
     computes; the completion is the single-process engine's."""
     ref = tiny_ref
-    with socket.socket() as s1, socket.socket() as s2:
-        s1.bind(("127.0.0.1", 0))
-        s2.bind(("127.0.0.1", 0))
-        master, port = s1.getsockname()[1], s2.getsockname()[1]
+    master, port = free_port(), free_port()
+    while port == master:
+        port = free_port()
     logs = [tempfile.TemporaryFile("w+") for _ in range(2)]
     nodes = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
