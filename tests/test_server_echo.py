@@ -98,3 +98,15 @@ def test_prompt_logprobs_are_refused_in_a_stream(server):
     r = httpx.post(server.base + "/v1/completions", json={"prompt": "hi", "prompt_logprobs": 1, "stream": True},
                    headers=KEY, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_echo_logprobs_and_prompt_logprobs_together_each_keep_their_own_top(server):
+    got = complete(server, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1, prompt_logprobs=3)["choices"][0]
+    tops, ranked = got["logprobs"]["top_logprobs"], got["prompt_logprobs"]
+    assert tops[0] is None and ranked[0] is None and len(tops) == len(ranked)
+    assert all(len(t) == 1 for t in tops[1:])
+    assert all(3 <= len(r) <= 4 and sorted(e["rank"] for e in r.values())[:3] == [1, 2, 3] for r in ranked[1:])
+    for t, r, lp in zip(tops[1:], ranked[1:], got["logprobs"]["token_logprobs"][1:]):
+        (best,) = t.values()
+        assert best == pytest.approx(next(e["logprob"] for e in r.values() if e["rank"] == 1))
+        assert any(e["logprob"] == pytest.approx(lp) for e in r.values())

@@ -227,6 +227,11 @@ class Tool(_Request):
     function: FunctionDef
 
 
+def function_dicts(tools: list[Tool] | None) -> list[dict]:
+    """The functions of a request's tools, as the chat template and the grammar take them."""
+    return [t.function.model_dump(exclude_none=True) for t in tools or []]
+
+
 class ToolChoiceFunction(_Request):
     name: Text
 

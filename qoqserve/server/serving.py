@@ -38,6 +38,7 @@ from qoqserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
+    function_dicts,
 )
 from qoqserve.server.structured import requested_structure, spec_or_400
 from qoqserve.server.tools import (
@@ -75,9 +76,6 @@ class OpenAIServing:
             raise APIError(404, f"The model `{name}` does not exist.", param="model",
                            code="model_not_found")
 
-    def _check_common(self, req: SamplingFields) -> None:
-        self.check_model(req.model)
-
     async def _prepare(self, req: SamplingFields, prompt: str | list[int], max_tokens: int | None,
                        prompt_param: str, logprobs: bool = False, top_logprobs: int = 0,
                        structure: tuple[StructuredOutputs | None, str | None] = (None, None)
@@ -113,7 +111,7 @@ class OpenAIServing:
     # ---- endpoints --------------------------------------------------------------
 
     async def completion(self, req: CompletionRequest, raw: Request):
-        self._check_common(req)
+        self.check_model(req.model)
         if (req.best_of or 1) != 1:
             raise APIError(400, "best_of must be 1", param="best_of")
         if req.suffix:
@@ -135,10 +133,7 @@ class OpenAIServing:
         for p, (prompt, request) in enumerate(zip(prompts, prepared)):
             ids = request.prompt_token_ids
             echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)) if req.echo else ""
-            scored, ranked = None, await self._prompt_logprobs(req, ids)
-            if req.echo and req.logprobs is not None:  # the prompt's own logprobs, first token null
-                chosen, tops, _ = await self.engine.prompt_logprobs(ids, req.logprobs)
-                scored = (ids, [None, *chosen], [None, *(tops or [[] for _ in chosen])])
+            scored, ranked = await self._scored_prompt(req, ids, req.logprobs if req.echo else None)
             choices += self._choices(
                 request, req.n, p, lambda i, p=p, n=len(ids), echo=echo, scored=scored, ranked=ranked:
                 CompletionFormat(rid, self.model_name, self.tokenizer, n, index=p * req.n + i, created=created,
@@ -147,7 +142,7 @@ class OpenAIServing:
         return await self._respond(choices, req, raw)
 
     async def chat(self, req: ChatCompletionRequest, raw: Request):
-        self._check_common(req)
+        self.check_model(req.model)
         if not req.messages:
             raise APIError(400, "messages must not be empty", param="messages")
         if req.top_logprobs and not req.logprobs:
@@ -165,20 +160,29 @@ class OpenAIServing:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         prepared = await self._prepare(req, ids, max_tokens, "messages", logprobs=req.logprobs,
                                        top_logprobs=req.top_logprobs or 0, structure=structure)
-        rid, created, ranked = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), await self._prompt_logprobs(req, ids)
+        _, ranked = await self._scored_prompt(req, ids)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         choices = self._choices(prepared, req.n, 0, lambda i: ChatFormat(
             rid, self.model_name, self.tokenizer, len(ids), index=i, created=created, ranked_prompt=ranked,
             tool_parser=ToolCallParser() if calls else None))
         return await self._respond(choices, req, raw)
 
-    async def _prompt_logprobs(self, req: SamplingFields, ids: list[int]) -> list | None:
-        """vLLM's prompt_logprobs of this prompt, when asked for (not in a stream)."""
-        if req.prompt_logprobs is None:
-            return None
-        if req.stream:
+    async def _scored_prompt(self, req: SamplingFields, ids: list[int], echo_top: int | None = None
+                             ) -> tuple[tuple | None, list | None]:
+        """One scored pass over the prompt, when anything asks for it: (with echo_top,
+        OpenAI's echoed prompt logprobs (ids, logprobs, tops; the first null),
+        with prompt_logprobs, vLLM's; not in a stream)."""
+        k = req.prompt_logprobs
+        if k is not None and req.stream:
             raise APIError(400, "prompt_logprobs is not available with stream", param="prompt_logprobs")
-        scored = await self.engine.prompt_logprobs(ids, req.prompt_logprobs)
-        return ranked_prompt_logprobs(self.tokenizer, ids, *scored)
+        if k is None and echo_top is None:
+            return None, None
+        chosen, tops, ranks = await self.engine.prompt_logprobs(ids, max(k or 0, echo_top or 0))
+        tops = tops or [[] for _ in chosen]
+        echoed = None if echo_top is None else (ids, [None, *chosen], [None, *(t[:echo_top] for t in tops)])
+        ranked = None if k is None else ranked_prompt_logprobs(self.tokenizer, ids, chosen, [t[:k] for t in tops],
+                                                               ranks)
+        return echoed, ranked
 
     def chat_prompt(self, messages: list, tools: list[dict], add_generation_prompt: bool,
                     add_special_tokens: bool = False) -> list[int]:
@@ -197,7 +201,7 @@ class OpenAIServing:
     def _tool_choice(req: ChatCompletionRequest) -> tuple[list[dict], str | dict]:
         """(the functions, tool_choice). With "none" the tools are still in the
         prompt, as vLLM does, but the output is neither constrained nor parsed."""
-        tools = [t.function.model_dump(exclude_none=True) for t in req.tools or []]
+        tools = function_dicts(req.tools)
         choice = req.tool_choice or ("auto" if tools else "none")
         if choice == "none":
             return tools, choice
