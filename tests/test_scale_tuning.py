@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from test_quant_pipeline import _full, calib, tiny_source
 
 from qoqserve.cli.quantize import add_quant_args, quant_config_from_args
@@ -18,12 +19,15 @@ from qoqserve.engine.model_runner import ModelRunner
 from qoqserve.layers.kv_cache import Int4KVCacheLayout
 from qoqserve.layers.linear import Linear
 from qoqserve.layers.norm import RMSNorm
+from qoqserve.layers.quantization.int8_gemm import PackedInt8Gemm, fused_int8_available
 from qoqserve.layers.quantization.qoq_methods import QoQSimMethod
 from qoqserve.model_loader import load_model_source
+from qoqserve.quant import sim
 from qoqserve.quant.checkpoint import save_checkpoint
 from qoqserve.quant.config import get_preset
 from qoqserve.quant.pipeline import build_fp_model, quantize_model
-from qoqserve.quant.scale_tuning import tune_scales
+from qoqserve.quant.scale_tuning import _IntegerProduct, tune_scales
+from qoqserve.quant.ste import HeadKL, act_int8
 
 WINDOWS = calib(4, 64).samples
 
@@ -150,3 +154,68 @@ def test_a_refused_model_is_left_as_it_was(case):
     with pytest.raises(ValueError, match="scale tuning runs on QoQ simulation models"):
         tune_scales(model, _fp(source, cfg), WINDOWS[:1], epochs=1, lr=1e-3)
     assert {n: m.method for n, m in model.named_modules() if isinstance(m, Linear)} == methods
+
+
+def kl_to_reference(ref_logprobs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Mean per-token KL(P_FP || P_model), the plain formula."""
+    return (ref_logprobs.exp() * (ref_logprobs - torch.log_softmax(logits, -1))).sum(-1).mean()
+
+
+def test_head_kl_is_the_kl_of_the_logits_and_its_gradient():
+    # blocks of 16 rows over 70 tokens (a short last block); the gradient's
+    # product runs in bf16, so it matches autograd's to bf16's rounding
+    torch.manual_seed(0)
+    h, h_ref = torch.randn(70, 32, requires_grad=True), torch.randn(70, 32)
+    head = torch.randn(1000, 32)
+    head_ref = head + 0.05 * torch.randn_like(head)
+    loss = HeadKL.apply(h, h_ref, head, head_ref, head.bfloat16(), torch.empty(3, 16, 1000))
+    (2 * loss).backward()
+    got, h.grad = h.grad.clone(), None
+    want = kl_to_reference(torch.log_softmax(h_ref @ head_ref.T, -1), h @ head.T)
+    (2 * want).backward()
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=0)
+    torch.testing.assert_close(got, h.grad, rtol=0, atol=1e-2 * h.grad.abs().max().item())
+    assert not torch.equal(got, torch.zeros_like(got))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_integer_product_is_act_int8_times_the_weight_with_its_gradient(fused, monkeypatch):
+    # forward: the INT8 GEMM (or torch's) against the fp32 simulation; backward:
+    # act_int8's straight-through gradient, the step's share included, exact
+    # where the bf16 product is (small integers)
+    if fused and not fused_int8_available():
+        pytest.skip("the fused INT8 kernel does not build here")
+    torch.manual_seed(0)
+    n, k = 48, 64
+    w = torch.randint(-2, 3, (n, k), dtype=torch.int8)
+    ones = torch.ones(n)
+    if not fused:
+        monkeypatch.setattr(sim, "fused_int8_available", lambda: False)
+    gemm = sim.integer_gemm(w, ones)
+    assert isinstance(gemm, PackedInt8Gemm) == fused
+    x = torch.randn(40, k) * torch.rand(40, 1) * 4
+    x[3] = 0  # a zero row: no step to share
+    x[5, :2] = x[5].abs().max() + 1  # two largest elements share the step's gradient
+    x.requires_grad_(True)
+    g = torch.randint(-1, 2, (40, n)).float()
+    y = _IntegerProduct.apply(x, gemm, w.float().bfloat16())
+    y.backward(g)
+    got, x.grad = x.grad.clone(), None
+    want = F.linear(act_int8(x), w.float())
+    want.backward(g)
+    torch.testing.assert_close(y, want, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(got, x.grad, rtol=1e-6, atol=1e-6)
+    assert torch.equal(got[3], g[3] @ w.float())
+
+
+def test_the_tuned_preset_is_g64_with_two_epochs_and_has_an_alias(monkeypatch):
+    from qoqserve.quant import default_checkpoint
+    tuned, plain = get_preset("g64-tuned"), get_preset("g64")
+    assert dataclasses.replace(tuned, name="g64", scale_tuning_epochs=0) == plain
+    assert tuned.scale_tuning_epochs == 2
+    p = argparse.ArgumentParser()
+    add_quant_args(p)
+    assert quant_config_from_args(p.parse_args(["--config", "g64-tuned"])) == tuned
+    asked = []
+    monkeypatch.setattr(default_checkpoint, "default_qoq_checkpoint", lambda preset: asked.append(preset) or "x")
+    assert default_checkpoint.resolve_model("QoQ-Tuned") == "x" and asked == ["g64-tuned"]

@@ -16,7 +16,8 @@ TUNING_OPTIONS = (("scale_tuning_epochs", int), ("scale_tuning_lr", float))
 
 
 def add_quant_args(p) -> None:
-    p.add_argument("--config", default="g64", help="g128 | g64 | chn (or a baseline preset)")
+    p.add_argument("--config", default="g64",
+                   help="g128 | g64 | chn | g64-tuned (g64 + --scale-tuning-epochs 2), or a baseline preset")
     p.add_argument("--calib", default=None, help="calibration text file (default: shipped set)")
     p.add_argument("--calib-samples", type=int, default=None)
     p.add_argument("--calib-seq-len", type=int, default=None)

@@ -60,8 +60,7 @@ def ablation_rows():
                             **steps))
     rows.append(replace(get_preset("g64"), name="QoQ g64 + SmoothAttention (alpha searched per layer)",
                         smooth_attention=True))
-    rows.append(replace(get_preset("g64"), name="QoQ g64 + scale tuning (s1 and norm weights, 2 epochs)",
-                        scale_tuning_epochs=2))
+    rows.append(replace(get_preset("g64-tuned"), name="QoQ g64 + scale tuning (s1 and norm weights, 2 epochs)"))
     rows.append(replace(get_preset("rtn-kv4"), name="KV4 only + rotate + key-transform", rotate=True,
                         key_transform=True))
     return rows

@@ -161,6 +161,9 @@ PRESETS: dict[str, QuantConfig] = {
     "g128": replace(_QOQ, name="g128", group_size=128),
     "g64": replace(_QOQ, name="g64", group_size=64),
     "chn": replace(_QOQ, name="chn", group_size=0, reorder=False, clip=True),
+    # g64 + end-to-end scale tuning: lower perplexity for minutes more of
+    # quantization, so not the default (docs/accuracy.md)
+    "g64-tuned": replace(_QOQ, name="g64-tuned", group_size=64, scale_tuning_epochs=2),
     # round-to-nearest baselines for the accuracy table
     "rtn-w8a8": QuantConfig(name="rtn-w8a8", w_bits=8, group_size=0, progressive=False,
                             kv_bits=16, **NO_TRANSFORMS),

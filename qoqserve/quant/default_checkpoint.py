@@ -19,7 +19,7 @@ from qoqserve.quant.checkpoint import save_checkpoint
 from qoqserve.quant.config import QuantConfig, get_preset
 from qoqserve.quant.pipeline import quantize_model
 
-ALIASES = {"qoq": "g64", "qoq-g64": "g64", "qoq-g128": "g128", "qoq-chn": "chn"}
+ALIASES = {"qoq": "g64", "qoq-g64": "g64", "qoq-g128": "g128", "qoq-chn": "chn", "qoq-tuned": "g64-tuned"}
 
 
 def _is_current(out: str, preset: str) -> bool:

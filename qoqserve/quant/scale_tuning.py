@@ -29,8 +29,35 @@ from qoqserve.layers.attention import AttentionMetadata
 from qoqserve.layers.linear import Linear, LinearMethod
 from qoqserve.layers.norm import RMSNorm
 from qoqserve.layers.quantization.qoq_methods import QoQSimMethod
+from qoqserve.quant import sim
 from qoqserve.quant.sim import SimW8A8Method
-from qoqserve.quant.ste import KVFakeQuant, act_int8, kl_to_reference
+from qoqserve.quant.ste import HEAD_ROWS, HeadKL, KVFakeQuant, act_int8
+
+
+class _IntegerProduct(torch.autograd.Function):
+    """act_int8(x) @ W^T for a linear's signed INT8 weight W: forward on the
+    INT8 GEMM, which quantizes x per token itself and sums exactly what the
+    fp32 simulation sums (IntegerGemmSimMethod); backward as act_int8's
+    straight-through gradient (identity, plus the rounding error's share of
+    the step, which reaches x at its largest |x|), with grad @ W in bf16, where
+    W's integers are exact."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, gemm, w_bf16: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        ctx.w = w_bf16
+        return gemm(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        gx = (grad.bfloat16() @ ctx.w).float()
+        amax = x.abs().amax(-1, keepdim=True)
+        step = amax / 127
+        r = sim.fake_quant_act_int8(x).sub_(x).div_(step.clamp_min(1e-12))  # (xq - x) / step
+        at_max = (x.abs() == amax) & (step > 1e-12)
+        share = (gx * r).sum(-1, keepdim=True) / (127 * at_max.sum(-1, keepdim=True).clamp_min(1))
+        return gx.addcmul_(at_max * x.sign(), share), None, None
 
 
 class _TunedQoQ(LinearMethod):
@@ -38,16 +65,23 @@ class _TunedQoQ(LinearMethod):
     straight-through INT8 input (training only)."""
     name = "scale-tuning"
 
-    def __init__(self, group_size: int, theta: nn.Parameter):
+    def __init__(self, layer: Linear, group_size: int, theta: nn.Parameter):
         self.group_size, self.theta = group_size, theta
+        self.gemm = self.w_bf16 = None
+        if group_size:  # the INT8 GEMM with unit scales: s1 * (1 + theta) is applied after it
+            w = layer.w_expanded
+            self.gemm = sim.integer_gemm(w.to(torch.int8), torch.ones(layer.out_features, device=w.device))
+            self.w_bf16 = w.bfloat16()
 
     def create_weights(self, layer, dtype) -> None:  # wraps a built layer
         raise NotImplementedError
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         s1 = layer.s1.float() * (1 + self.theta)
-        y = F.linear(act_int8(x), layer.w_expanded) * s1
-        if not self.group_size:  # per channel: codes 0..15 around a zero point
+        if self.group_size:
+            y = _IntegerProduct.apply(x, self.gemm, self.w_bf16) * s1
+        else:  # per channel: codes 0..15 around a zero point
+            y = F.linear(act_int8(x), layer.w_expanded) * s1
             y = y - qoq_ref.act_row_sum(x)[..., None] * (layer.zeros.float() * s1)
         return y + layer.bias.float() if layer.has_bias else y
 
@@ -83,7 +117,7 @@ def _tuning(model, tune_norms: bool):
             if isinstance(lin, Linear) and type(lin.method) is QoQSimMethod:
                 theta = nn.Parameter(torch.zeros(lin.out_features, device=lin.s1.device))
                 saved.append((lin, "method", lin.method))
-                lin.method = _TunedQoQ(lin.method.group_size, theta)
+                lin.method = _TunedQoQ(lin, lin.method.group_size, theta)
                 linears.append((lin.s1, theta))
             elif isinstance(lin, Linear) and isinstance(lin.method, SimW8A8Method):
                 saved.append((lin, "method", lin.method))
@@ -106,12 +140,12 @@ def _tuning(model, tune_norms: bool):
             setattr(obj, attr, value)
 
 
-def _logits(model, ids: list[int]) -> torch.Tensor:
+def _hidden(model, ids: list[int]) -> torch.Tensor:
+    """The final hidden states of the tokens that predict a next one."""
     device = model.embed_tokens.device
     n = len(ids)
     meta = AttentionMetadata(True, None, None, None, [0, n], [0])
-    hidden = model(torch.tensor(ids, device=device), torch.arange(n, device=device), meta, None)
-    return F.linear(hidden[:-1], model.lm_head).float()
+    return model(torch.tensor(ids, device=device), torch.arange(n, device=device), meta, None)[:-1]
 
 
 def tune_scales(model, teacher, samples: list[list[int]], epochs: int, lr: float, tune_norms: bool = True,
@@ -129,13 +163,18 @@ def tune_scales(model, teacher, samples: list[list[int]], epochs: int, lr: float
         result.tuned = sum(p.numel() for p in params)
         opt = torch.optim.Adam(params, lr=lr)
         decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 * (1 + math.cos(math.pi * i / steps)))
+        ref: dict[int, torch.Tensor] = {}  # the FP model's hidden states, once per window
+        head_bf16 = model.lm_head.detach().bfloat16()
+        work = torch.empty(3, min(HEAD_ROWS, max(map(len, samples))), head_bf16.shape[0], device=head_bf16.device)
         for _ in range(epochs):
             for i in torch.randperm(len(samples), generator=gen).tolist():
-                with torch.no_grad():
-                    ref = torch.log_softmax(_logits(teacher, samples[i]), -1)
+                if i not in ref:
+                    with torch.no_grad():
+                        ref[i] = _hidden(teacher, samples[i])
                 for norm, weight, theta in norms:  # a plain attribute while its parameter is out
                     norm.weight = weight.float() * (1 + theta)
-                loss = kl_to_reference(ref, _logits(model, samples[i]))
+                loss = HeadKL.apply(_hidden(model, samples[i]), ref[i] if epochs > 1 else ref.pop(i),
+                                    model.lm_head, teacher.lm_head, head_bf16, work)
                 opt.zero_grad()
                 loss.backward()
                 opt.step()

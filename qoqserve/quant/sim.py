@@ -6,6 +6,9 @@ accuracy table (W8A8, plain W4 groups) become FakeQuantLinearMethod layers.
 """
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -108,17 +111,20 @@ class IntegerGemmSimMethod(QoQSimMethod):
         super().process_weights_after_loading(layer)
         # w_expanded holds integers: s2*(u - z) in -128..127, or the codes 0..15 per channel
         g = self.group_size
-        self.w = layer.w_expanded.to(torch.int8 if g else torch.uint8)
-        self.zeros = None if g else layer.zeros
-        self.bias = layer.bias if layer.has_bias else None
-        on_cpu = self.w.device.type == "cpu"
-        self.fused = (PackedInt8Gemm(self.w, layer.s1, self.zeros, self.bias)
-                      if on_cpu and fused_int8_available() else None)
+        self.gemm = integer_gemm(layer.w_expanded.to(torch.int8 if g else torch.uint8), layer.s1,
+                                 None if g else layer.zeros, layer.bias if layer.has_bias else None)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if self.fused is not None:
-            return self.fused(x)
-        return int8_linear(x, self.w, layer.s1, self.zeros, self.bias, cpu_ops=False)
+        return self.gemm(x)
+
+
+def integer_gemm(w: torch.Tensor, s1: torch.Tensor, zeros: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> x @ (s1 * (w - z))^T on INT8 math (int8_linear's arguments): the
+    fused C kernel where it builds, else torch's INT8 GEMM."""
+    if w.device.type == "cpu" and fused_int8_available():
+        return PackedInt8Gemm(w, s1, zeros, bias)
+    return functools.partial(int8_linear, w_int8=w, s1=s1, zeros=zeros, bias=bias, cpu_ops=False)
 
 
 def use_reference_simulation(model: nn.Module) -> None:

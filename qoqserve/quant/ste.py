@@ -11,12 +11,49 @@ import torch
 
 from qoqserve.quant import sim
 
+HEAD_ROWS = 256  # tokens per block of HeadKL: fp32 GEMMs of 256 rows run near torch's full rate
 
-def kl_to_reference(ref_logprobs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """Mean per-token KL(P_FP || P_model): the FP model's log-probabilities
-    against the model's logits, both [tokens, vocab]."""
-    ref = ref_logprobs.float()
-    return (ref.exp() * (ref - torch.log_softmax(logits.float(), -1))).sum(-1).mean()
+
+class HeadKL(torch.autograd.Function):
+    """Mean per-token KL(P_FP || P_model) of the LM head's next-token
+    distributions from two models' final hidden states, h [T, hidden]
+    (trained) and h_ref (the FP model's; head_ref its LM head), with its
+    gradient for h made in the same pass, a block of tokens at a time: the
+    [T, vocab] logits, log-probabilities and their gradient never exist whole
+    (at 512 tokens x 49k words each is a fresh 100 MB tensor, whose page faults
+    cost more than its arithmetic). work: [3, rows, vocab] fp32, reused from
+    call to call; head_bf16: head for the gradient's product (bf16 halves it)."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, h_ref: torch.Tensor, head: torch.Tensor, head_ref: torch.Tensor,
+                head_bf16: torch.Tensor, work: torch.Tensor) -> torch.Tensor:
+        n_tok, rows = h.shape[0], work.shape[1]
+        grad, total = torch.empty(h.shape, dtype=torch.float32, device=h.device), 0.0
+        for r0 in range(0, n_tok, rows):
+            n = min(rows, n_tok - r0)
+            a, b, p = work[0, :n], work[1, :n], work[2, :n]
+            torch.mm(h_ref[r0:r0 + n].float(), head_ref.float().t(), out=a)
+            a.sub_(a.amax(-1, keepdim=True))
+            torch.exp(a, out=p)
+            norm = p.sum(-1, keepdim=True)
+            p.div_(norm)                       # P_FP
+            a.sub_(norm.log_())                # log P_FP
+            torch.mm(h[r0:r0 + n].float(), head.float().t(), out=b)
+            b.sub_(b.amax(-1, keepdim=True))   # log P + log sum exp(b)
+            total += float(torch.dot(p.view(-1), a.sub_(b).view(-1)))
+            torch.exp(b, out=a)
+            norm = a.sum(-1, keepdim=True)
+            total += float(norm.log().sum())   # sum P_FP = 1 per token
+            g = b.view(torch.bfloat16)[:, :a.shape[1]]  # b's memory, free now
+            g.copy_(a.div_(norm).sub_(p))      # d KL / d logits = P - P_FP
+            grad[r0:r0 + n] = g @ head_bf16
+        ctx.save_for_backward(grad.div_(n_tok))
+        return h.new_tensor(total / n_tok, dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        (grad,) = ctx.saved_tensors
+        return grad * g, None, None, None, None, None
 
 
 def ste(x: torch.Tensor, xq: torch.Tensor, step: torch.Tensor) -> torch.Tensor:

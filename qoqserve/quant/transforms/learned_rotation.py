@@ -37,7 +37,7 @@ from qoqserve.layers.linear import Linear, LinearMethod
 from qoqserve.quant import sim
 from qoqserve.quant.config import QuantConfig
 from qoqserve.quant.hadamard import orthogonal_matrix
-from qoqserve.quant.ste import KVFakeQuant, act_int8, kl_to_reference, ste
+from qoqserve.quant.ste import HEAD_ROWS, HeadKL, KVFakeQuant, act_int8, ste
 
 # which side of the residual stream each linear of a layer touches
 READERS = ("self_attn.qkv_proj", "mlp.gate_up_proj")
@@ -117,10 +117,11 @@ def _training_methods(model, state: _State):
             setattr(obj, attr, value)
 
 
-def _logits(model, ids: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
-    """[B, L] token ids -> [B*L, vocab] logits of the model with its residual
-    stream rotated by r (the layers' methods do the rest). The unquantized LM
-    head reads the rotated stream as (x R^T) L^T, so it is never rotated."""
+def _hidden(model, ids: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
+    """[B, L] token ids -> [B*L, hidden]: the final hidden states of the model
+    with its residual stream rotated by r (the layers' methods do the rest),
+    rotated back: the unquantized LM head reads the rotated stream as
+    (x R^T) L^T, so it is never rotated."""
     b, n = ids.shape
     h = F.embedding(ids.reshape(-1), model.embed_tokens)
     if r is not None:
@@ -131,18 +132,7 @@ def _logits(model, ids: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
     for layer in model.layers:
         h, delta = layer(positions, h, meta, None, delta)
     x = model.norm(h, delta)[0]
-    if r is not None:
-        x = x @ r.T
-    return F.linear(x, model.lm_head)
-
-
-def _loss(logits: torch.Tensor, ids: torch.Tensor, ref_logprobs: torch.Tensor | None, kind: str):
-    if kind == "kl":
-        return kl_to_reference(ref_logprobs, logits)
-    lp = torch.log_softmax(logits.float(), -1)
-    b, n = ids.shape
-    lp = lp.view(b, n, -1)[:, :-1]
-    return F.nll_loss(lp.reshape(-1, lp.shape[-1]), ids[:, 1:].reshape(-1))
+    return x @ r.T if r is not None else x
 
 
 @dataclass
@@ -166,27 +156,33 @@ class RotationTrainer:
         self.state = _State(act_quant=cfg.rotation_act_quant, kv_quant=cfg.rotation_kv_quant,
                             group_size=cfg.group_size)
         self._ref: list[torch.Tensor | None] = [None] * len(windows)
+        head = model.lm_head.detach()
+        self.head_bf16 = head.bfloat16()
+        rows = min(HEAD_ROWS, cfg.rotation_batch * windows.shape[1])
+        self.work = torch.empty(3, rows, head.shape[0], device=head.device) if cfg.rotation_loss == "kl" else None
 
     def rotation(self) -> torch.Tensor:
         return self.q0 @ cayley(self.b)
 
-    def _ref_logprobs(self, i: int) -> torch.Tensor | None:
-        """The FP model's log-probabilities of window i, kept (fp16: ~S*L*vocab*2 bytes)."""
-        if self.cfg.rotation_loss != "kl":
-            return None
+    def _ref_hidden(self, i: int) -> torch.Tensor:
+        """The FP model's final hidden states of window i, kept (S*L*hidden floats)."""
         if self._ref[i] is None:
             self.state.r, self.state.quantize = None, False
             with torch.no_grad():
-                logits = _logits(self.model, self.windows[i:i + 1], None)
-            self._ref[i] = torch.log_softmax(logits.float(), -1).half()
+                self._ref[i] = _hidden(self.model, self.windows[i:i + 1], None)
         return self._ref[i]
 
     def batch_loss(self, idx: list[int], r: torch.Tensor) -> torch.Tensor:
         """Fake-quant loss of the model rotated by r (float64) on windows idx."""
-        ref = torch.cat([self._ref_logprobs(i) for i in idx]) if self.cfg.rotation_loss == "kl" else None
+        kl = self.cfg.rotation_loss == "kl"
+        ref = torch.cat([self._ref_hidden(i) for i in idx]) if kl else None
         self.state.r, self.state.quantize = r.float(), True
-        return _loss(_logits(self.model, self.windows[idx], self.state.r), self.windows[idx], ref,
-                     self.cfg.rotation_loss)
+        hidden, head = _hidden(self.model, self.windows[idx], self.state.r), self.model.lm_head
+        if kl:
+            return HeadKL.apply(hidden, ref, head, head, self.head_bf16, self.work)
+        ids = self.windows[idx]
+        lp = torch.log_softmax(F.linear(hidden, head).float(), -1).view(*ids.shape, -1)[:, :-1]
+        return F.nll_loss(lp.reshape(-1, lp.shape[-1]), ids[:, 1:].reshape(-1))
 
     def evaluate(self, r: torch.Tensor) -> float:
         """The mean loss over every training window (no gradients)."""
