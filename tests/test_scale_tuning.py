@@ -161,25 +161,28 @@ def kl_to_reference(ref_logprobs: torch.Tensor, logits: torch.Tensor) -> torch.T
     return (ref_logprobs.exp() * (ref_logprobs - torch.log_softmax(logits, -1))).sum(-1).mean()
 
 
-def test_head_kl_is_the_kl_of_the_logits_and_its_gradient():
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+def test_head_kl_is_the_kl_of_the_logits_and_its_gradient(grad_dtype):
     # blocks of 16 rows over 70 tokens (a short last block); the gradient's
-    # product runs in bf16, so it matches autograd's to bf16's rounding
+    # product in bf16 matches autograd's to bf16's rounding, in fp32 to fp32's
     torch.manual_seed(0)
     h, h_ref = torch.randn(70, 32, requires_grad=True), torch.randn(70, 32)
     head = torch.randn(1000, 32)
     head_ref = head + 0.05 * torch.randn_like(head)
-    loss = HeadKL.apply(h, h_ref, head, head_ref, head.bfloat16(), torch.empty(3, 16, 1000))
+    loss = HeadKL.apply(h, h_ref, head, head_ref, head.to(grad_dtype), torch.empty(3, 16, 1000))
     (2 * loss).backward()
     got, h.grad = h.grad.clone(), None
     want = kl_to_reference(torch.log_softmax(h_ref @ head_ref.T, -1), h @ head.T)
     (2 * want).backward()
     torch.testing.assert_close(loss, want, rtol=1e-5, atol=0)
-    torch.testing.assert_close(got, h.grad, rtol=0, atol=1e-2 * h.grad.abs().max().item())
+    tol = 1e-2 if grad_dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got, h.grad, rtol=0, atol=tol * h.grad.abs().max().item())
     assert not torch.equal(got, torch.zeros_like(got))
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_integer_product_is_act_int8_times_the_weight_with_its_gradient(fused, monkeypatch):
+@pytest.mark.parametrize("fused, grad_dtype", [(True, torch.bfloat16), (False, torch.bfloat16),
+                                              (True, torch.float32)])
+def test_integer_product_is_act_int8_times_the_weight_with_its_gradient(fused, grad_dtype, monkeypatch):
     # forward: the INT8 GEMM (or torch's) against the fp32 simulation; backward:
     # act_int8's straight-through gradient, the step's share included, exact
     # where the bf16 product is (small integers)
@@ -198,7 +201,7 @@ def test_integer_product_is_act_int8_times_the_weight_with_its_gradient(fused, m
     x[5, :2] = x[5].abs().max() + 1  # two largest elements share the step's gradient
     x.requires_grad_(True)
     g = torch.randint(-1, 2, (40, n)).float()
-    y = _IntegerProduct.apply(x, gemm, w.float().bfloat16())
+    y = _IntegerProduct.apply(x, gemm, w.to(grad_dtype))
     y.backward(g)
     got, x.grad = x.grad.clone(), None
     want = F.linear(act_int8(x), w.float())
@@ -219,3 +222,17 @@ def test_the_tuned_preset_is_g64_with_two_epochs_and_has_an_alias(monkeypatch):
     asked = []
     monkeypatch.setattr(default_checkpoint, "default_qoq_checkpoint", lambda preset: asked.append(preset) or "x")
     assert default_checkpoint.resolve_model("QoQ-Tuned") == "x" and asked == ["g64-tuned"]
+
+
+def test_without_torch_bf16_kernels_the_backward_products_are_fp32(case, monkeypatch):
+    # where torch's bf16 GEMM has no vector kernel (below AVX-512) the tuning
+    # runs its gradients' products in fp32 and still trains
+    from qoqserve.kernels.cpu import isa
+    from qoqserve.quant import ste
+    monkeypatch.setattr(isa, "torch_has_avx512_kernels", lambda: False)
+    assert ste.grad_dtype() == torch.float32
+    source, cfg, quantized = case
+    model, teacher = copy.deepcopy(quantized), _fp(source, cfg)
+    start = _kl(model, teacher, WINDOWS)
+    tune_scales(model, teacher, WINDOWS, epochs=6, lr=3e-3, seed=0)
+    assert _kl(model, teacher, WINDOWS) < start * 0.9

@@ -31,7 +31,7 @@ from qoqserve.layers.norm import RMSNorm
 from qoqserve.layers.quantization.qoq_methods import QoQSimMethod
 from qoqserve.quant import sim
 from qoqserve.quant.sim import SimW8A8Method
-from qoqserve.quant.ste import HEAD_ROWS, HeadKL, KVFakeQuant, act_int8
+from qoqserve.quant.ste import HEAD_ROWS, HeadKL, KVFakeQuant, act_int8, grad_dtype
 
 
 class _IntegerProduct(torch.autograd.Function):
@@ -39,19 +39,19 @@ class _IntegerProduct(torch.autograd.Function):
     INT8 GEMM, which quantizes x per token itself and sums exactly what the
     fp32 simulation sums (IntegerGemmSimMethod); backward as act_int8's
     straight-through gradient (identity, plus the rounding error's share of
-    the step, which reaches x at its largest |x|), with grad @ W in bf16, where
-    W's integers are exact."""
+    the step, which reaches x at its largest |x|), with grad @ W in
+    ste.grad_dtype() (bf16 where it is fast: W's integers are exact in it)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, gemm, w_bf16: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, gemm, w_grad: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x)
-        ctx.w = w_bf16
+        ctx.w = w_grad
         return gemm(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (x,) = ctx.saved_tensors
-        gx = (grad.bfloat16() @ ctx.w).float()
+        gx = (grad.to(ctx.w.dtype) @ ctx.w).float()
         amax = x.abs().amax(-1, keepdim=True)
         step = amax / 127
         r = sim.fake_quant_act_int8(x).sub_(x).div_(step.clamp_min(1e-12))  # (xq - x) / step
@@ -67,11 +67,11 @@ class _TunedQoQ(LinearMethod):
 
     def __init__(self, layer: Linear, group_size: int, theta: nn.Parameter):
         self.group_size, self.theta = group_size, theta
-        self.gemm = self.w_bf16 = None
+        self.gemm = self.w_grad = None
         if group_size:  # the INT8 GEMM with unit scales: s1 * (1 + theta) is applied after it
             w = layer.w_expanded
             self.gemm = sim.integer_gemm(w.to(torch.int8), torch.ones(layer.out_features, device=w.device))
-            self.w_bf16 = w.bfloat16()
+            self.w_grad = w.to(grad_dtype())
 
     def create_weights(self, layer, dtype) -> None:  # wraps a built layer
         raise NotImplementedError
@@ -79,7 +79,7 @@ class _TunedQoQ(LinearMethod):
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         s1 = layer.s1.float() * (1 + self.theta)
         if self.group_size:
-            y = _IntegerProduct.apply(x, self.gemm, self.w_bf16) * s1
+            y = _IntegerProduct.apply(x, self.gemm, self.w_grad) * s1
         else:  # per channel: codes 0..15 around a zero point
             y = F.linear(act_int8(x), layer.w_expanded) * s1
             y = y - qoq_ref.act_row_sum(x)[..., None] * (layer.zeros.float() * s1)
@@ -164,8 +164,8 @@ def tune_scales(model, teacher, samples: list[list[int]], epochs: int, lr: float
         opt = torch.optim.Adam(params, lr=lr)
         decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 * (1 + math.cos(math.pi * i / steps)))
         ref: dict[int, torch.Tensor] = {}  # the FP model's hidden states, once per window
-        head_bf16 = model.lm_head.detach().bfloat16()
-        work = torch.empty(3, min(HEAD_ROWS, max(map(len, samples))), head_bf16.shape[0], device=head_bf16.device)
+        head_grad = model.lm_head.detach().to(grad_dtype())
+        work = torch.empty(3, min(HEAD_ROWS, max(map(len, samples))), head_grad.shape[0], device=head_grad.device)
         for _ in range(epochs):
             for i in torch.randperm(len(samples), generator=gen).tolist():
                 if i not in ref:
@@ -174,7 +174,7 @@ def tune_scales(model, teacher, samples: list[list[int]], epochs: int, lr: float
                 for norm, weight, theta in norms:  # a plain attribute while its parameter is out
                     norm.weight = weight.float() * (1 + theta)
                 loss = HeadKL.apply(_hidden(model, samples[i]), ref[i] if epochs > 1 else ref.pop(i),
-                                    model.lm_head, teacher.lm_head, head_bf16, work)
+                                    model.lm_head, teacher.lm_head, head_grad, work)
                 opt.zero_grad()
                 loss.backward()
                 opt.step()

@@ -9,7 +9,15 @@ from typing import Callable
 
 import torch
 
+from qoqserve.kernels.cpu import isa
 from qoqserve.quant import sim
+
+
+def grad_dtype() -> torch.dtype:
+    """The dtype of the backward's products with integer weights (exact in
+    bf16): bf16 where torch's bf16 GEMM has vector kernels, else fp32."""
+    return torch.bfloat16 if isa.torch_has_avx512_kernels() else torch.float32
+
 
 HEAD_ROWS = 256  # tokens per block of HeadKL: fp32 GEMMs of 256 rows run near torch's full rate
 
@@ -22,11 +30,12 @@ class HeadKL(torch.autograd.Function):
     [T, vocab] logits, log-probabilities and their gradient never exist whole
     (at 512 tokens x 49k words each is a fresh 100 MB tensor, whose page faults
     cost more than its arithmetic). work: [3, rows, vocab] fp32, reused from
-    call to call; head_bf16: head for the gradient's product (bf16 halves it)."""
+    call to call; head_grad: head in the dtype of the gradient's product
+    (grad_dtype(): bf16 halves its time where torch has the kernels)."""
 
     @staticmethod
     def forward(ctx, h: torch.Tensor, h_ref: torch.Tensor, head: torch.Tensor, head_ref: torch.Tensor,
-                head_bf16: torch.Tensor, work: torch.Tensor) -> torch.Tensor:
+                head_grad: torch.Tensor, work: torch.Tensor) -> torch.Tensor:
         n_tok, rows = h.shape[0], work.shape[1]
         grad, total = torch.empty(h.shape, dtype=torch.float32, device=h.device), 0.0
         for r0 in range(0, n_tok, rows):
@@ -44,9 +53,10 @@ class HeadKL(torch.autograd.Function):
             torch.exp(b, out=a)
             norm = a.sum(-1, keepdim=True)
             total += float(norm.log().sum())   # sum P_FP = 1 per token
-            g = b.view(torch.bfloat16)[:, :a.shape[1]]  # b's memory, free now
-            g.copy_(a.div_(norm).sub_(p))      # d KL / d logits = P - P_FP
-            grad[r0:r0 + n] = g @ head_bf16
+            g = a.div_(norm).sub_(p)           # d KL / d logits = P - P_FP
+            if head_grad.dtype != g.dtype:     # into b's memory, free now
+                g = b.view(head_grad.dtype)[:, :g.shape[1]].copy_(g)
+            grad[r0:r0 + n] = g @ head_grad
         ctx.save_for_backward(grad.div_(n_tok))
         return h.new_tensor(total / n_tok, dtype=torch.float32)
 

@@ -37,7 +37,7 @@ from qoqserve.layers.linear import Linear, LinearMethod
 from qoqserve.quant import sim
 from qoqserve.quant.config import QuantConfig
 from qoqserve.quant.hadamard import orthogonal_matrix
-from qoqserve.quant.ste import HEAD_ROWS, HeadKL, KVFakeQuant, act_int8, ste
+from qoqserve.quant.ste import HEAD_ROWS, HeadKL, KVFakeQuant, act_int8, grad_dtype, ste
 
 # which side of the residual stream each linear of a layer touches
 READERS = ("self_attn.qkv_proj", "mlp.gate_up_proj")
@@ -157,7 +157,7 @@ class RotationTrainer:
                             group_size=cfg.group_size)
         self._ref: list[torch.Tensor | None] = [None] * len(windows)
         head = model.lm_head.detach()
-        self.head_bf16 = head.bfloat16()
+        self.head_grad = head.to(grad_dtype())
         rows = min(HEAD_ROWS, cfg.rotation_batch * windows.shape[1])
         self.work = torch.empty(3, rows, head.shape[0], device=head.device) if cfg.rotation_loss == "kl" else None
 
@@ -179,7 +179,7 @@ class RotationTrainer:
         self.state.r, self.state.quantize = r.float(), True
         hidden, head = _hidden(self.model, self.windows[idx], self.state.r), self.model.lm_head
         if kl:
-            return HeadKL.apply(hidden, ref, head, head, self.head_bf16, self.work)
+            return HeadKL.apply(hidden, ref, head, head, self.head_grad, self.work)
         ids = self.windows[idx]
         lp = torch.log_softmax(F.linear(hidden, head).float(), -1).view(*ids.shape, -1)[:, :-1]
         return F.nll_loss(lp.reshape(-1, lp.shape[-1]), ids[:, 1:].reshape(-1))
