@@ -37,17 +37,18 @@ class HeadKL(torch.autograd.Function):
     def forward(ctx, h: torch.Tensor, h_ref: torch.Tensor, head: torch.Tensor, head_ref: torch.Tensor,
                 head_grad: torch.Tensor, work: torch.Tensor) -> torch.Tensor:
         n_tok, rows = h.shape[0], work.shape[1]
+        head_t, head_ref_t = head.float().t(), head_ref.float().t()
         grad, total = torch.empty(h.shape, dtype=torch.float32, device=h.device), 0.0
         for r0 in range(0, n_tok, rows):
             n = min(rows, n_tok - r0)
             a, b, p = work[0, :n], work[1, :n], work[2, :n]
-            torch.mm(h_ref[r0:r0 + n].float(), head_ref.float().t(), out=a)
+            torch.mm(h_ref[r0:r0 + n].float(), head_ref_t, out=a)
             a.sub_(a.amax(-1, keepdim=True))
             torch.exp(a, out=p)
             norm = p.sum(-1, keepdim=True)
             p.div_(norm)                       # P_FP
             a.sub_(norm.log_())                # log P_FP
-            torch.mm(h[r0:r0 + n].float(), head.float().t(), out=b)
+            torch.mm(h[r0:r0 + n].float(), head_t, out=b)
             b.sub_(b.amax(-1, keepdim=True))   # log P + log sum exp(b)
             total += float(torch.dot(p.view(-1), a.sub_(b).view(-1)))
             torch.exp(b, out=a)
