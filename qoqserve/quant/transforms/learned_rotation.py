@@ -156,10 +156,12 @@ class RotationTrainer:
         self.state = _State(act_quant=cfg.rotation_act_quant, kv_quant=cfg.rotation_kv_quant,
                             group_size=cfg.group_size)
         self._ref: list[torch.Tensor | None] = [None] * len(windows)
-        head = model.lm_head.detach()
-        self.head_grad = head.to(grad_dtype())
-        rows = min(HEAD_ROWS, cfg.rotation_batch * windows.shape[1])
-        self.work = torch.empty(3, rows, head.shape[0], device=head.device) if cfg.rotation_loss == "kl" else None
+        self.head_grad = self.work = None  # HeadKL's, for the KL loss
+        if cfg.rotation_loss == "kl":
+            head = model.lm_head.detach()
+            self.head_grad = head.to(grad_dtype())
+            rows = min(HEAD_ROWS, cfg.rotation_batch * windows.shape[1])
+            self.work = torch.empty(3, rows, head.shape[0], device=head.device)
 
     def rotation(self) -> torch.Tensor:
         return self.q0 @ cayley(self.b)
