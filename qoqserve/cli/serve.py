@@ -10,8 +10,8 @@ from qoqserve.cli.engine_args import add_engine_args, make_engine
 def register(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
     p.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
-                   help="HF dir, .gguf file or a qoq alias (default: the embedded model, QoQ g64, "
-                        "quantized on first use and cached)")
+                   help="HF dir, .gguf file or a qoq alias: qoq, qoq-tuned, qoq-chn (default: qoq, the "
+                        "embedded model in QoQ g64, quantized on first use and cached)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("QOQSERVE_API_KEY"),
