@@ -31,7 +31,7 @@ from qoqserve.layers.norm import RMSNorm
 from qoqserve.layers.quantization.qoq_methods import QoQSimMethod
 from qoqserve.quant import sim
 from qoqserve.quant.sim import SimW8A8Method
-from qoqserve.quant.ste import HEAD_ROWS, HeadKL, KVFakeQuant, act_int8, grad_dtype
+from qoqserve.quant.ste import HeadKL, KVFakeQuant, act_int8, grad_dtype, head_kl_buffers
 
 
 class _IntegerProduct(torch.autograd.Function):
@@ -164,8 +164,7 @@ def tune_scales(model, teacher, samples: list[list[int]], epochs: int, lr: float
         opt = torch.optim.Adam(params, lr=lr)
         decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 * (1 + math.cos(math.pi * i / steps)))
         ref: dict[int, torch.Tensor] = {}  # the FP model's hidden states, once per window
-        head_grad = model.lm_head.detach().to(grad_dtype())
-        work = torch.empty(3, min(HEAD_ROWS, max(map(len, samples))), head_grad.shape[0], device=head_grad.device)
+        head_grad, work = head_kl_buffers(model.lm_head, max(map(len, samples)))
         for _ in range(epochs):
             for i in torch.randperm(len(samples), generator=gen).tolist():
                 if i not in ref:

@@ -22,6 +22,12 @@ def grad_dtype() -> torch.dtype:
 HEAD_ROWS = 256  # tokens per block of HeadKL: fp32 GEMMs of 256 rows run near torch's full rate
 
 
+def head_kl_buffers(head: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """HeadKL's head_grad and work for an LM head and calls of up to `tokens` tokens."""
+    head = head.detach()
+    return head.to(grad_dtype()), torch.empty(3, min(HEAD_ROWS, tokens), head.shape[0], device=head.device)
+
+
 class HeadKL(torch.autograd.Function):
     """Mean per-token KL(P_FP || P_model) of the LM head's next-token
     distributions from two models' final hidden states, h [T, hidden]

@@ -37,7 +37,7 @@ from qoqserve.layers.linear import Linear, LinearMethod
 from qoqserve.quant import sim
 from qoqserve.quant.config import QuantConfig
 from qoqserve.quant.hadamard import orthogonal_matrix
-from qoqserve.quant.ste import HEAD_ROWS, HeadKL, KVFakeQuant, act_int8, grad_dtype, ste
+from qoqserve.quant.ste import HeadKL, KVFakeQuant, act_int8, head_kl_buffers, ste
 
 # which side of the residual stream each linear of a layer touches
 READERS = ("self_attn.qkv_proj", "mlp.gate_up_proj")
@@ -158,10 +158,7 @@ class RotationTrainer:
         self._ref: list[torch.Tensor | None] = [None] * len(windows)
         self.head_grad = self.work = None  # HeadKL's, for the KL loss
         if cfg.rotation_loss == "kl":
-            head = model.lm_head.detach()
-            self.head_grad = head.to(grad_dtype())
-            rows = min(HEAD_ROWS, cfg.rotation_batch * windows.shape[1])
-            self.work = torch.empty(3, rows, head.shape[0], device=head.device)
+            self.head_grad, self.work = head_kl_buffers(model.lm_head, cfg.rotation_batch * windows.shape[1])
 
     def rotation(self) -> torch.Tensor:
         return self.q0 @ cayley(self.b)
