@@ -88,7 +88,7 @@ class ParallelConfig:
 class EngineConfig:
     model: str | None = opt(None, "HF checkpoint dir or .gguf file (default: embedded "
                                   "SmolLM2-135M-Instruct), or an alias of that model quantized on "
-                                  "first use: qoq (QoQ g64), qoq-tuned (g64 + scale tuning), qoq-chn")
+                                  "first use: qoq (QoQ g64), qoq-tuned (g64 with the long scale tuning), qoq-chn")
     dtype: str | torch.dtype = opt("auto", "activation and unquantized-weight dtype (auto: fp32 "
                                            "on CPU, fp16 on CUDA)", choices=DTYPE_CHOICES)
     device: str = opt("cpu", "cpu or cuda[:N]")

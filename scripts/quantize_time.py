@@ -30,7 +30,8 @@ CPU: dict[str, float] = defaultdict(float)  # process CPU seconds (all threads)
 ORDER = ["load GGUF + tokenize calibration", "load + build the fp32 model", "rotate",
          "measuring pass (FP layer, hooks)", "  of which Hessians", "transforms (key, reorder, smooth)",
          "  of which smooth alpha search", "GPTQ", "  of which group search",
-         "propagating pass (quantized layer)", "write checkpoint"]
+         "propagating pass (quantized layer)", "scale tuning",
+         "write checkpoint"]
 
 
 def timed(owner, name: str, label: str) -> None:
@@ -54,6 +55,7 @@ def instrument() -> None:
     timed(pipeline, "search_alpha", "  of which smooth alpha search")
     timed(pipeline, "gptq_quantize", "GPTQ")
     timed(pipeline, "search_group_params", "  of which group search")
+    timed(pipeline, "tune_scales", "scale tuning")
     run_layer = layer_passes.run_layer
     calls = defaultdict(int)
 

@@ -17,8 +17,8 @@ from qoqserve.quant.pipeline import quantize_model
 
 @pytest.fixture(scope="module")
 def quantized(default_source, tmp_path_factory):
-    # a quick config (no GPTQ, small calibration): the runtime is under test, not accuracy
-    cfg = get_preset("g64", calib_samples=8, calib_seq_len=256, gptq=False)
+    # a quick config (no GPTQ, no tuning, small calibration): the runtime is under test, not accuracy
+    cfg = get_preset("g64", calib_samples=8, calib_seq_len=256, gptq=False, scale_tuning_epochs=0)
     calib = load_calibration(default_source.tokenizer, None, cfg.calib_samples, cfg.calib_seq_len)
     result = quantize_model(default_source, cfg, calib, progress=False)
     out = tmp_path_factory.mktemp("smol") / "qoq-g64"

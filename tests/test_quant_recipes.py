@@ -38,7 +38,8 @@ def _quantize_recording(monkeypatch, source, true_sequential: bool):
         return real(w, hessian, quantizer)
 
     monkeypatch.setattr(pipeline, "gptq_quantize", spy)
-    cfg = get_preset("g64", a_bits=16, calib_samples=8, calib_seq_len=64, true_sequential=true_sequential)
+    cfg = get_preset("g64", a_bits=16, scale_tuning_epochs=0, calib_samples=8, calib_seq_len=64,
+                     true_sequential=true_sequential)
     data = calib()
     result = pipeline.quantize_model(source, cfg, data, progress=False)
     return result, seen, data

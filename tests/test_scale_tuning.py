@@ -26,14 +26,15 @@ from qoqserve.quant import sim
 from qoqserve.quant.checkpoint import save_checkpoint
 from qoqserve.quant.config import get_preset
 from qoqserve.quant.pipeline import build_fp_model, quantize_model
-from qoqserve.quant.scale_tuning import _IntegerProduct, tune_scales
+from qoqserve.quant.scale_tuning import _IntegerProduct, spread_windows, tune_scales
 from qoqserve.quant.ste import HeadKL, act_int8
 
 WINDOWS = calib(4, 64).samples
 
 
 def _fp(source, cfg):
-    return build_fp_model(source, dataclasses.replace(cfg, w_bits=16, a_bits=16, kv_bits=16), "cpu")
+    return build_fp_model(source, dataclasses.replace(cfg, w_bits=16, a_bits=16, kv_bits=16, scale_tuning_epochs=0),
+                          "cpu")
 
 
 def _kl(model, teacher, windows) -> float:
@@ -118,7 +119,7 @@ def test_tuned_checkpoint_through_cli_and_runtime(tmp_path):
                                                "--no-scale-tuning-norms", "--calib-samples", "4",
                                                "--calib-seq-len", "64"]))
     assert (cfg.scale_tuning_epochs, cfg.scale_tuning_lr, cfg.scale_tuning_norms) == (1, 0.01, False)
-    assert quant_config_from_args(p.parse_args([])).scale_tuning_epochs == 0
+    assert cfg.scale_tuning_windows == 20  # the preset's; the 4 windows given are fewer: all of them
     result = quantize_model(source, cfg, calib(4), progress=False)
     assert "scale-tuning" in result.steps and len(result.scale_tuning.curve) == 4
     out = tmp_path / "ckpt"
@@ -211,11 +212,37 @@ def test_integer_product_is_act_int8_times_the_weight_with_its_gradient(fused, g
     assert torch.equal(got[3], g[3] @ w.float())
 
 
-def test_the_tuned_preset_is_g64_with_two_epochs_and_has_an_alias(monkeypatch):
+def test_spread_windows_are_evenly_spaced_in_order():
+    windows = [[i] for i in range(10)]
+    assert spread_windows(windows, 3) == [[0], [3], [6]]
+    assert spread_windows(windows, 4) == [[0], [2], [5], [7]]
+    assert spread_windows(windows, 0) == windows and spread_windows(windows, 10) == windows
+    assert spread_windows(windows, 25) == windows
+
+
+def test_the_qserve_presets_tune_briefly_and_the_pipeline_takes_that_many_windows(tmp_path):
+    for name in ("g64", "g128", "chn"):
+        cfg = get_preset(name)
+        assert (cfg.scale_tuning_epochs, cfg.scale_tuning_windows) == (1, 20), name
+    # the baselines and the ablation's round-to-nearest start do not tune
+    assert get_preset("rtn-w4a8kv4-g64").scale_tuning_epochs == 0
+    source = tiny_source("llama", tmp_path)
+    cfg = get_preset("g64", calib_samples=4, calib_seq_len=64, scale_tuning_windows=2)
+    result = quantize_model(source, cfg, calib(4), progress=False)
+    assert "scale-tuning" in result.steps and len(result.scale_tuning.curve) == 2
+    p = argparse.ArgumentParser()
+    add_quant_args(p)
+    assert quant_config_from_args(p.parse_args(["--scale-tuning-windows", "5"])).scale_tuning_windows == 5
+    assert quant_config_from_args(p.parse_args(["--scale-tuning-epochs", "0"])).scale_tuning_epochs == 0
+    with pytest.raises(ValueError, match="scale_tuning_windows"):
+        get_preset("g64", scale_tuning_windows=-1)
+
+
+def test_the_tuned_preset_is_g64_with_the_long_tuning_and_has_an_alias(monkeypatch):
     from qoqserve.quant import default_checkpoint
     tuned, plain = get_preset("g64-tuned"), get_preset("g64")
-    assert dataclasses.replace(tuned, name="g64", scale_tuning_epochs=0) == plain
-    assert tuned.scale_tuning_epochs == 2
+    assert dataclasses.replace(tuned, name="g64", scale_tuning_epochs=1, scale_tuning_windows=20) == plain
+    assert (tuned.scale_tuning_epochs, tuned.scale_tuning_windows) == (2, 0)
     p = argparse.ArgumentParser()
     add_quant_args(p)
     assert quant_config_from_args(p.parse_args(["--config", "g64-tuned"])) == tuned

@@ -12,12 +12,13 @@ STEP_FLAGS = ("rotate", "smooth_attention", "key_transform", "smooth_out", "reor
 ROTATION_OPTIONS = (("rotation_steps", int), ("rotation_lr", float), ("rotation_samples", int),
                     ("rotation_seq_len", int), ("rotation_batch", int))
 # end-to-end scale tuning after quantization (quant/scale_tuning.py)
-TUNING_OPTIONS = (("scale_tuning_epochs", int), ("scale_tuning_lr", float))
+TUNING_OPTIONS = (("scale_tuning_epochs", int), ("scale_tuning_lr", float), ("scale_tuning_windows", int))
 
 
 def add_quant_args(p) -> None:
     p.add_argument("--config", default="g64",
-                   help="g128 | g64 | chn | g64-tuned (g64 + --scale-tuning-epochs 2), or a baseline preset")
+                   help="g128 | g64 | chn | g64-tuned (g64 with the long scale tuning: 2 epochs over every "
+                        "window), or a baseline preset")
     p.add_argument("--calib", default=None, help="calibration text file (default: shipped set)")
     p.add_argument("--calib-samples", type=int, default=None)
     p.add_argument("--calib-seq-len", type=int, default=None)
@@ -45,8 +46,11 @@ def add_quant_args(p) -> None:
                        help="learned rotation training (QuantConfig." + field + ")")
     p.add_argument("--scale-tuning-epochs", type=int, default=None,
                    help="after quantizing, tune the float scales (s1, norm weights) by KL to the FP model "
-                        "for this many passes over the calibration windows (0: off, the default; "
+                        "for this many passes over the tuning windows (0: off; the g64/g128/chn presets: 1; "
                         "docs/accuracy.md has what it gains and costs)")
+    p.add_argument("--scale-tuning-windows", type=int, default=None,
+                   help="how many calibration windows the tuning trains on, spread over the text "
+                        "(0: all; the g64/g128/chn presets: 20)")
     p.add_argument("--scale-tuning-lr", type=float, default=None, help="its Adam learning rate")
     p.add_argument("--rotation-loss", choices=ROTATION_LOSSES, default=None,
                    help="learned rotation loss: KL to the FP model's logits, or next-token CE")

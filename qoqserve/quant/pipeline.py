@@ -30,7 +30,7 @@ from qoqserve.quant.config import LINEARS, QuantConfig
 from qoqserve.quant.gptq import asymmetric_target, gptq_quantize
 from qoqserve.quant.group_search import search_group_params
 from qoqserve.quant.layer_stats import LayerCapture, search_alpha, search_key_alpha
-from qoqserve.quant.scale_tuning import ScaleTuning, tune_scales
+from qoqserve.quant.scale_tuning import ScaleTuning, spread_windows, tune_scales
 from qoqserve.quant.transforms._common import expand_groups, group_max
 from qoqserve.quant.transforms.key_center import center_and_rotate_keys, key_rotation
 from qoqserve.quant.transforms.learned_rotation import learn_rotation
@@ -278,14 +278,14 @@ def quantize_model(source, cfg: QuantConfig, calib: CalibrationSet, device: str 
         qoq = QoQConfig(cfg.group_size, cfg.kv_bits, cfg.uses_key_transform) if cfg.is_qoq_format else None
         if qoq is not None:
             _round_to_storage(model, qoq)
+    steps += _layer_steps(cfg)
     if cfg.scale_tuning_epochs:  # on the model as stored, then the tuned norm weights rounded too
         fp_cfg = dataclasses.replace(cfg, w_bits=16, a_bits=16, kv_bits=16, scale_tuning_epochs=0)
         teacher = build_fp_model(source, fp_cfg, device, max_positions)
-        tuning = tune_scales(model, teacher, calib.samples, cfg.scale_tuning_epochs, cfg.scale_tuning_lr,
-                             cfg.scale_tuning_norms, cfg.seed, progress)
+        tuning = tune_scales(model, teacher, spread_windows(calib.samples, cfg.scale_tuning_windows),
+                             cfg.scale_tuning_epochs, cfg.scale_tuning_lr, cfg.scale_tuning_norms, cfg.seed, progress)
         del teacher
         steps.append("scale-tuning")
         with torch.no_grad():
             _round_to_storage(model, qoq)
-    steps += _layer_steps(cfg)
     return QuantResult(model, cfg, steps, infos, time.perf_counter() - start, curve, tuning)

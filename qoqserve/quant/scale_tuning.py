@@ -148,6 +148,14 @@ def _hidden(model, ids: list[int]) -> torch.Tensor:
     return model(torch.tensor(ids, device=device), torch.arange(n, device=device), meta, None)[:-1]
 
 
+def spread_windows(samples: list[list[int]], n: int) -> list[list[int]]:
+    """n of the calibration windows, evenly spaced over them (the text's topics
+    come one after another), in order; all of them when n is 0 or not fewer."""
+    if n <= 0 or n >= len(samples):
+        return list(samples)
+    return [samples[i * len(samples) // n] for i in range(n)]
+
+
 def tune_scales(model, teacher, samples: list[list[int]], epochs: int, lr: float, tune_norms: bool = True,
                 seed: int = 0, progress: bool = False) -> ScaleTuning:
     """Tune `model` (a QoQ reference simulation, in place) toward `teacher`
