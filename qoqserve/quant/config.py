@@ -162,8 +162,8 @@ NO_TRANSFORMS = dict(rotate=False, rotate_v=False, smooth_attention=False, key_t
                      scale_tuning_windows=0)
 
 # the QServe recipes end with a short end-to-end scale tuning (one pass over 20
-# windows, about a minute here): most of what the long one gains in perplexity
-# and long-context retrieval (docs/accuracy.md, "Short tuning by default")
+# windows): most of what the long one gains in perplexity and long-context
+# retrieval for a fraction of its time (docs/accuracy.md, "Short tuning by default")
 _SHORT_TUNING = dict(scale_tuning_epochs=1, scale_tuning_windows=20)
 
 PRESETS: dict[str, QuantConfig] = {
