@@ -263,3 +263,21 @@ def test_without_torch_bf16_kernels_the_backward_products_are_fp32(case, monkeyp
     start = _kl(model, teacher, WINDOWS)
     tune_scales(model, teacher, WINDOWS, epochs=6, lr=3e-3, seed=0)
     assert _kl(model, teacher, WINDOWS) < start * 0.9
+
+
+
+def test_the_tuned_linears_at_theta_zero_are_the_simulation_bit_for_bit(case):
+    # per group and per channel: the INT8 GEMM with unit scales, s1 after it
+    # (and per channel the zero point's row-sum term) is the reference
+    # simulation's product before any step
+    from qoqserve.quant.scale_tuning import _tuning
+    _, _, quantized = case
+    model = copy.deepcopy(quantized)
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
+    gen = torch.Generator().manual_seed(0)
+    xs = {n: torch.randn(9, m.in_features, generator=gen) * 3 for n, m in linears}
+    ref = {n: m.method.apply(m, xs[n]) for n, m in linears}
+    with torch.no_grad(), _tuning(model, tune_norms=False):
+        for name, m in linears:
+            assert type(m.method).__name__ == "_TunedQoQ"
+            assert torch.equal(m.method.apply(m, xs[name]), ref[name]), name

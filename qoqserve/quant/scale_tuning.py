@@ -67,21 +67,19 @@ class _TunedQoQ(LinearMethod):
 
     def __init__(self, layer: Linear, group_size: int, theta: nn.Parameter):
         self.group_size, self.theta = group_size, theta
-        self.gemm = self.w_grad = None
-        if group_size:  # the INT8 GEMM with unit scales: s1 * (1 + theta) is applied after it
-            w = layer.w_expanded
-            self.gemm = sim.integer_gemm(w.to(torch.int8), torch.ones(layer.out_features, device=w.device))
-            self.w_grad = w.to(grad_dtype())
+        # the INT8 GEMM with unit scales (s1 * (1 + theta) is applied after it)
+        # over s2*(u - z) per group, or the codes u per channel
+        w = layer.w_expanded
+        self.gemm = sim.integer_gemm(w.to(torch.int8), torch.ones(layer.out_features, device=w.device))
+        self.w_grad = w.to(grad_dtype())
 
     def create_weights(self, layer, dtype) -> None:  # wraps a built layer
         raise NotImplementedError
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         s1 = layer.s1.float() * (1 + self.theta)
-        if self.group_size:
-            y = _IntegerProduct.apply(x, self.gemm, self.w_grad) * s1
-        else:  # per channel: codes 0..15 around a zero point
-            y = F.linear(act_int8(x), layer.w_expanded) * s1
+        y = _IntegerProduct.apply(x, self.gemm, self.w_grad) * s1
+        if not self.group_size:  # per channel: codes 0..15 around a zero point
             y = y - qoq_ref.act_row_sum(x)[..., None] * (layer.zeros.float() * s1)
         return y + layer.bias.float() if layer.has_bias else y
 
