@@ -37,7 +37,8 @@ def add_quant_args(p) -> None:
                         "layers.{i}.{self_attn.qkv_proj|self_attn.o_proj|mlp.gate_up_proj|mlp.down_proj}, "
                         "e.g. 'layers.0.*' '*.mlp.down_proj'")
     # lazy: CLI start-up (load what a subcommand needs when it runs)
-    from qoqserve.quant.config import ROTATION_LOSSES, ROTATIONS
+    from qoqserve.quant.config import ROTATION_LOSSES, ROTATIONS, get_preset
+    preset = get_preset("g64")  # g128 and chn tune alike
     p.add_argument("--rotation", choices=ROTATIONS, default=None,
                    help="residual rotation: a fixed Hadamard (default), or learned from the Hadamard "
                         "start on the calibration text against the fake-quantized model")
@@ -46,11 +47,11 @@ def add_quant_args(p) -> None:
                        help="learned rotation training (QuantConfig." + field + ")")
     p.add_argument("--scale-tuning-epochs", type=int, default=None,
                    help="after quantizing, tune the float scales (s1, norm weights) by KL to the FP model "
-                        "for this many passes over the tuning windows (0: off; the g64/g128/chn presets: 1; "
-                        "docs/accuracy.md has what it gains and costs)")
+                        "for this many passes over the tuning windows (0: off; the g64/g128/chn presets: "
+                        f"{preset.scale_tuning_epochs}; docs/accuracy.md has what it gains and costs)")
     p.add_argument("--scale-tuning-windows", type=int, default=None,
                    help="how many calibration windows the tuning trains on, spread over the text "
-                        "(0: all; the g64/g128/chn presets: 20)")
+                        f"(0: all; the g64/g128/chn presets: {preset.scale_tuning_windows})")
     p.add_argument("--scale-tuning-lr", type=float, default=None, help="its Adam learning rate")
     p.add_argument("--rotation-loss", choices=ROTATION_LOSSES, default=None,
                    help="learned rotation loss: KL to the FP model's logits, or next-token CE")
