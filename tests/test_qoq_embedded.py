@@ -89,6 +89,15 @@ def test_stale_cached_checkpoint_is_not_reused(quantized, tmp_path):
     quant["config"]["true_sequential"] = True
     (cached / "quant_config.json").write_text(json.dumps(quant))
     assert not _is_current(str(cached), "g64")
+    quant["config"]["true_sequential"] = False
+    (cached / "quant_config.json").write_text(json.dumps(quant))
+    assert _is_current(str(cached), "g64")
+    quant["quantizer_revision"] -= 1  # same settings, a quantizer that made other numbers
+    (cached / "quant_config.json").write_text(json.dumps(quant))
+    assert not _is_current(str(cached), "g64")
+    del quant["quantizer_revision"]  # written before revisions were recorded
+    (cached / "quant_config.json").write_text(json.dumps(quant))
+    assert not _is_current(str(cached), "g64")
     quant["version"] = 1  # what an older qoqserve wrote
     (cached / "quant_config.json").write_text(json.dumps(quant))
     assert not _is_current(str(cached), "g64")

@@ -27,7 +27,7 @@ from qoqserve.quant.checkpoint import save_checkpoint
 from qoqserve.quant.config import get_preset
 from qoqserve.quant.pipeline import build_fp_model, quantize_model
 from qoqserve.quant.scale_tuning import _IntegerProduct, spread_windows, tune_scales
-from qoqserve.quant.ste import HeadKL, act_int8
+from qoqserve.quant.ste import HeadKL, KVFakeQuant, act_int8
 
 WINDOWS = calib(4, 64).samples
 
@@ -210,6 +210,30 @@ def test_integer_product_is_act_int8_times_the_weight_with_its_gradient(fused, g
     torch.testing.assert_close(y, want, rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(got, x.grad, rtol=1e-6, atol=1e-6)
     assert torch.equal(got[3], g[3] @ w.float())
+
+
+def test_straight_through_values_are_the_fake_quantization_bit_for_bit():
+    # the training forward must be the model the simulation scores: per-token
+    # INT8 inputs and KV4 rows equal sim's fake quantization exactly (the bare
+    # x + step * sg((xq - x) / step) misses it by a bit on a third of them),
+    # and the gradient stays that expression's (LSQ: 1 + the step's share)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 3, 64, generator=gen) * torch.logspace(-6, 3, 64)[:, None, None]
+    x[7] = 0
+    kv = KVFakeQuant(Int4KVCacheLayout(3, 64, 16), lambda: True)
+    for fq, want in ((act_int8, sim.fake_quant_act_int8(x)), (kv.fake_quant, kv.layout.fake_quant(x))):
+        xs = x.clone().requires_grad_(True)
+        y = fq(xs)
+        assert torch.equal(y, want)
+        g = torch.randn(y.shape, generator=gen)
+        y.backward(g)
+        xr = x.clone().requires_grad_(True)
+        ref_step = ((xr.abs().amax(-1, keepdim=True) / 127).clamp_min(1e-12) if fq is act_int8 else
+                    ((xr.amax(-1, keepdim=True) - xr.amin(-1, keepdim=True)) / 15).clamp_min(1e-8))
+        ref = xr + ref_step * ((want - xr) / ref_step).detach()
+        ref.backward(g)
+        torch.testing.assert_close(xs.grad, xr.grad, rtol=0, atol=0)
+        assert not torch.equal(xs.grad, g)  # the step's share is there
 
 
 def test_spread_windows_are_evenly_spaced_in_order():

@@ -11,7 +11,7 @@ from qoqserve.layers.quantization import QoQConfig
 from qoqserve.model_loader.schema import expected_tensors
 from qoqserve.quant.calibration import CalibrationSet
 from qoqserve.quant.config import QuantConfig
-from qoqserve.quant.pipeline import QuantResult
+from qoqserve.quant.pipeline import QUANTIZER_REVISION, QuantResult
 from qoqserve.version import __version__
 
 
@@ -54,6 +54,7 @@ def save_checkpoint(result: QuantResult, source, calib: CalibrationSet, out_dir:
         "calibration": {"sha256": calib.sha256, "file": os.path.basename(calib.source),
                         "samples": len(calib.samples), "windows": calib.describe()},
         "source_model": source.name, "quantized_by": f"qoqserve {__version__}",
+        "quantizer_revision": QUANTIZER_REVISION,
         "seconds": round(result.seconds, 1), "layers": result.layer_info,
     }
     with open(os.path.join(out_dir, "quant_config.json"), "w") as f:

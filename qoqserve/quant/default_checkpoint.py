@@ -17,21 +17,23 @@ from qoqserve.paths import cache_dir
 from qoqserve.quant.calibration import calibration_for
 from qoqserve.quant.checkpoint import save_checkpoint
 from qoqserve.quant.config import QuantConfig, get_preset
-from qoqserve.quant.pipeline import quantize_model
+from qoqserve.quant.pipeline import QUANTIZER_REVISION, quantize_model
 
 ALIASES = {"qoq": "g64", "qoq-g64": "g64", "qoq-g128": "g128", "qoq-chn": "chn", "qoq-tuned": "g64-tuned"}
 
 
 def _is_current(out: str, preset: str) -> bool:
     """A cached checkpoint is reused only if today's code would write the same one:
-    same format version and the same preset settings (a stale cache re-quantizes)."""
+    same format version, quantizer revision and preset settings (a stale cache
+    re-quantizes)."""
     try:
         with open(os.path.join(out, "quant_config.json")) as f:
             quant = json.load(f)
     except (OSError, ValueError):
         return False
     stored = quant.get("config")
-    if quant.get("version") != FORMAT_VERSION or not isinstance(stored, dict):
+    if (quant.get("version") != FORMAT_VERSION or quant.get("quantizer_revision") != QUANTIZER_REVISION
+            or not isinstance(stored, dict)):
         return False
     # as JSON holds it (tuples as lists); an option newer than the cache, at
     # the value that reproduces what the cache was made without, is no change

@@ -44,6 +44,11 @@ from qoqserve.quant.transforms.smooth import (
 )
 from qoqserve.quant.weight_quantizer import WeightQuantizer
 
+# Bumped whenever the same QuantConfig makes different numbers (a cached
+# checkpoint of an older revision is quantized again). 2: the straight-through
+# forward equals the fake quantization bit for bit (quant/ste.py).
+QUANTIZER_REVISION = 2
+
 
 @dataclass
 class QuantResult:
