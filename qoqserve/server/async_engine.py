@@ -58,6 +58,22 @@ class _Stream:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
+def _deliver(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
+
+
+def _put_all(items: list[tuple[_Stream, object]]) -> None:
+    """One wake-up of each event loop for a whole step's outputs: a
+    call_soon_threadsafe per stream would wake the loop (a pipe write each)
+    once per sequence while the engine thread still needs the GIL."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for stream, item in items:
+        by_loop.setdefault(stream.loop, []).append((stream.queue, item))
+    for loop, batch in by_loop.items():
+        loop.call_soon_threadsafe(_deliver, batch)
+
+
 class _Waiting:
     """One request's place in the waiting count; given back exactly once: at its
     first output, its end, or (a stream never started) when it is collected."""
@@ -287,24 +303,25 @@ class AsyncEngine:
             self._last_loop_fault = f"{type(e).__name__}: {e}"
             self._abort_all(RuntimeError(f"engine step failed: {e}"))
             return
+        ready = []
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            stream.put(out)
+            ready.append((stream, out))
             if out.finished:
                 del self._streams[out.request_id]
+        _put_all(ready)
         self._refresh_stats(outputs)
 
     def _abort_all(self, error: BaseException | None) -> None:
+        ended = []
         for rid, stream in list(self._streams.items()):
             self.engine.abort(rid)
-            if error is not None:
-                stream.put(error)
-            else:
-                stream.put(RequestOutput(
-                    request_id=rid, prompt_token_ids=[], token_ids=[], text="", delta_text="",
-                    delta_token_ids=[], finished=True, finish_reason="abort"))
+            ended.append((stream, error if error is not None else RequestOutput(
+                request_id=rid, prompt_token_ids=[], token_ids=[], text="", delta_text="",
+                delta_token_ids=[], finished=True, finish_reason="abort")))
+        _put_all(ended)
         self._streams.clear()
         self._refresh_stats([])
 
