@@ -83,8 +83,11 @@ def sources(tmp_path_factory):
 def test_qoq_simulation_tracks_fp_and_checkpoint_round_trips(sources, kind, preset, tmp_path):
     source = sources[kind]
     # SmoothAttention (off by default) on: these random models have outlier inputs it
-    # helps with, and its per-layer search then runs and round-trips too
-    cfg = get_preset(preset, calib_samples=8, calib_seq_len=64, smooth_attention=True)
+    # helps with, and its per-layer search then runs and round-trips too. No scale
+    # tuning: on 8 windows of random tokens it fits them and moves held-out logits
+    # away from FP (tests/test_scale_tuning.py holds it to what it must do)
+    cfg = get_preset(preset, calib_samples=8, calib_seq_len=64, smooth_attention=True,
+                     scale_tuning_epochs=0)
     result = quantize_model(source, cfg, calib(), progress=False)
     assert all("alpha_attn" in info for info in result.layer_info)
     ids = calib(1, 96, seed=5).samples[0]
