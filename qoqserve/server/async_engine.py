@@ -55,7 +55,7 @@ class _Stream:
     queue: asyncio.Queue
 
     def put(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        _put_all([(self, item)])
 
 
 def _deliver(items: list[tuple[asyncio.Queue, object]]) -> None:
