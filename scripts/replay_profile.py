@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """Per-kernel time inside captured decode steps: the embedded QoQ model at
-batch B (64-token prompts), each C call of the captured graph timed over 50
+batch B (P-token prompts, 64 by default), each C call of the captured graph timed over 50
 replays, beside a plain replay and the LM head (docs/benchmarks.md, roofline).
 Then the fastest of 100 native replays of the GEMM calls alone, of every
 other call alone, of the whole graph, and of a whole engine step: what the
 step spends in its weights' stream, in the rest and around the replay.
 
-    python scripts/replay_profile.py [B]
+    python scripts/replay_profile.py [B [P]]
 """
 import collections
 import sys
@@ -23,9 +23,10 @@ REPLAYS = 50
 
 def main() -> None:
     batch = int(sys.argv[1]) if len(sys.argv) > 1 else 1
+    prompt_len = int(sys.argv[2]) if len(sys.argv) > 2 else 64
     engine = LLM("qoq").engine
     params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
-    for i, prompt in enumerate(make_prompts(batch, 64, engine.arch.vocab_size, seed=1)):
+    for i, prompt in enumerate(make_prompts(batch, prompt_len, engine.arch.vocab_size, seed=1)):
         engine.add_request(f"r{i}", prompt, params)
     for _ in range(5):  # prefill, then decode steps in the captured graph
         engine.step()
@@ -49,7 +50,7 @@ def main() -> None:
     for _ in range(REPLAYS):
         runner.model.compute_logits(hidden)
     head = (time.perf_counter() - start) / REPLAYS
-    print(f"batch {batch}: {len(graph.ops)} calls per replay, replay {replay * 1e3:.2f} ms, "
+    print(f"batch {batch}, {prompt_len}-token prompts: {len(graph.ops)} calls per replay, replay {replay * 1e3:.2f} ms, "
           f"LM head {head * 1e3:.2f} ms")
     for name, t in spent.most_common():
         print(f"  {name:28s} {t / REPLAYS * 1e3:7.3f} ms/step {calls[name] // REPLAYS:4d} calls "
