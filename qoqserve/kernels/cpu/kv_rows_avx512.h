@@ -71,22 +71,32 @@ static inline __attribute__((always_inline)) void load_query(const float *src, c
     }
 }
 
-/* (src[np] in slot order - offset) * scale -> the D channels of dst; by
- * vector permutes (per element, this was a visible share of both kernels) */
+/* x, or with a divisor (0 + x) / den: merge()'s last step, done on the
+ * registers (storing x and loading it back to divide stalled on store
+ * forwarding: masked stores then loads of the same lines) */
+static inline __attribute__((always_inline)) __m512 output_value(__m512 x, const __m512 *den) {
+    return den ? _mm512_div_ps(_mm512_add_ps(_mm512_setzero_ps(), x), *den) : x;
+}
+
+/* (src[np] in slot order - offset) * scale -> the D channels of dst, then
+ * divided by *den unless den is NULL; by vector permutes (per element, this
+ * was a visible share of both kernels) */
 static inline __attribute__((always_inline)) void store_output(const float *src, const int fmt, const int D,
                                                                 const int np, const __m512 offset,
-                                                                const __m512 scale, float *dst) {
+                                                                const __m512 scale, const __m512 *den, float *dst) {
     if (!planar(fmt)) {
         for (int c = 0; c < np; c += 16)
-            _mm512_mask_storeu_ps(dst + c, lane_mask(D - c), _mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(src + c), offset), scale));
+            _mm512_mask_storeu_ps(dst + c, lane_mask(D - c),
+                                  output_value(_mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(src + c), offset), scale), den));
         return;
     }
     const __m512i low = planar_low(), high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
     for (int c = 0; c < np; c += 32) {
         const __m512 e = _mm512_sub_ps(_mm512_load_ps(src + c), offset), o = _mm512_sub_ps(_mm512_load_ps(src + c + 16), offset);
-        _mm512_mask_storeu_ps(dst + c, lane_mask(D - c), _mm512_mul_ps(_mm512_permutex2var_ps(e, low, o), scale));
+        _mm512_mask_storeu_ps(dst + c, lane_mask(D - c),
+                              output_value(_mm512_mul_ps(_mm512_permutex2var_ps(e, low, o), scale), den));
         _mm512_mask_storeu_ps(dst + c + 16, lane_mask(D - c - 16),
-                              _mm512_mul_ps(_mm512_permutex2var_ps(e, high, o), scale));
+                              output_value(_mm512_mul_ps(_mm512_permutex2var_ps(e, high, o), scale), den));
     }
 }
 

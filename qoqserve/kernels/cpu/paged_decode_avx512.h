@@ -241,18 +241,18 @@ static inline __attribute__((always_inline)) void chunk_impl(const job *j, int b
     for (int hq = 0; hq < H; hq++) {
         float *pr = partial(j, b, c, hq);
         const float z = fmt == KV_INT4 ? _mm512_reduce_add_ps(_mm512_load_ps(zacc + hq * BLOCK)) : 0.f;
-        store_output(acc + hq * np, fmt, D, np, _mm512_set1_ps(z), _mm512_set1_ps(1.f), pr + 2);
-        if (!alone) continue;
+        if (!alone) {
+            store_output(acc + hq * np, fmt, D, np, _mm512_set1_ps(z), _mm512_set1_ps(1.f), NULL, pr + 2);
+            continue;
+        }
         /* merge() of one chunk: (0 + pr * exp2(0)) / (0 + l * exp2(0)), the same
-         * bits, and zeros where its sum is not positive (NaN scores), as merge() */
+         * bits, and zeros where its sum is not positive (NaN scores), as merge();
+         * the partial itself is never read */
         const float l = 0.f + pr[1];
         const __m512 den = _mm512_set1_ps(l);
         float *out = j->out + ((int64_t)b * H + hq) * D;
-        for (int d = 0; d < D; d += 16) {
-            const __mmask16 k = lane_mask(D - d);
-            const __m512 x = _mm512_add_ps(_mm512_setzero_ps(), _mm512_maskz_loadu_ps(k, pr + 2 + d));
-            _mm512_mask_storeu_ps(out + d, k, l > 0.f ? _mm512_div_ps(x, den) : _mm512_setzero_ps());
-        }
+        if (l > 0.f) store_output(acc + hq * np, fmt, D, np, _mm512_set1_ps(z), _mm512_set1_ps(1.f), &den, out);
+        else memset(out, 0, sizeof(float) * (size_t)D);
     }
 }
 

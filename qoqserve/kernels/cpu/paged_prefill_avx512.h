@@ -141,7 +141,7 @@ static inline __attribute__((always_inline)) void task_impl(const pjob *j, int s
     for (int r = 0; r < R; r++) {
         float *dst = j->out + ((base + t0 + r / G) * j->H + h * G + r % G) * D;
         const float inv = 1.f / _mm512_reduce_add_ps(_mm512_load_ps(lv + (int64_t)r * TILE));
-        store_output(o + (int64_t)r * np, fmt, D, np, _mm512_setzero_ps(), _mm512_set1_ps(inv), dst);
+        store_output(o + (int64_t)r * np, fmt, D, np, _mm512_setzero_ps(), _mm512_set1_ps(inv), NULL, dst);
     }
 }
 
