@@ -30,11 +30,13 @@ def test_runtime_perplexity_equals_simulation(quantized, default_source):
     result, path = quantized
     ids = default_source.tokenizer.encode(read_texts(LICENSE_TEXTS[1:]))[:1024]
     sim = perplexity(result.model.prompt_logprobs, ids, 512, 512)
+    long_ids = default_source.tokenizer.encode(read_texts(LICENSE_TEXTS))[:4096]
+    sim_long = perplexity(result.model.prompt_logprobs, long_ids, 512, 512)
     # the float LM head: the simulation's (auto picks INT8 for QoQ, tests/test_lm_head.py)
     llm = LLM(path, dtype="float32", kv_cache_gb=0.05, quantized_prefill=True, lm_head_dtype="float")
     paths = llm.engine.stats()["linear_paths"]  # the packed 4-bit C kernel, on this CPU's best path
     assert any(p in paths for p in ("w4a8-g64/packed+vnni", "w4a8-g64/packed+amx", "w4a8-g64/packed+avx2")), paths
-    runtime = perplexity(llm.engine.prompt_logprobs, ids, 512, 512)
+    runtime = perplexity(llm.engine.prompt_logprobs, long_ids, 512, 512)
     # the runtime's torch path (INT8 GEMMs on the INT8 expansion, fp64 attention
     # over fake-quantized K/V as the simulation's) is the simulation, to the bit
     exact = LLM(path, dtype="float32", kv_cache_gb=0.05, quantized_prefill=True, lm_head_dtype="float",
@@ -42,13 +44,14 @@ def test_runtime_perplexity_equals_simulation(quantized, default_source):
     assert perplexity(exact.engine.prompt_logprobs, ids, 512, 512).ppl == sim.ppl
     # the C path sums in other orders (norms, LM head) and its prefill attention
     # is fp32 where the simulation's is fp64; per-token INT8 and KV4 rounding
-    # turn those 1e-7 differences into up to ~1% of this quick checkpoint's ppl
-    # on 1k tokens (+1.2% with the AVX-512 kernels and -1.0% with their scalar
-    # code on an Intel Xeon, +0.1% with the C attention switched off; < 0.3%
-    # on the AMD EPYC the project ran on before)
-    assert abs(runtime.ppl / sim.ppl - 1) < 0.02, (runtime.ppl, sim.ppl)
+    # turn those 1e-7 differences into whole steps. On 1k tokens this quick
+    # checkpoint's C ppl sat anywhere from +0.2% to +5.4% of the simulation's
+    # when every RMSNorm weight moved by at most one ulp (five runs); on these
+    # 4k tokens the same runs stay within -1.1% and -0.4% (docs/runtime.md),
+    # so 4k tokens are compared
+    assert abs(runtime.ppl / sim_long.ppl - 1) < 0.02, (runtime.ppl, sim_long.ppl)
     fp = LLM(dtype="float32", kv_cache_gb=0.05)
-    fp_ppl = perplexity(fp.engine.prompt_logprobs, ids, 512, 512).ppl
+    fp_ppl = perplexity(fp.engine.prompt_logprobs, long_ids, 512, 512).ppl
     assert 1.0 < runtime.ppl / fp_ppl < 3.0  # a quick RTN-ish config: worse, but the same model
 
 
