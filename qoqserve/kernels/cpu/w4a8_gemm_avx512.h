@@ -191,15 +191,40 @@ SIMD static void run_panel(const Job *j, int64_t m0, int64_t nb0, int mr, int nr
     switch (mr * 8 + nr) { ROW(CASE_R, 1) ROW(CASE_R, 2) ROW(CASE_R, 3) ROW(CASE_R, 4) ROW(CASE_R, 5) ROW(CASE_R, 6) }
 }
 
+/* lines [from, to) of the n lines at p into L2 */
+SIMD static inline void prefetch_lines(const uint8_t *p, int64_t from, int64_t to) {
+    for (int64_t i = from; i < to; i++) _mm_prefetch((const char *)p + 64 * i, _MM_HINT_T1);
+}
+
 SIMD static void blocks_simd(const Job *j, int64_t nb_lo, int64_t nb_hi, uint8_t *panel) {
+    const int64_t octets = j->Kp / 8, groups = j->gp ? j->Kp / j->group : 0;
     for (int64_t nb0 = nb_lo, end; nb0 < nb_hi; nb0 = end) {
         end = (nb0 / NR + 1) * NR < nb_hi ? (nb0 / NR + 1) * NR : nb_hi;  /* within one layout tile */
         const int nr = (int)(end - nb0);
         /* row tiles as even as MR allows (8 rows: 4 + 4, not 6 + 2) */
         const int64_t tiles = (j->M + MR - 1) / MR, base = j->M / tiles, extra = j->M % tiles;
+        /* The first row tile reads the codes from memory as fast as its few rows
+         * use them, the later ones only the panel: so, while those run, the
+         * next layout tile's codes and group bytes come into L2, a share per
+         * row tile, and its first row tile finds them there. */
+        const uint8_t *next_w = NULL, *next_g = NULL;
+        int64_t w_lines = 0, g_lines = 0;
+        if (tiles > 1 && end < nb_hi) {
+            int64_t wstep, gstep;
+            next_w = tiled(j->w, j, end, octets, 64, &wstep);
+            w_lines = octets * wstep / 64;
+            if (j->gp) {
+                next_g = tiled(j->gp, j, end, groups, NB, &gstep);
+                g_lines = (groups * gstep + 63) / 64;
+            }
+        }
         int64_t m0 = 0;
         for (int64_t t = 0; t < tiles; t++) {
             const int mr = (int)(base + (t < extra));
+            if (t > 0 && next_w) {
+                prefetch_lines(next_w, w_lines * (t - 1) / (tiles - 1), w_lines * t / (tiles - 1));
+                if (next_g) prefetch_lines(next_g, g_lines * (t - 1) / (tiles - 1), g_lines * t / (tiles - 1));
+            }
             if (tiles == 1 && mr <= 2 && j->gp) run_codes(j, 0, nb0, mr, nr);
             else if (t == 0) run_packed(j, 0, nb0, mr, nr, tiles > 1 ? panel : NULL);
             else run_panel(j, m0, nb0, mr, nr, panel);
