@@ -50,8 +50,8 @@ def main() -> None:
     for _ in range(REPLAYS):
         runner.model.compute_logits(hidden)
     head = (time.perf_counter() - start) / REPLAYS
-    print(f"batch {batch}, {prompt_len}-token prompts: {len(graph.ops)} calls per replay, replay {replay * 1e3:.2f} ms, "
-          f"LM head {head * 1e3:.2f} ms")
+    print(f"batch {batch}, {prompt_len}-token prompts: {len(graph.ops)} calls per replay, "
+          f"replay {replay * 1e3:.2f} ms, LM head {head * 1e3:.2f} ms")
     for name, t in spent.most_common():
         print(f"  {name:28s} {t / REPLAYS * 1e3:7.3f} ms/step {calls[name] // REPLAYS:4d} calls "
               f"{t / calls[name] * 1e6:7.1f} us/call")
