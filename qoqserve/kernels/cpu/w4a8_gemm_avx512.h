@@ -191,9 +191,10 @@ SIMD static void run_panel(const Job *j, int64_t m0, int64_t nb0, int mr, int nr
     switch (mr * 8 + nr) { ROW(CASE_R, 1) ROW(CASE_R, 2) ROW(CASE_R, 3) ROW(CASE_R, 4) ROW(CASE_R, 5) ROW(CASE_R, 6) }
 }
 
-/* lines [from, to) of the n lines at p into L2 */
-SIMD static inline void prefetch_lines(const uint8_t *p, int64_t from, int64_t to) {
-    for (int64_t i = from; i < to; i++) _mm_prefetch((const char *)p + 64 * i, _MM_HINT_T1);
+/* share `part` of `parts` of the n 64-byte lines at p into L2 */
+SIMD static inline void prefetch_share(const uint8_t *p, int64_t n, int64_t part, int64_t parts) {
+    for (int64_t i = n * part / parts; i < n * (part + 1) / parts; i++)
+        _mm_prefetch((const char *)p + 64 * i, _MM_HINT_T1);
 }
 
 SIMD static void blocks_simd(const Job *j, int64_t nb_lo, int64_t nb_hi, uint8_t *panel) {
@@ -222,8 +223,8 @@ SIMD static void blocks_simd(const Job *j, int64_t nb_lo, int64_t nb_hi, uint8_t
         for (int64_t t = 0; t < tiles; t++) {
             const int mr = (int)(base + (t < extra));
             if (t > 0 && next_w) {
-                prefetch_lines(next_w, w_lines * (t - 1) / (tiles - 1), w_lines * t / (tiles - 1));
-                if (next_g) prefetch_lines(next_g, g_lines * (t - 1) / (tiles - 1), g_lines * t / (tiles - 1));
+                prefetch_share(next_w, w_lines, t - 1, tiles - 1);
+                if (next_g) prefetch_share(next_g, g_lines, t - 1, tiles - 1);
             }
             if (tiles == 1 && mr <= 2 && j->gp) run_codes(j, 0, nb0, mr, nr);
             else if (t == 0) run_packed(j, 0, nb0, mr, nr, tiles > 1 ? panel : NULL);
