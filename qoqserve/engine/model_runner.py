@@ -9,6 +9,7 @@ import torch
 
 from qoqserve.config import CacheConfig, EngineConfig
 from qoqserve.engine.backends import select_backends
+from qoqserve.engine.captured_mixed import CapturedMixed
 from qoqserve.engine.captured_step import CapturedDecode, default_capture_sizes
 from qoqserve.engine.parallel_world import ParallelWorld
 from qoqserve.engine.scheduler import ScheduledBatch
@@ -74,6 +75,18 @@ def resident_bytes(module: torch.nn.Module) -> int:
 def context_len(config: EngineConfig, arch: ModelArchConfig) -> int:
     """The positions a model must handle: the context window asked for, or the model's."""
     return config.scheduler.max_model_len or arch.max_position_embeddings
+
+
+def sampled_rows(batch: ScheduledBatch) -> list[int]:
+    """The rows of a step (its decodes' tokens, then its chunks') whose logits
+    are sampled: every decode, and the last token of each chunk that
+    completes its sequence."""
+    at, rows = len(batch.decodes), list(range(len(batch.decodes)))
+    for seq, n in batch.prefills:
+        at += n
+        if seq.num_computed_tokens + n == len(seq):
+            rows.append(at - 1)
+    return rows
 
 
 @dataclass
@@ -143,6 +156,10 @@ class ModelRunner:
             self.captured.capture_all()
             if self.captured.disabled:
                 self.captured = None
+        # steps with prefill chunks: captured per padded shape where decodes are
+        self.mixed = (CapturedMixed(self.model, self.kv_caches, self.captured.sizes, config.scheduler.max_num_seqs,
+                                    width, self.block_size, pad_slot=self.num_blocks * self.block_size)
+                      if self.captured is not None else None)
         # eager steps (prefills, mixed batches) of the same kernels: planned and run back to back
         self.one_shot = OneShotSteps() if self.captured is not None else None
 
@@ -194,14 +211,9 @@ class ModelRunner:
             starts.append(starts[-1] + n)
             cached.append(start)
         seqs = batch.decodes + [s for s, _ in batch.prefills]
-        # the rows whose logits are sampled: every decode, and the last token of
-        # each chunk that completes its sequence
-        d = len(batch.decodes)
-        rows = list(range(d)) + [d + starts[i + 1] - 1 for i, (seq, n) in enumerate(batch.prefills)
-                                 if seq.num_computed_tokens + n == len(seq)]
         return StepInputs(ids, positions, slots, [s.block_table for s in seqs],
                           [len(s) for s in batch.decodes], starts if batch.prefills else None,
-                          cached if batch.prefills else None, rows)
+                          cached if batch.prefills else None, sampled_rows(batch))
 
     def _tensors(self, step: StepInputs):
         put = self.staging.put
@@ -249,6 +261,11 @@ class ModelRunner:
             hidden = self.captured.run(batch.decodes)
             if hidden is not None:
                 return self.sampler(self.model.compute_logits(hidden), batch.sampled)
+        if batch.prefills and self.mixed is not None:
+            rows = sampled_rows(batch)
+            hidden = self.mixed.run(batch, rows)
+            if hidden is not None:
+                return self.sampler(self.model.compute_logits(hidden), batch.sampled) if rows else ([], None, None)
         step = self._step_inputs(batch)
         hidden = self.execute(step)
         if not step.rows:

@@ -27,10 +27,11 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor | None   # [T] flat slot of each new token; None = don't cache
     block_tables: torch.Tensor | None   # [B, max_blocks] (padded with 0)
     context_lens: torch.Tensor | None   # [B] tokens each sequence attends to (decode)
-    # prefill only (python lists: they drive a per-sequence loop); offsets count
-    # from the first prefill token, after the decodes
-    query_starts: list[int] | None = None    # cumulative query offsets, len B+1
-    cached_lens: list[int] | None = None     # prefix tokens already in the pages
+    # prefill only: python lists (they drive the torch path's per-sequence loop),
+    # or int64 tensors where the C prefill kernel reads them (a captured step's
+    # buffers); offsets count from the first prefill token, after the decodes
+    query_starts: list[int] | torch.Tensor | None = None  # cumulative query offsets, len B+1
+    cached_lens: list[int] | torch.Tensor | None = None   # prefix tokens already in the pages
     # a mixed step: the first num_decodes tokens are one decode each (rows
     # [:num_decodes] of block_tables, context_lens), then the prefill chunks
     # (block_tables rows after them)
@@ -61,7 +62,8 @@ class PagedAttention(nn.Module):
         out = None
         if cache is not None and meta.slot_mapping is not None:  # the chunks' K/V are in the pages
             out = self.backend.prefill(q[d:], cache, meta.block_tables[d:], meta.query_starts,
-                                       meta.cached_lens or [0] * (len(meta.query_starts) - 1), self.scale)
+                                       meta.cached_lens if meta.cached_lens is not None
+                                       else [0] * (len(meta.query_starts) - 1), self.scale)
         if out is None:
             qp, kp, vp = q[d:], k[d:], v[d:]
             if self.backend.quantized_prefill:

@@ -69,11 +69,11 @@ class OneShotSteps:
     def __init__(self, min_rows: int = MIN_ROWS):
         self.disabled: dict = {}
         self.min_rows = min_rows
-        self._arena = torch.empty(0, dtype=torch.uint8)
+        self.arena = Arena()
 
     @property
     def arena_bytes(self) -> int:
-        return self._arena.numel()
+        return self.arena.block.numel()
 
     def __call__(self, fn, *args, kind=None, rows: int | None = None):
         if kind in self.disabled or graph.recording() or (rows is not None and rows < self.min_rows):
@@ -95,32 +95,54 @@ class OneShotSteps:
         return self._run(g, out)
 
     def _run(self, g: graph.StepGraph, out: torch.Tensor) -> torch.Tensor:
-        bases = sorted({(b.untyped_storage().data_ptr(), b.untyped_storage().nbytes()) for b in g.buffers
-                        if b.untyped_storage().nbytes() > 0})
-        starts = [s for s, _ in bases]
-        out_base = out.untyped_storage().data_ptr()
-        first, last = [len(g.ops)] * len(bases), [-1] * len(bases)
-        where = []  # per call: [(arg index, buffer, offset into it)]
-        for c, (fn, args) in enumerate(g.ops):
-            moved = []
-            for a, (t, v) in enumerate(zip(fn.argtypes, args)):
-                if not (arg_code(t) == "p" and isinstance(v, int)):
-                    continue
-                i = bisect.bisect_right(starts, v) - 1
-                if i >= 0 and v < bases[i][0] + bases[i][1] and bases[i][0] != out_base:
-                    moved.append((a, i, v - bases[i][0]))
-                    first[i], last[i] = min(first[i], c), max(last[i], c)
-            where.append(moved)
-        used = [i for i in range(len(bases)) if last[i] >= 0]
-        offsets, total = plan([bases[i][1] for i in used], [(first[i], last[i]) for i in used])
-        if total > self._arena.numel():
-            self._arena = torch.empty(total, dtype=torch.uint8)
-        home = dict(zip(used, (self._arena.data_ptr() + o for o in offsets)))
-        for (fn, args), moved in zip(g.ops, where):
-            if moved:
-                args = list(args)
-                for a, i, off in moved:
-                    args[a] = home[i] + off
+        for fn, args in relocate(g, out, self.arena):
             if fn(*args):  # every kernel returns 0 (or nothing) on success
                 raise RuntimeError(f"CPU kernel {fn.__name__} failed in an eager step")
         return out
+
+
+class Arena:
+    """One block of memory the planned steps place their buffers in: they run
+    one at a time. It only grows; a plan keeps the block it was made for."""
+
+    def __init__(self):
+        self.block = torch.empty(0, dtype=torch.uint8)
+
+    def at_least(self, nbytes: int) -> torch.Tensor:
+        if nbytes > self.block.numel():
+            self.block = torch.empty(nbytes, dtype=torch.uint8)
+        return self.block
+
+
+def relocate(g: graph.StepGraph, out: torch.Tensor, arena: Arena) -> list[tuple]:
+    """g's recorded calls with every pointer into one of its buffers moved into
+    the arena (plan() above), except into the output's, which stays put.
+    The calls hold raw addresses: the caller keeps `arena.block` alive as
+    long as it keeps them."""
+    bases = sorted({(b.untyped_storage().data_ptr(), b.untyped_storage().nbytes()) for b in g.buffers
+                    if b.untyped_storage().nbytes() > 0})
+    starts = [s for s, _ in bases]
+    out_base = out.untyped_storage().data_ptr()
+    first, last = [len(g.ops)] * len(bases), [-1] * len(bases)
+    where = []  # per call: [(arg index, buffer, offset into it)]
+    for c, (fn, args) in enumerate(g.ops):
+        moved = []
+        for a, (t, v) in enumerate(zip(fn.argtypes, args)):
+            if not (arg_code(t) == "p" and isinstance(v, int)):
+                continue
+            i = bisect.bisect_right(starts, v) - 1
+            if i >= 0 and v < bases[i][0] + bases[i][1] and bases[i][0] != out_base:
+                moved.append((a, i, v - bases[i][0]))
+                first[i], last[i] = min(first[i], c), max(last[i], c)
+        where.append(moved)
+    used = [i for i in range(len(bases)) if last[i] >= 0]
+    offsets, total = plan([bases[i][1] for i in used], [(first[i], last[i]) for i in used])
+    home = dict(zip(used, (arena.at_least(total).data_ptr() + o for o in offsets)))
+    ops = []
+    for (fn, args), moved in zip(g.ops, where):
+        if moved:
+            args = list(args)
+            for a, i, off in moved:
+                args[a] = home[i] + off
+        ops.append((fn, tuple(args)))
+    return ops
