@@ -37,7 +37,7 @@ typedef struct {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 
-#define MR 6   /* rows per tile: 24 accumulators + 4 weights + 1 broadcast of 32 zmm */
+#define MR 6   /* rows per tile: 24 accumulators + 6 broadcasts + 1 weight vector of 32 zmm */
 #define HAVE_INT8 2  /* int8_linear_available(): the VNNI path */
 
 #include "int8_act_avx512.h"
@@ -49,9 +49,21 @@ typedef struct {
 #define FOR_ROWS(X, b) X(0, b) X(1, b) X(2, b) X(3, b) X(4, b) X(5, b)
 #define FOR_TILE(X) FOR_ROWS(X, 0) FOR_ROWS(X, 1) FOR_ROWS(X, 2) FOR_ROWS(X, 3)
 #define DECLARE(i, b) __m512i a##i##b = _mm512_setzero_si512();
-#define DP(i, b) if (i < mr && b < nr) a##i##b = _mm512_dpbusd_epi32(a##i##b, w##b, x##i);
+#define DP(i, b) if (i < mr) a##i##b = _mm512_dpbusd_epi32(a##i##b, wb, x##i);
 #define BCAST(i) __m512i x##i = _mm512_setzero_si512(); if (i < mr) x##i = broadcast4(x + i * j->Kp + kq * 4);
-#define WLOAD(b) __m512i w##b = _mm512_setzero_si512(); if (b < nr) w##b = _mm512_loadu_si512(w + kq * step + b * 64);
+/* One block's weights at a time: 24 accumulators, 6 broadcasts and 1 weight
+ * vector fit the 32 zmm. Left alone, GCC loads all 4 blocks' weights first
+ * and spills accumulators; so each block's weight address passes through an
+ * empty asm that also takes the previous block's accumulators, which orders
+ * the load after that block's products (no instruction is emitted). */
+#define AFTER(b) __asm__("" : "+r"(wp), "+v"(a0##b), "+v"(a1##b), "+v"(a2##b), "+v"(a3##b), "+v"(a4##b), \
+                         "+v"(a5##b));
+#define BLOCK(b, prev) if (b < nr) { \
+        const uint8_t *wp = w + kq * step + b * 64; \
+        prev \
+        const __m512i wb = _mm512_loadu_si512(wp); \
+        FOR_ROWS(DP, b) \
+    }
 #define STORE(i, b) if (i < mr && b < nr) store(j, m0 + i, nb0 + b, a##i##b);
 
 static inline __m512i broadcast4(const int8_t *p) {
@@ -79,9 +91,8 @@ static inline __attribute__((always_inline)) void tile(const Job *j, int64_t m0,
     const uint8_t *w = j->w + nb0 * block;
     const int8_t *x = j->xq + m0 * j->Kp;
     for (int64_t kq = 0; kq < quads; kq++) {
-        WLOAD(0) WLOAD(1) WLOAD(2) WLOAD(3)
         BCAST(0) BCAST(1) BCAST(2) BCAST(3) BCAST(4) BCAST(5)
-        FOR_TILE(DP)
+        BLOCK(0, ) BLOCK(1, AFTER(0)) BLOCK(2, AFTER(1)) BLOCK(3, AFTER(2))
     }
     FOR_TILE(STORE)
 }
