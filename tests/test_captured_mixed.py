@@ -95,3 +95,15 @@ def test_a_recording_that_would_freeze_step_values_runs_op_by_op(qoq_tiny, monke
     outs, mixed, _ = _generate(qoq_tiny, prompts, True, **kw)
     assert outs == eager and not mixed.graphs
     assert mixed.failed and all("made while recording" in why for why in mixed.failed.values())
+
+
+@needs_c
+def test_graphs_beyond_the_cap_are_dropped_and_captured_again(qoq_tiny, monkeypatch):
+    monkeypatch.setattr(captured_mixed, "CAPTURE_AFTER", 0)
+    monkeypatch.setattr(captured_mixed, "MAX_GRAPHS", 1)
+    prompts = [[5 + i * 7 + j for j in range(9 + 13 * i)] for i in range(3)]
+    kw = {"max_num_batched_tokens": 8, "long_prefill_token_threshold": 8}
+    eager, _, _ = _generate(qoq_tiny, prompts, False, **kw)
+    replayed, mixed, _ = _generate(qoq_tiny, prompts, True, **kw)
+    assert replayed == eager and len(mixed.graphs) == 1
+    assert len(mixed.replays) > 1  # several shapes ran, one graph kept at a time

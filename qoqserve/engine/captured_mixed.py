@@ -84,7 +84,7 @@ class CapturedMixed:
         self._static_spans: set | None = None
 
     def shape(self, batch: ScheduledBatch) -> tuple[int, int, int] | None:
-        """(d_b, t_b, s) of a step with prefill chunks, or None: it runs op by op."""
+        """(d_b, t_b, s_b) of a step with prefill chunks, or None: it runs op by op."""
         d, t = len(batch.decodes), sum(n for _, n in batch.prefills)
         if d > self.decode_sizes[-1]:
             return None
