@@ -143,7 +143,9 @@ async def _one(session: aiohttp.ClientSession, cfg: LoadConfig, model: str, prom
 async def _run(cfg: LoadConfig, progress: bool) -> tuple[list[RequestResult], float, str]:
     requests = make_requests(cfg)
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    connector = aiohttp.TCPConnector(limit=max((cfg.concurrency or 0) + cfg.long_streams, 256))
+    # a connection per request: llama.cpp's server closes kept-alive ones, and
+    # aiohttp would send the next request into the closed socket
+    connector = aiohttp.TCPConnector(limit=max((cfg.concurrency or 0) + cfg.long_streams, 256), force_close=True)
     timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:
         model = cfg.model
