@@ -146,7 +146,8 @@ async def _run(cfg: LoadConfig, progress: bool) -> tuple[list[RequestResult], fl
     # a connection per request: llama.cpp's server closes kept-alive ones, and
     # aiohttp would send the next request into the closed socket
     connector = aiohttp.TCPConnector(limit=max((cfg.concurrency or 0) + cfg.long_streams, 256), force_close=True)
-    timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
+    # per read, as httpx's was: a long stream may take longer than timeout_s in all
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.timeout_s, sock_read=cfg.timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:
         model = cfg.model
         if model is None:
