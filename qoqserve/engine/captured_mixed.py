@@ -36,7 +36,7 @@ import torch
 
 from qoqserve.engine.scheduler import ScheduledBatch
 from qoqserve.kernels.cpu import graph
-from qoqserve.kernels.cpu.one_shot import MIN_ROWS, Arena, relocate
+from qoqserve.kernels.cpu.one_shot import MIN_ROWS, Arena, relocate, storage_spans
 from qoqserve.kernels.cpu.replay import NativePlan, arg_code
 from qoqserve.layers.attention import AttentionMetadata
 
@@ -152,10 +152,10 @@ class CapturedMixed:
         buffers, the model's tensors or the KV pages: a tensor made during the
         recording from this step's values would be replayed unchanged."""
         if self._static_spans is None:  # the model's tensors, the pages and the inputs do not move
-            self._static_spans = _spans((*(getattr(self, k) for k in self._np), *self.kv_caches,
+            self._static_spans = storage_spans((*(getattr(self, k) for k in self._np), *self.kv_caches,
                                          *self.model.parameters(), *self.model.buffers(),
                                          *_module_tensors(self.model)))
-        spans = sorted(self._static_spans | _spans(g.buffers))
+        spans = sorted(self._static_spans | storage_spans(g.buffers))
         starts = [a for a, _ in spans]
         for fn, args in g.ops:
             for t, v in zip(fn.argtypes, args):
@@ -205,10 +205,6 @@ class CapturedMixed:
         np_["block_tables"][d_b + s, :math.ceil(max(pad, 1) / bs)] = self.pad_slot // bs
         first[s] = 0
         starts[s + 1] = t_b
-
-
-def _spans(tensors) -> set[tuple[int, int]]:
-    return {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in tensors}
 
 
 def _module_tensors(model) -> list[torch.Tensor]:

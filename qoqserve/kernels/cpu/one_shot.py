@@ -114,13 +114,18 @@ class Arena:
         return self.block
 
 
+def storage_spans(tensors) -> set[tuple[int, int]]:
+    """(address, bytes) of the non-empty storages behind tensors."""
+    return {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in tensors
+            if t.untyped_storage().nbytes() > 0}
+
+
 def relocate(g: graph.StepGraph, out: torch.Tensor, arena: Arena) -> list[tuple]:
     """g's recorded calls with every pointer into one of its buffers moved into
     the arena (plan() above), except into the output's, which stays put.
     The calls hold raw addresses: the caller keeps `arena.block` alive as
     long as it keeps them."""
-    bases = sorted({(b.untyped_storage().data_ptr(), b.untyped_storage().nbytes()) for b in g.buffers
-                    if b.untyped_storage().nbytes() > 0})
+    bases = sorted(storage_spans(g.buffers))
     starts = [s for s, _ in bases]
     out_base = out.untyped_storage().data_ptr()
     first, last = [len(g.ops)] * len(bases), [-1] * len(bases)
