@@ -81,8 +81,8 @@ int main(int argc, char **argv) {
         double t = now();
         for (int l = 0; l < layers; l++)
             for (int s = 0; s < 4; s++)
-                if (w4a8_gemm(x, 0, 0, M, shapes[s][1], w[l][s], gp[l][s], group, shapes[s][0], s1, NULL, NULL,
-                              NULL, y, 0, 1, threads))
+                if (w4a8_gemm(x, 0, 0, NULL, NULL, 0.f, M, shapes[s][1], w[l][s], gp[l][s], group, shapes[s][0],
+                              s1, NULL, NULL, NULL, y, 0, 2, threads))
                     return 1;
         t = now() - t;
         gemv = t < gemv ? t : gemv;

@@ -141,6 +141,13 @@ def test_token_id_prompt_and_echo(client, model_id, reference_llm):
     assert by_text.choices[0].text == PROMPT + by_ids.choices[0].text
 
 
+def test_serve_freezes_its_start_up_heap(server):
+    """`serve` takes the heap it built at start-up (model, tokenizer, libraries:
+    hundreds of thousands of objects) out of the collector's walks, so no full
+    collection stalls the engine loop mid-stream."""
+    assert httpx.get(server.base + "/health").json()["gc_frozen_objects"] > 50_000
+
+
 def test_health_and_metrics_count_the_work(server, client, model_id):
     assert httpx.get(server.base + "/health").status_code == 200
     before = server.metrics()

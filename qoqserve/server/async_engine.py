@@ -16,6 +16,7 @@ status code; and the offline LLM API queues whole batches at once, unbounded.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import queue
 import threading
@@ -138,7 +139,7 @@ class AsyncEngine:
                 "num_running": st.get("num_running", 0), "num_waiting": self.num_waiting,
                 "max_waiting": self.max_waiting, "num_refused": self.num_refused,
                 "kv_free_blocks": st.get("num_free_blocks", 0), "kv_total_blocks": st.get("num_kv_blocks", 0),
-                "rss_bytes": rss_bytes()}
+                "rss_bytes": rss_bytes(), "gc_frozen_objects": gc.get_freeze_count()}
 
     def prepare_request(self, prompt: str | list[int], params: SamplingParams,
                         max_tokens_must_fit: bool = False) -> PreparedRequest:

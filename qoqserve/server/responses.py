@@ -141,6 +141,8 @@ class Health(BaseModel):
     kv_free_blocks: int
     kv_total_blocks: int
     rss_bytes: int | None = Field(description="the server's resident memory (Linux)")
+    gc_frozen_objects: int = Field(description="objects of the start-up heap that Python's collector "
+                                   "no longer walks (`serve` freezes them before serving)")
 
 
 STREAM = "`stream: true`: `text/event-stream`, one chunk per step, then `data: [DONE]`"
