@@ -34,6 +34,7 @@ import math
 import numpy as np
 import torch
 
+from qoqserve.engine.captured_step import pad_decode_rows, write_decode_row
 from qoqserve.engine.scheduler import ScheduledBatch
 from qoqserve.kernels.cpu import graph
 from qoqserve.kernels.cpu.one_shot import MIN_ROWS, Arena, relocate, storage_spans
@@ -170,16 +171,9 @@ class CapturedMixed:
         d_b, t_b, s = key
         d = len(batch.decodes)
         for i, seq in enumerate(batch.decodes):
-            pos = len(seq) - 1
-            np_["ids"][i] = seq.token_ids[pos]
-            np_["positions"][i] = pos
-            np_["slots"][i] = seq.slot(pos, bs)
-            np_["context_lens"][i] = pos + 1
+            write_decode_row(np_, i, seq, bs)
             np_["block_tables"][i, :len(seq.block_table)] = seq.block_table
-        np_["ids"][d:d_b] = 0
-        np_["positions"][d:d_b] = 0
-        np_["slots"][d:d_b] = self.pad_slot
-        np_["context_lens"][d:d_b] = 0
+        pad_decode_rows(np_, d, d_b, self.pad_slot)
         at = d_b
         starts, first = np_["query_starts"], np_["first_positions"]
         starts[0] = 0

@@ -42,6 +42,25 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
+def write_decode_row(bufs: dict, i: int, seq: Sequence, block_size: int) -> None:
+    """Row i of a captured step's input buffers (numpy views keyed ids,
+    positions, slots, context_lens) as seq's next decode token."""
+    pos = len(seq) - 1
+    bufs["ids"][i] = seq.token_ids[pos]
+    bufs["positions"][i] = pos
+    bufs["slots"][i] = seq.slot(pos, block_size)
+    bufs["context_lens"][i] = pos + 1
+
+
+def pad_decode_rows(bufs: dict, lo: int, hi: int, pad_slot: int) -> None:
+    """Rows lo..hi as padding: token 0 at position 0, written to the scratch
+    slot, attending to nothing."""
+    bufs["ids"][lo:hi] = 0
+    bufs["positions"][lo:hi] = 0
+    bufs["slots"][lo:hi] = pad_slot
+    bufs["context_lens"][lo:hi] = 0
+
+
 class CapturedDecode:
     def __init__(self, model, kv_caches: list[torch.Tensor], capture_sizes: list[int],
                  max_blocks_per_seq: int, block_size: int, pad_slot: int):
@@ -114,11 +133,7 @@ class CapturedDecode:
             log.warning("decode steps run op by op (not captured): %s", e)
 
     def _reset_rows(self, lo: int, hi: int) -> None:
-        np = self._np
-        np["ids"][lo:hi] = 0
-        np["positions"][lo:hi] = 0
-        np["slots"][lo:hi] = self.pad_slot
-        np["context_lens"][lo:hi] = 0
+        pad_decode_rows(self._np, lo, hi, self.pad_slot)
         for i in range(lo, hi):
             self._rows[i] = None
 
@@ -145,12 +160,8 @@ class CapturedDecode:
         np, bs = self._np, self.block_size
         tables = np["block_tables"]
         for i, seq in enumerate(decodes):
-            pos = len(seq) - 1
             table = seq.block_table
-            np["ids"][i] = seq.token_ids[pos]
-            np["positions"][i] = pos
-            np["slots"][i] = seq.slot(pos, bs)
-            np["context_lens"][i] = pos + 1
+            write_decode_row(np, i, seq, bs)
             # block tables only grow while a sequence runs (a preemption gives it a
             # new one): write what this row does not hold yet
             row = self._rows[i]
