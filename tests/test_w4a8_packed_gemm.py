@@ -305,9 +305,12 @@ def test_add_rms_norm_fused_into_the_input_is_bit_identical_to_the_op_then_the_g
     from qoqserve.kernels.cpu.w4a8_gemm import NormInput
     monkeypatch.setenv(w4a8_gemm.ISA_ENV, isa)
     k = 320
-    mod = _packed(_checkpoint(40, k, 64, seed=6), 64)
     weight = (torch.rand(k, generator=torch.Generator().manual_seed(1)) + 0.5).to(dtype)
-    for m in (1, 2, 7, 33, 48):
+    # n = 1040: enough work at one or two rows for the kernel to split the
+    # blocks between threads (there, each thread makes its own rows and h is
+    # written after the threads are done reading it)
+    for n, m in ((40, 1), (40, 2), (40, 7), (40, 33), (40, 48), (1040, 1), (1040, 2), (1040, 3)):
+        mod = _packed(_checkpoint(n, k, 64, seed=6), 64)
         h = _input(m, k, torch.float32, seed=m).to(dtype)
         delta = _input(m, k, torch.float32, seed=100 + m).to(dtype)
         if m > 2:

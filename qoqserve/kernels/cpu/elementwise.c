@@ -58,7 +58,7 @@ void add_rms_norm(void *h, const void *d, const void *w, void *y, int64_t T, int
     for (int64_t t = 0; t < T; t++) {
         float xv[MAX_ROW], wv[MAX_ROW];
         load_row(w, bf16, 0, K, wv);
-        add_norm_row(h, d, wv, t, K, eps, bf16, xv);
+        add_norm_row(h, d, wv, t, K, eps, bf16, xv, 1);
         store_row(xv, K, y, bf16, t * K);
     }
 }

@@ -51,16 +51,22 @@ static inline __attribute__((always_inline)) void norm_row(float *xv, const floa
     round_row(xv, K, bf16);
 }
 
-/* row t of h (T x K, contiguous) += row t of d (d NULL: no add), written
- * back, then its norm into xv[K]; wv: the norm weight as fp32 */
-static inline __attribute__((always_inline)) void add_norm_row(void *h, const void *d, const float *wv, int64_t t, int64_t K, float eps,
-                                int bf16, float *xv) {
+/* row t of h (T x K, contiguous) + row t of d (d NULL: no add) into xv[K],
+ * as h holds it; with store, also written back to h */
+static inline __attribute__((always_inline)) void add_row(void *h, const void *d, int64_t t, int64_t K, int bf16,
+                                                          float *xv, int store) {
     load_row(h, bf16, t * K, K, xv);
     if (d) {
         for (int64_t k = 0; k < K; k++) xv[k] = xv[k] + load(d, bf16, t * K + k);
         round_row(xv, K, bf16);
-        store_row(xv, K, h, bf16, t * K);
+        if (store) store_row(xv, K, h, bf16, t * K);
     }
+}
+
+/* add_row, then its norm into xv[K]; wv: the norm weight as fp32 */
+static inline __attribute__((always_inline)) void add_norm_row(void *h, const void *d, const float *wv, int64_t t, int64_t K, float eps,
+                                int bf16, float *xv, int store) {
+    add_row(h, d, t, K, bf16, xv, store);
     norm_row(xv, wv, K, eps, bf16);
 }
 #endif

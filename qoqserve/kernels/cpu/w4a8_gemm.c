@@ -173,9 +173,54 @@ static inline int amx_rows(int amx, int64_t M, int64_t Kp) { (void)amx; (void)M;
  * AVX-512 VNNI loops), 2 AVX-512 VNNI, 1 AVX2, 0 the scalar code */
 int w4a8_gemm_simd(void) { return simd_supported() ? 2 + amx_supported() : avx2_supported(); }
 
-/* per-thread scratch (thread_scratch.h): activations, panel, SiLU row */
-static __thread void *tl_main, *tl_panel, *tl_row;
-static __thread size_t tl_main_size, tl_panel_size, tl_row_size;
+/* per-thread scratch (thread_scratch.h): activations (the caller's, or each
+ * thread's own rows), panel, made row */
+static __thread void *tl_main, *tl_own, *tl_panel, *tl_row;
+static __thread size_t tl_main_size, tl_own_size, tl_panel_size, tl_row_size;
+
+/* Calls of up to OWN_ROWS rows (decode) skip the barrier between making the
+ * quantized rows and the blocks: every thread makes all of them for itself
+ * (a few hundred ns a row, less than a barrier costs), and X_NORM's update of
+ * h is written by the calling thread after the threads are done reading it. */
+enum { OWN_ROWS = 2 };
+
+enum { X_PLAIN = 0, X_SILU = 1, X_NORM = 2 };
+
+typedef struct {
+    const void *x; int x_bf16, x_mode; const void *delta; float eps; int64_t K, Kp;
+    int simd, avx2; int64_t groups, group;
+} RowPrep;
+
+/* input row m, made (x_mode) in row[] and quantized into xq, sa, qsum (and
+ * AVX2's group sums); store: X_NORM writes h + delta back to h */
+static void make_row(const RowPrep *p, int64_t m, float *row, int store, int8_t *xq, float *sa, int32_t *qsum,
+                     int32_t *gsum) {
+    const int64_t K = p->K, Kp = p->Kp;
+    const size_t es = p->x_bf16 ? 2 : 4;
+    const void *xm = (const char *)p->x + (size_t)(m * K * (p->x_mode == X_SILU ? 2 : 1)) * es;
+    int bf16 = p->x_bf16;
+    if (p->x_mode) {  /* bf16 rows come out bf16-valued in fp32: quantize them as fp32 */
+#if HAVE_SIMD
+        if (p->simd && p->x_mode == X_SILU) silu_mul_row_simd(xm, (const char *)xm + (size_t)K * es, bf16, K, row);
+        else if (p->simd) add_norm_row_simd((void *)p->x, p->delta, row + K, m, K, p->eps, bf16, row, store);
+        else
+#endif
+        if (p->x_mode == X_SILU) silu_mul_row(xm, (const char *)xm + (size_t)K * es, bf16, K, row);
+        else add_norm_row((void *)p->x, p->delta, row + K, m, K, p->eps, bf16, row, store);
+        xm = row;
+        bf16 = 0;
+    }
+#if HAVE_SIMD
+    if (p->simd) { quantize_row_avx512(xm, bf16, K, Kp, xq + m * Kp, sa + m, qsum + m); return; }
+    if (p->avx2) {  /* the group sums once per row, not once per row and channel block */
+        quantize_row_avx2(xm, bf16, K, Kp, xq + m * Kp, sa + m, qsum + m);
+        for (int64_t gi = 0; gi < p->groups; gi++)
+            gsum[m * p->groups + gi] = sum_i8_avx2(xq + m * Kp + gi * p->group, p->group);
+        return;
+    }
+#endif
+    quantize_row_scalar(xm, bf16, K, Kp, xq + m * Kp, sa + m, qsum + m);
+}
 
 /* x [M, K] fp32/bf16 -> y [M, N] fp32/bf16 on packed codes (layout above).
  * The input row is x's row (x_mode 0), or made from x and only quantized,
@@ -192,8 +237,6 @@ static __thread size_t tl_main_size, tl_panel_size, tl_row_size;
  * of AMX_MIN_ROWS rows or more (the same numbers on every path).
  * Returns 0; -1: out of memory; -2: SIMD asked for where it cannot run;
  * -3: a group size or K the layout does not allow; -4: an unknown x_mode. */
-enum { X_PLAIN = 0, X_SILU = 1, X_NORM = 2 };
-
 int w4a8_gemm(const void *x, int x_bf16, int x_mode, const void *delta, const void *norm_w, float eps,
               int64_t M, int64_t K, const uint8_t *w, const uint8_t *gp,
               int64_t group, int64_t N, const float *s1, const float *rowsum, const float *zs1,
@@ -206,19 +249,18 @@ int w4a8_gemm(const void *x, int x_bf16, int x_mode, const void *delta, const vo
     if (M <= 0 || N <= 0) return 0;  /* nothing to write (an empty batch) */
     const int64_t Kp = (K + 7) & ~(int64_t)7, nblocks = (N + NB - 1) / NB;
     const int amx = amx_rows(simd > 1, M, Kp);
+    const int own = M <= OWN_ROWS && !amx;
     /* AMX loads 16 rows a tile: rows past M are allocated, never stored */
     const int64_t rows = amx ? (M + 15) / 16 * 16 : M;
     const size_t xq_bytes = ((size_t)(rows * Kp) + 63) & ~(size_t)63;
     const int64_t groups = avx2 && group ? K / group : 0;
-    uint8_t *main_buf = grow_scratch(&tl_main, &tl_main_size, xq_bytes + 8 * (size_t)M + 4 * (size_t)(M * groups));
-    if (!main_buf) return -1;
-    int8_t *xq = (int8_t *)main_buf;
-    float *sa = (float *)(main_buf + xq_bytes);
-    int32_t *qsum = (int32_t *)(sa + M), *gsum = groups ? qsum + M : NULL;
+    const size_t act_bytes = xq_bytes + 8 * (size_t)M + 4 * (size_t)(M * groups);
+    uint8_t *main_buf = own ? NULL : grow_scratch(&tl_main, &tl_main_size, act_bytes);
+    if (!own && !main_buf) return -1;
     /* the SIMD panel holds NR blocks of 16 channels x Kp, needed only past one
      * row tile; the scalar path keeps one channel's Kp weights */
     const size_t panel_bytes = simd ? (M > MR || amx ? (size_t)(NR * NB * Kp) : 0) : avx2 ? 0 : (size_t)Kp;
-    Job job = {xq, sa, qsum, M, Kp, N, w, gp, group, s1, rowsum, zs1, bias, y, out_bf16, gsum};
+    const RowPrep prep = {x, x_bf16, x_mode, delta, eps, K, Kp, simd, avx2, groups, group};
     int failed = 0;
     #pragma omp parallel num_threads(threads > 0 ? threads : 1) if (M * N * K > (1 << 18))
     {
@@ -227,43 +269,30 @@ int w4a8_gemm(const void *x, int x_bf16, int x_mode, const void *delta, const vo
         t = omp_get_thread_num();
         T = omp_get_num_threads();
 #endif
-        const size_t es = x_bf16 ? 2 : 4;
         /* the made row, and for X_NORM the norm weight as fp32 after it */
         float *row = x_mode ? (float *)grow_scratch(&tl_row, &tl_row_size,
                                                     sizeof(float) * (size_t)K * (x_mode == X_NORM ? 2 : 1)) : NULL;
-        if (x_mode && !row) {
+        uint8_t *act = own ? grow_scratch(&tl_own, &tl_own_size, act_bytes) : main_buf;
+        if ((x_mode && !row) || !act) {
             #pragma omp atomic write
             failed = 1;
         }
         if (x_mode == X_NORM && row) load_row(norm_w, x_bf16, 0, K, row + K);
-        #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) {
-            const void *xm = (const char *)x + (size_t)(m * K * (x_mode == X_SILU ? 2 : 1)) * es;
-            int bf16 = x_bf16;
-            if (x_mode) {  /* bf16 rows come out bf16-valued in fp32: quantize them as fp32 */
-                if (!row) continue;
-#if HAVE_SIMD
-                if (simd && x_mode == X_SILU) silu_mul_row_simd(xm, (const char *)xm + (size_t)K * es, x_bf16, K, row);
-                else if (simd) add_norm_row_simd((void *)x, delta, row + K, m, K, eps, x_bf16, row);
-                else
-#endif
-                if (x_mode == X_SILU) silu_mul_row(xm, (const char *)xm + (size_t)K * es, x_bf16, K, row);
-                else add_norm_row((void *)x, delta, row + K, m, K, eps, x_bf16, row);
-                xm = row;
-                bf16 = 0;
-            }
-#if HAVE_SIMD
-            if (simd) { quantize_row_avx512(xm, bf16, K, Kp, xq + m * Kp, sa + m, qsum + m); continue; }
-            if (avx2) {  /* the group sums once per row, not once per row and channel block */
-                quantize_row_avx2(xm, bf16, K, Kp, xq + m * Kp, sa + m, qsum + m);
-                for (int64_t gi = 0; gi < groups; gi++) gsum[m * groups + gi] = sum_i8_avx2(xq + m * Kp + gi * group, group);
-                continue;
-            }
-#endif
-            quantize_row_scalar(xm, bf16, K, Kp, xq + m * Kp, sa + m, qsum + m);
+        int8_t *xq = act ? (int8_t *)act : NULL;
+        float *sa = act ? (float *)(act + xq_bytes) : NULL;
+        int32_t *qsum = act ? (int32_t *)(sa + M) : NULL, *gsum = act && groups ? qsum + M : NULL;
+        const Job job = {xq, sa, qsum, M, Kp, N, w, gp, group, s1, rowsum, zs1, bias, y, out_bf16, gsum};
+        if (own) {
+            for (int64_t m = 0; act && (row || !x_mode) && m < M; m++) make_row(&prep, m, row, 0, xq, sa, qsum, gsum);
+        } else {
+            #pragma omp for schedule(static)
+            for (int64_t m = 0; m < M; m++)
+                if (row || !x_mode) make_row(&prep, m, row, 1, xq, sa, qsum, gsum);
         }
         uint8_t *mine = panel_bytes ? grow_scratch(&tl_panel, &tl_panel_size, panel_bytes) : NULL;
-        if (panel_bytes && !mine) {
+        if (!act || (x_mode && !row)) {
+            /* failed is set: no rows to multiply */
+        } else if (panel_bytes && !mine) {
             #pragma omp atomic write
             failed = 1;
         } else {
@@ -278,5 +307,8 @@ int w4a8_gemm(const void *x, int x_bf16, int x_mode, const void *delta, const vo
                 blocks_scalar(&job, lo, hi, (int8_t *)mine);
         }
     }
-    return failed ? -1 : 0;
+    if (failed) return -1;
+    if (own && x_mode == X_NORM && delta)  /* every thread has read h: now h += delta */
+        for (int64_t m = 0; m < M; m++) add_row((void *)x, delta, m, K, x_bf16, (float *)tl_row, 1);
+    return 0;
 }

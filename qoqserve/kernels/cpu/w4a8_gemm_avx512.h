@@ -9,8 +9,8 @@ SIMD static void silu_mul_row_simd(const void *gate, const void *up, int bf16, i
 }
 
 SIMD static void add_norm_row_simd(void *h, const void *d, const float *wv, int64_t t, int64_t K, float eps,
-                                   int bf16, float *xv) {
-    add_norm_row(h, d, wv, t, K, eps, bf16, xv);
+                                   int bf16, float *xv, int store) {
+    add_norm_row(h, d, wv, t, K, eps, bf16, xv, store);
 }
 
 /* epilogue of one row of one weight block from its INT32 accumulator: x_q . w
