@@ -75,6 +75,7 @@ int main(int argc, char **argv) {
     float *s1 = malloc(sizeof(float) * 3072);
     for (int i = 0; i < M * 1536; i++) x[i] = rand() / (float)RAND_MAX - 0.5f;
     for (int i = 0; i < 3072; i++) s1[i] = 0.01f;
+    const int simd = w4a8_gemm_simd();  /* the path the engine takes on this CPU */
     double gemv = 1e9, read = 1e9;
     int64_t sink = 0;
     for (int rep = 0; rep < reps; rep++) {
@@ -82,7 +83,7 @@ int main(int argc, char **argv) {
         for (int l = 0; l < layers; l++)
             for (int s = 0; s < 4; s++)
                 if (w4a8_gemm(x, 0, 0, NULL, NULL, 0.f, M, shapes[s][1], w[l][s], gp[l][s], group, shapes[s][0],
-                              s1, NULL, NULL, NULL, y, 0, 2, threads))
+                              s1, NULL, NULL, NULL, y, 0, simd, threads))
                     return 1;
         t = now() - t;
         gemv = t < gemv ? t : gemv;

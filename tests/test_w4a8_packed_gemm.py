@@ -4,6 +4,10 @@ bit-identical outputs for ragged shapes, every group size, per channel, both
 code paths (AMX-INT8 tiles where the CPU has them, AVX-512 VNNI, AVX2 and
 the scalar fallback)."""
 import itertools
+import pathlib
+import platform
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -349,3 +353,26 @@ def test_the_packed_method_fuses_the_norm_only_where_it_rounds_alike():
         want, h_want = (norm(hh), hh) if d is None else norm(hh.clone(), d)  # the C add is in place
         x, h_out = method.input_from_norm(norm, hh if d is None else hh.clone(), d)
         assert torch.equal(x, want) and torch.equal(h_out, h_want)
+
+
+def _has_avx512() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " avx512f" in f.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64") or not shutil.which("cc")
+                    or not _has_avx512(), reason="scripts/gemv_stream.c: an AVX-512 harness built with cc")
+def test_the_gemv_stream_harness_builds_and_runs_on_the_kernel_as_it_is(tmp_path):
+    """docs/benchmarks.md's batch-1 figures come from scripts/gemv_stream.c, which
+    includes the kernel's source: it must keep building (warnings as errors:
+    a changed signature is a warning in C) and its GEMV calls must succeed."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    exe = tmp_path / "gemv_stream"
+    subprocess.run(["cc", "-O1", "-march=x86-64", "-fopenmp", "-ffp-contract=off", "-Wall", "-Werror",
+                    f"-I{root / 'qoqserve/kernels/cpu'}", str(root / "scripts/gemv_stream.c"), "-o", str(exe), "-lm"],
+                   check=True, capture_output=True)
+    out = subprocess.run([str(exe), "2", "1", "1"], check=True, capture_output=True, text=True).stdout
+    assert "GEMVs" in out and "ratio" in out
