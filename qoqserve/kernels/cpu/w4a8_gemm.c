@@ -273,7 +273,8 @@ int w4a8_gemm(const void *x, int x_bf16, int x_mode, const void *delta, const vo
         float *row = x_mode ? (float *)grow_scratch(&tl_row, &tl_row_size,
                                                     sizeof(float) * (size_t)K * (x_mode == X_NORM ? 2 : 1)) : NULL;
         uint8_t *act = own ? grow_scratch(&tl_own, &tl_own_size, act_bytes) : main_buf;
-        if ((x_mode && !row) || !act) {
+        const int ready = act && (row || !x_mode);  /* this thread has its scratch */
+        if (!ready) {
             #pragma omp atomic write
             failed = 1;
         }
@@ -283,14 +284,14 @@ int w4a8_gemm(const void *x, int x_bf16, int x_mode, const void *delta, const vo
         int32_t *qsum = act ? (int32_t *)(sa + M) : NULL, *gsum = act && groups ? qsum + M : NULL;
         const Job job = {xq, sa, qsum, M, Kp, N, w, gp, group, s1, rowsum, zs1, bias, y, out_bf16, gsum};
         if (own) {
-            for (int64_t m = 0; act && (row || !x_mode) && m < M; m++) make_row(&prep, m, row, 0, xq, sa, qsum, gsum);
+            for (int64_t m = 0; ready && m < M; m++) make_row(&prep, m, row, 0, xq, sa, qsum, gsum);
         } else {
             #pragma omp for schedule(static)
             for (int64_t m = 0; m < M; m++)
-                if (row || !x_mode) make_row(&prep, m, row, 1, xq, sa, qsum, gsum);
+                if (ready) make_row(&prep, m, row, 1, xq, sa, qsum, gsum);
         }
         uint8_t *mine = panel_bytes ? grow_scratch(&tl_panel, &tl_panel_size, panel_bytes) : NULL;
-        if (!act || (x_mode && !row)) {
+        if (!ready) {
             /* failed is set: no rows to multiply */
         } else if (panel_bytes && !mine) {
             #pragma omp atomic write
