@@ -49,8 +49,16 @@ SIMD static inline __m512i bcast4(const int8_t *p) {
         s2w##b = _mm512_or_si512(s2, _mm512_slli_epi32(s2, 16)); \
         cw##b = _mm512_shuffle_epi8(_mm512_sub_epi32(zs2, c128), rep); \
     }
+/* Loops that read the packed codes (UNPACK, CODES) use each code byte for
+ * only a few rows' products, so they ask for lines faster than the hardware
+ * prefetchers bring them in: each unit's line CODES_AHEAD units on is
+ * requested into L2. The codes are one sequential stream (layout tiles back
+ * to back), so that line is one this thread reads next unless its range ends
+ * first; a prefetch past the array never faults. */
+enum { CODES_AHEAD = 32 };
 #define UNPACK(b) __m512i lo##b = _mm512_setzero_si512(), hi##b = lo##b; \
     if (b < nr) { \
+        _mm_prefetch((const char *)w + (p + CODES_AHEAD) * wstep + b * 64, _MM_HINT_T1); \
         __m512i pk = _mm512_loadu_si512(w + p * wstep + b * 64); \
         lo##b = _mm512_and_si512(pk, nib); \
         hi##b = _mm512_and_si512(_mm512_srli_epi16(pk, 4), nib); \
@@ -139,12 +147,6 @@ SIMD static inline int32_t sum_i8(const int8_t *x, int64_t n) {
 #define DPC(i, b, wv, kk) if (i < mr && b < nr) g##i##b = _mm512_dpbusd_epi32(g##i##b, wv, bcast4(x + i * Kp + (kk)));
 #define DPC_LO(i, b) DPC(i, b, lo##b, 8 * p)
 #define DPC_HI(i, b) DPC(i, b, hi##b, 8 * p + 4)
-/* One or two rows use each code byte for so few products that the loop asks
- * for lines faster than the hardware prefetchers bring them: each unit's line
- * CODES_AHEAD units on is requested into L2 (the codes are one sequential
- * stream, layout tiles back to back, so that line is the next one this thread
- * reads unless its range ends first; a prefetch past the array never faults). */
-enum { CODES_AHEAD = 32 };
 #define CODES(b) __m512i lo##b = _mm512_setzero_si512(), hi##b = lo##b; \
     if (b < nr) { \
         _mm_prefetch((const char *)w + (p + CODES_AHEAD) * wstep + b * 64, _MM_HINT_T1); \
