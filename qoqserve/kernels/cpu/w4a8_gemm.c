@@ -58,6 +58,13 @@
 #define NB 16  /* output channels per weight block: one zmm of int32 */
 #define NR 4   /* weight blocks per tile: of the layout and of the SIMD loops (TILE_BLOCKS in weight_layout.py) */
 #define MR 6   /* rows per tile: 24 accumulators of the 32 zmm */
+/* The SIMD loops that read the packed codes use each code byte for only a
+ * few rows' products, so they ask for lines faster than the hardware
+ * prefetchers bring them in: each step requests into L2 the line of the unit
+ * CODES_AHEAD steps on. The codes are one sequential stream (layout tiles
+ * back to back), so that is a line this thread reads next unless its range
+ * ends first; a prefetch past the array never faults. */
+#define CODES_AHEAD 32
 
 typedef struct {
     const int8_t *xq; const float *sa; const int32_t *qsum; int64_t M, Kp, N;

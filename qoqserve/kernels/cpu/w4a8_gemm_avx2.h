@@ -68,6 +68,7 @@ AVX2 static inline __attribute__((always_inline)) void half_rows(const Job *j, i
             __m256i s16[4];
             for (int i = 0; i < mr; i++) s16[i] = _mm256_setzero_si256();
             for (int64_t p = p0; p < p0 + 4 && p < end; p++) {
+                _mm_prefetch((const char *)w + (p + CODES_AHEAD) * wstep, _MM_HINT_T1);
                 const __m256i pk = _mm256_loadu_si256((const __m256i *)(w + p * wstep));
                 const __m256i lo = _mm256_and_si256(pk, nib), hi = _mm256_and_si256(_mm256_srli_epi16(pk, 4), nib);
                 for (int i = 0; i < mr; i++) {
@@ -139,6 +140,8 @@ AVX2 static inline __attribute__((always_inline)) void tile_rows(const Job *j, i
                     va[i] = _mm256_set1_epi32(xa);
                     vb[i] = _mm256_set1_epi32(xb);
                 }
+                for (int hb = 0; hb < H; hb += 2)  /* one prefetch per 64-byte unit */
+                    _mm_prefetch((const char *)w + (p + CODES_AHEAD) * wstep + 32 * hb, _MM_HINT_T1);
                 for (int hb = 0; hb < H; hb++) {
                     const __m256i pk = _mm256_loadu_si256((const __m256i *)(w + p * wstep + 32 * hb));
                     const __m256i lo = _mm256_and_si256(pk, nib), hi = _mm256_and_si256(_mm256_srli_epi16(pk, 4), nib);

@@ -49,13 +49,6 @@ SIMD static inline __m512i bcast4(const int8_t *p) {
         s2w##b = _mm512_or_si512(s2, _mm512_slli_epi32(s2, 16)); \
         cw##b = _mm512_shuffle_epi8(_mm512_sub_epi32(zs2, c128), rep); \
     }
-/* Loops that read the packed codes (UNPACK, CODES) use each code byte for
- * only a few rows' products, so they ask for lines faster than the hardware
- * prefetchers bring them in: each unit's line CODES_AHEAD units on is
- * requested into L2. The codes are one sequential stream (layout tiles back
- * to back), so that line is one this thread reads next unless its range ends
- * first; a prefetch past the array never faults. */
-enum { CODES_AHEAD = 32 };
 #define UNPACK(b) __m512i lo##b = _mm512_setzero_si512(), hi##b = lo##b; \
     if (b < nr) { \
         _mm_prefetch((const char *)w + (p + CODES_AHEAD) * wstep + b * 64, _MM_HINT_T1); \
