@@ -2,6 +2,10 @@
 reference, over every page format, head_dim, GQA group and block size."""
 from __future__ import annotations
 
+import platform
+import shutil
+import subprocess
+
 import pytest
 import torch
 from conftest import cpu_has_avx2, cpu_has_avx512, make_pages, page_layout
@@ -50,6 +54,17 @@ def test_the_vector_path_is_taken_where_the_cpu_has_it(monkeypatch):
     assert paged_decode.isa() == ("avx2" if cpu_has_avx2() else "scalar")
     monkeypatch.setenv("QOQSERVE_CPU_ISA", "scalar")
     assert paged_decode.isa() == "scalar"
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("objdump") is None,
+                    reason="reads x86 disassembly with objdump")
+def test_each_task_prefetches_its_first_pages():
+    # GCC drops calls to a function made only of prefetches (it finds no side
+    # effect), so nothing but the built code shows the prefetch is there
+    out = subprocess.run(["objdump", "-d", "--no-show-raw-insn", paged_decode.load()._name],
+                         capture_output=True, text=True, check=True).stdout
+    task_loop = out.split("<paged_decode_attention._omp_fn.0>:", 1)[1].split("\n\n", 1)[0]
+    assert "prefetcht1" in task_loop
 
 
 @pytest.mark.parametrize("bs", [16, 64])

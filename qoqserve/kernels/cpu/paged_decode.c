@@ -129,6 +129,26 @@ static void merge(const job *j, int b, int hq, float *out) {
     for (int d = 0; d < D; d++) out[d] /= den;
 }
 
+/* The first PREFETCH_PAGES pages of a task's K, then of its V, requested
+ * into L2 as the task starts: in a decode step the pages come cold from
+ * memory (the layers' weights pass through every cache between two steps),
+ * and the vector passes' own prefetch, PD_PF pages ahead, leaves a task's
+ * first pages to be waited for one load at a time. Capped because a burst
+ * for a whole 16-page chunk made long single sequences slower.
+ * always_inline: GCC judges a function made only of prefetches free of side
+ * effects and drops the calls (tests/test_paged_decode.py checks the
+ * instructions are there). */
+enum { PREFETCH_PAGES = 8 };
+static inline __attribute__((always_inline)) void prefetch_task(const job *j, int b, int c) {
+    const int64_t bs = j->bs, bytes = bs * j->slot_stride, *table = j->tables + (int64_t)b * j->width;
+    const int64_t p0 = (int64_t)c * j->chunk_pages, pages = (j->lens[b] + bs - 1) / bs;
+    const int64_t n = j->chunk_pages < PREFETCH_PAGES ? j->chunk_pages : PREFETCH_PAGES;
+    const int64_t end = p0 + n < pages ? p0 + n : pages;
+    for (int kv = 0; kv < 2; kv++)
+        for (int64_t p = p0; p < end; p++)
+            for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((kv ? j->v : j->k) + table[p] * bytes + o, 0, 2);
+}
+
 /* per-thread scratch (thread_scratch.h): one call per layer and step, a few
  * microseconds each at short contexts */
 static __thread void *tl_scratch, *tl_part;
@@ -181,6 +201,7 @@ int paged_decode_attention(const float *q, const uint8_t *k, const uint8_t *v, i
     for (int task = 0; task < B * j.max_chunks; task++) {
         const int b = task / j.max_chunks, c = task % j.max_chunks;
         if (!s || c >= chunks_of(&j, b)) continue;
+        prefetch_task(&j, b, c);
 #ifdef PD_AVX512
         if (vec == KV_PATH_AVX512) { chunk_avx512(&j, b, c, s); continue; }
 #endif
