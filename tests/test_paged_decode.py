@@ -63,8 +63,10 @@ def test_each_task_prefetches_its_first_pages():
     # effect), so nothing but the built code shows the prefetch is there
     out = subprocess.run(["objdump", "-d", "--no-show-raw-insn", paged_decode.load()._name],
                          capture_output=True, text=True, check=True).stdout
-    task_loop = out.split("<paged_decode_attention._omp_fn.0>:", 1)[1].split("\n\n", 1)[0]
-    assert "prefetcht1" in task_loop
+    name = "<paged_decode_attention._omp_fn.0>:"  # GCC's name for the task loop's parallel region
+    if name not in out:
+        pytest.skip("not built by GCC (the trap checked here is GCC's)")
+    assert "prefetcht1" in out.split(name, 1)[1].split("\n\n", 1)[0]
 
 
 @pytest.mark.parametrize("bs", [16, 64])
