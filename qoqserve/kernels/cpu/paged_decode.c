@@ -50,9 +50,17 @@ static inline float *partial(const job *j, int b, int c, int hq) {
     return j->part + (((int64_t)b * j->max_chunks + c) * j->H + hq) * (j->D + 2);
 }
 
+static inline int64_t pages_of(const job *j, int b) { return (j->lens[b] + j->bs - 1) / j->bs; }
+
 static inline int chunks_of(const job *j, int b) {
-    const int64_t pages = (j->lens[b] + j->bs - 1) / j->bs;
-    return (int)((pages + j->chunk_pages - 1) / j->chunk_pages);
+    return (int)((pages_of(j, b) + j->chunk_pages - 1) / j->chunk_pages);
+}
+
+/* the pages of (sequence b, chunk c): indices p0 (chunk_first) .. chunk_end - 1 of its table */
+static inline int64_t chunk_first(const job *j, int c) { return (int64_t)c * j->chunk_pages; }
+static inline int64_t chunk_end(const job *j, int b, int c) {
+    const int64_t end = chunk_first(j, c) + j->chunk_pages, pages = pages_of(j, b);
+    return end < pages ? end : pages;
 }
 
 /* whether merge() makes sequence b's output: on the vector path a sequence
@@ -86,8 +94,7 @@ PORTABLE_CLONES static void chunk_scalar(const job *j, int b, int c, float *s) {
     }
     memset(acc, 0, sizeof(float) * (size_t)H * D);
     const int64_t L = j->lens[b], *table = j->tables + (int64_t)b * j->width;
-    const int64_t p0 = (int64_t)c * j->chunk_pages, pages = (L + bs - 1) / bs;
-    const int64_t p1 = p0 + j->chunk_pages < pages ? p0 + j->chunk_pages : pages;
+    const int64_t p0 = chunk_first(j, c), p1 = chunk_end(j, b, c);
     for (int64_t p = p0; p < p1; p++) {
         const int64_t base = table[p] * bs * j->slot_stride;
         const int ntok = (int)(L - p * bs < bs ? L - p * bs : bs);
@@ -141,9 +148,8 @@ static void merge(const job *j, int b, int hq, float *out) {
 enum { PREFETCH_PAGES = 8 };
 static inline __attribute__((always_inline)) void prefetch_task(const job *j, int b, int c) {
     const int64_t bs = j->bs, bytes = bs * j->slot_stride, *table = j->tables + (int64_t)b * j->width;
-    const int64_t p0 = (int64_t)c * j->chunk_pages, pages = (j->lens[b] + bs - 1) / bs;
-    const int64_t n = j->chunk_pages < PREFETCH_PAGES ? j->chunk_pages : PREFETCH_PAGES;
-    const int64_t end = p0 + n < pages ? p0 + n : pages;
+    const int64_t p0 = chunk_first(j, c), p1 = chunk_end(j, b, c);
+    const int64_t end = p1 < p0 + PREFETCH_PAGES ? p1 : p0 + PREFETCH_PAGES;
     for (int kv = 0; kv < 2; kv++)
         for (int64_t p = p0; p < end; p++)
             for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((kv ? j->v : j->k) + table[p] * bytes + o, 0, 2);
