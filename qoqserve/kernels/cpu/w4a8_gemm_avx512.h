@@ -49,12 +49,17 @@ SIMD static inline __m512i bcast4(const int8_t *p) {
         s2w##b = _mm512_or_si512(s2, _mm512_slli_epi32(s2, 16)); \
         cw##b = _mm512_shuffle_epi8(_mm512_sub_epi32(zs2, c128), rep); \
     }
-#define UNPACK(b) __m512i lo##b = _mm512_setzero_si512(), hi##b = lo##b; \
+/* unit (p, b)'s low and high nibbles (codes) into lo##b, hi##b, zero past nr;
+ * the line CODES_AHEAD units on requested */
+#define CODES(b) __m512i lo##b = _mm512_setzero_si512(), hi##b = lo##b; \
     if (b < nr) { \
         _mm_prefetch((const char *)w + (p + CODES_AHEAD) * wstep + b * 64, _MM_HINT_T1); \
         __m512i pk = _mm512_loadu_si512(w + p * wstep + b * 64); \
         lo##b = _mm512_and_si512(pk, nib); \
         hi##b = _mm512_and_si512(_mm512_srli_epi16(pk, 4), nib); \
+    }
+#define UNPACK(b) CODES(b) \
+    if (b < nr) { \
         if (grouped) { \
             lo##b = _mm512_sub_epi8(_mm512_mullo_epi16(lo##b, s2w##b), cw##b); \
             hi##b = _mm512_sub_epi8(_mm512_mullo_epi16(hi##b, s2w##b), cw##b); \
@@ -140,13 +145,6 @@ SIMD static inline int32_t sum_i8(const int8_t *x, int64_t n) {
 #define DPC(i, b, wv, kk) if (i < mr && b < nr) g##i##b = _mm512_dpbusd_epi32(g##i##b, wv, bcast4(x + i * Kp + (kk)));
 #define DPC_LO(i, b) DPC(i, b, lo##b, 8 * p)
 #define DPC_HI(i, b) DPC(i, b, hi##b, 8 * p + 4)
-#define CODES(b) __m512i lo##b = _mm512_setzero_si512(), hi##b = lo##b; \
-    if (b < nr) { \
-        _mm_prefetch((const char *)w + (p + CODES_AHEAD) * wstep + b * 64, _MM_HINT_T1); \
-        __m512i pk = _mm512_loadu_si512(w + p * wstep + b * 64); \
-        lo##b = _mm512_and_si512(pk, nib); \
-        hi##b = _mm512_and_si512(_mm512_srli_epi16(pk, 4), nib); \
-    }
 #define BLOCK_C(b) CODES(b) FOR_ROWS2(DPC_LO, b) FOR_ROWS2(DPC_HI, b)
 #define SCALE_G(i, b) if (i < mr && b < nr) { \
         __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(g + gi * gstep + b * NB))); \
