@@ -11,6 +11,7 @@ import subprocess
 
 import pytest
 import torch
+from conftest import cpu_has_avx512
 
 from qoqserve.kernels import qoq_ref
 from qoqserve.kernels.cpu import w4a8_gemm
@@ -355,16 +356,8 @@ def test_the_packed_method_fuses_the_norm_only_where_it_rounds_alike():
         assert torch.equal(x, want) and torch.equal(h_out, h_want)
 
 
-def _has_avx512() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return " avx512f" in f.read()
-    except OSError:
-        return False
-
-
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64") or not shutil.which("cc")
-                    or not _has_avx512(), reason="scripts/gemv_stream.c: an AVX-512 harness built with cc")
+                    or not cpu_has_avx512(), reason="scripts/gemv_stream.c: an AVX-512 harness built with cc")
 def test_the_gemv_stream_harness_builds_and_runs_on_the_kernel_as_it_is(tmp_path):
     """docs/benchmarks.md's batch-1 figures come from scripts/gemv_stream.c, which
     includes the kernel's source: it must keep building (warnings as errors:
