@@ -17,6 +17,7 @@
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
+#include "team.h"
 #endif
 #include "bf16.h"
 #include "silu_mul_row.h"
@@ -86,6 +87,50 @@ static inline __attribute__((always_inline)) void vec_mat(const float *y, const 
         for (int d = 0; d < D; d++) x[d] += y[e] * R[e * D + d];
 }
 
+/* token t of qkv_rope (below) */
+static void rope_token(const void *qkv, int64_t row, int64_t t, int H, int Hkv, int D, const int64_t *pos,
+                       const float *cos, const float *sin, const void *shift, const void *rot, void *q,
+                       void *k, void *v, int bf16) {
+    /* head_dim <= 512; a bf16 R is widened once per token when it fits
+     * the scratch (head_dim <= 128), else row by row */
+    float x[512], y[512], rmat[128 * 128], sh[512];
+    const float *R = NULL;
+    if (rot && !bf16) R = (const float *)rot;
+    else if (rot && D <= 128) { load_row(rot, bf16, 0, (int64_t)D * D, rmat); R = rmat; }
+    const float *c = cos + pos[t] * D, *s = sin + pos[t] * D;
+    const int half = D / 2;
+    for (int h = 0; h < H + Hkv; h++) {
+        const int is_k = h >= H;
+        load_row(qkv, bf16, t * row + (int64_t)h * D, D, x);
+        for (int d = 0; d < half; d++) y[d] = x[d] * c[d] + -x[d + half] * s[d];
+        for (int d = half; d < D; d++) y[d] = x[d] * c[d] + x[d - half] * s[d];
+        round_row(y, D, bf16);
+        void *dst = is_k ? k : q;
+        const int64_t oi = (t * (is_k ? Hkv : H) + (is_k ? h - H : h)) * D;
+        if (!rot) { store_row(y, D, dst, bf16, oi); continue; }
+        if (is_k) {
+            load_row(shift, bf16, (int64_t)(h - H) * D, D, sh);
+            for (int e = 0; e < D; e++) y[e] = y[e] - sh[e];
+            round_row(y, D, bf16);
+        }
+        if (R && D == 64) vec_mat(y, R, x, 64);
+        else if (R && D == 128) vec_mat(y, R, x, 128);
+        else if (R) vec_mat(y, R, x, D);
+        else {
+            for (int d = 0; d < D; d++) x[d] = 0.f;
+            for (int e = 0; e < D; e++) {
+                float rr[512];
+                load_row(rot, bf16, (int64_t)e * D, D, rr);
+                for (int d = 0; d < D; d++) x[d] += y[e] * rr[d];
+            }
+        }
+        store_row(x, D, dst, bf16, oi);
+    }
+    const size_t es = bf16 ? 2 : 4;
+    memcpy((char *)v + (size_t)(t * Hkv * D) * es, (const char *)qkv + (size_t)(t * row + (H + Hkv) * D) * es,
+           (size_t)(Hkv * D) * es);
+}
+
 /* qkv [T, row] (row >= (H + 2 Hkv) D elements: q | k | v) -> q [T, H, D],
  * k, v [T, Hkv, D] contiguous; RoPE (half-split) on q and k at positions
  * pos[t] from the fp32 tables cos/sin [max_pos, D], rounded once; with
@@ -94,47 +139,8 @@ static inline __attribute__((always_inline)) void vec_mat(const float *y, const 
 void qkv_rope(const void *qkv, int64_t row, int64_t T, int H, int Hkv, int D, const int64_t *pos,
               const float *cos, const float *sin, const void *shift, const void *rot, void *q,
               void *k, void *v, int bf16, int threads) {
-    #pragma omp parallel for num_threads(threads) PAR_ROWS(T)
-    for (int64_t t = 0; t < T; t++) {
-        /* head_dim <= 512; a bf16 R is widened once per token when it fits
-         * the scratch (head_dim <= 128), else row by row */
-        float x[512], y[512], rmat[128 * 128], sh[512];
-        const float *R = NULL;
-        if (rot && !bf16) R = (const float *)rot;
-        else if (rot && D <= 128) { load_row(rot, bf16, 0, (int64_t)D * D, rmat); R = rmat; }
-        const float *c = cos + pos[t] * D, *s = sin + pos[t] * D;
-        const int half = D / 2;
-        for (int h = 0; h < H + Hkv; h++) {
-            const int is_k = h >= H;
-            load_row(qkv, bf16, t * row + (int64_t)h * D, D, x);
-            for (int d = 0; d < half; d++) y[d] = x[d] * c[d] + -x[d + half] * s[d];
-            for (int d = half; d < D; d++) y[d] = x[d] * c[d] + x[d - half] * s[d];
-            round_row(y, D, bf16);
-            void *dst = is_k ? k : q;
-            const int64_t oi = (t * (is_k ? Hkv : H) + (is_k ? h - H : h)) * D;
-            if (!rot) { store_row(y, D, dst, bf16, oi); continue; }
-            if (is_k) {
-                load_row(shift, bf16, (int64_t)(h - H) * D, D, sh);
-                for (int e = 0; e < D; e++) y[e] = y[e] - sh[e];
-                round_row(y, D, bf16);
-            }
-            if (R && D == 64) vec_mat(y, R, x, 64);
-            else if (R && D == 128) vec_mat(y, R, x, 128);
-            else if (R) vec_mat(y, R, x, D);
-            else {
-                for (int d = 0; d < D; d++) x[d] = 0.f;
-                for (int e = 0; e < D; e++) {
-                    float rr[512];
-                    load_row(rot, bf16, (int64_t)e * D, D, rr);
-                    for (int d = 0; d < D; d++) x[d] += y[e] * rr[d];
-                }
-            }
-            store_row(x, D, dst, bf16, oi);
-        }
-        const size_t es = bf16 ? 2 : 4;
-        memcpy((char *)v + (size_t)(t * Hkv * D) * es, (const char *)qkv + (size_t)(t * row + (H + Hkv) * D) * es,
-               (size_t)(Hkv * D) * es);
-    }
+    TEAM_RUN(threads, T >= 8, for (int64_t t = T * tm.t / tm.T; t < T * (tm.t + 1) / tm.T; t++)
+             rope_token(qkv, row, t, H, Hkv, D, pos, cos, sin, shift, rot, q, k, v, bf16));
 }
 
 #ifdef __AVX512F__

@@ -27,7 +27,7 @@ MAX_ROW = 16384  # the C scratch rows: hidden size, intermediate size per chunk
 
 
 def load():
-    return load_library("elementwise", ["-ffp-contract=off"], _SIGNATURES)
+    return load_library("elementwise", ["-ffp-contract=off"], _SIGNATURES, team_aware=("qkv_rope",))
 
 
 def available() -> bool:

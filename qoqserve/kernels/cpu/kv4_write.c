@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "team.h"
 
 enum { CHUNK = 256 };  /* values widened at a time: any head_dim, in L1 */
 
@@ -55,14 +56,13 @@ static void quantize_row(const void *x, int bf16, int64_t base, int D, uint8_t *
  * slots: int64 [T] */
 void kv4_write(const void *k, const void *v, int bf16, const int64_t *slots, int64_t T, int Hkv,
                int D, uint8_t *cache, int threads) {
-    const int64_t row = D / 2 + 4;
-    #pragma omp parallel for num_threads(threads) schedule(static) if (T * Hkv >= 32)
-    for (int64_t i = 0; i < T * Hkv; i++) {
+    const int64_t row = D / 2 + 4, n = T * Hkv;
+    TEAM_RUN(threads, n >= 32, for (int64_t i = n * tm.t / tm.T; i < n * (tm.t + 1) / tm.T; i++) {
         const int64_t t = i / Hkv, h = i % Hkv;
         uint8_t *dst = cache + slots[t] * 2 * Hkv * row + h * row;
         quantize_row(k, bf16, i * D, D, dst);
         quantize_row(v, bf16, i * D, D, dst + Hkv * row);
-    }
+    });
 }
 
 /* Dense pages: copy each token's K and V rows ([Hkv * D] elements of

@@ -17,7 +17,7 @@ _SIGNATURES = {"kv4_write": (None, [_P, _P, _I, _P, _L, _I, _I, _P, _I]),
 
 def load():
     # no FMA contraction: the reference rounds x / scale and + zero separately
-    return load_library("kv4_write", ["-ffp-contract=off"], _SIGNATURES)
+    return load_library("kv4_write", ["-ffp-contract=off"], _SIGNATURES, team_aware=("kv4_write",))
 
 
 def available() -> bool:

@@ -29,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "kv_rows.h"
+#include "team.h"
 #include "thread_scratch.h"
 
 enum { BLOCK = 16 };          /* tokens scored at once: one AVX-512 vector of scores */
@@ -44,6 +45,7 @@ typedef struct {
     int kv4_vnni;  /* KV4 scores by integer dot products (paged_decode_vnni.h) */
     float *part;   /* per (sequence, chunk, query head): m, l, acc[D] in channel order */
     float *out;    /* [B, H, D]; the vector path writes a one-chunk sequence's rows itself */
+    size_t part_bytes;
 } job;
 
 static inline float *partial(const job *j, int b, int c, int hq) {
@@ -177,6 +179,48 @@ int paged_decode_isa(void) {
     return kv4_vnni_path() ? 513 : widths[kv_vector_path()];
 }
 
+/* shared by a running team (team.h): thread 0's partials and the next task */
+static void *volatile team_part;
+static int team_next;
+
+/* Thread tm.t of tm.T: tasks (sequence, chunk) handed out in order from
+ * *next, then, once all are done, its share of the merges. j is this thread's
+ * own copy in a running team, shared in the kernel's own region. Nonzero when
+ * this thread had no scratch (its tasks are skipped). */
+static int decode_part(job *j, int vec, int merges, team_t tm, int *next) {
+    if (tm.joined) {
+        float *mine = tm.t == 0 ? (float *)grow_scratch(&tl_part, &tl_part_size, j->part_bytes) : NULL;
+        if (tm.T > 1) {
+            if (tm.t == 0) team_next = 0;
+            next = &team_next;
+        }
+        j->part = (float *)team_share(tm, &team_part, mine);
+    }
+    float *s = (float *)grow_scratch(&tl_scratch, &tl_scratch_size, sizeof(float) * (size_t)scratch_floats(j));
+    const int tasks = j->B * j->max_chunks;
+    for (int task; (task = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED)) < tasks;) {
+        const int b = task / j->max_chunks, c = task % j->max_chunks;
+        if (!s || !j->part || c >= chunks_of(j, b)) continue;
+        prefetch_task(j, b, c);
+#ifdef PD_AVX512
+        if (vec == KV_PATH_AVX512) { chunk_avx512(j, b, c, s); continue; }
+#endif
+#ifdef PD_AVX2
+        if (vec == KV_PATH_AVX2) { chunk_avx2(j, b, c, s); continue; }
+#endif
+        chunk_scalar(j, b, c, s);
+    }
+    /* the vector path has written every one-chunk sequence: with only
+     * those, no merge pass (and no second barrier) at all */
+    if (merges) {
+        TEAM_SYNC(tm);
+        const int n = j->B * j->H;
+        for (int task = n * tm.t / tm.T; j->part && task < n * (tm.t + 1) / tm.T; task++)
+            if (merged_apart(j, task / j->H, vec)) merge(j, task / j->H, task % j->H, j->out + (int64_t)task * j->D);
+    }
+    return !s || !j->part;
+}
+
 /* q, out: float [B, H, D]. The row of (slot, head) for K starts at
  * k + slot * slot_stride + head * head_stride bytes, for V at v + the same;
  * slot = table[t / bs] * bs + t % bs. tables: int64 [B, width]; lens: int64 [B].
@@ -186,43 +230,19 @@ int paged_decode_attention(const float *q, const uint8_t *k, const uint8_t *v, i
                            float *out, int B, int H, int Hkv, int D, int bs, int width,
                            float sm_scale, int threads) {
     job j = {q, k, v, slot_stride, head_stride, tables, lens, fmt, B, H, Hkv, H / Hkv, D, bs, width,
-             CHUNK_TOKENS / bs > 0 ? CHUNK_TOKENS / bs : 1, 1, sm_scale * 1.4426950408889634f, 0, NULL, out};
+             CHUNK_TOKENS / bs > 0 ? CHUNK_TOKENS / bs : 1, 1, sm_scale * 1.4426950408889634f, 0, NULL, out, 0};
     j.kv4_vnni = kv4_vnni_path();
     for (int b = 0; b < B; b++) j.max_chunks = chunks_of(&j, b) > j.max_chunks ? chunks_of(&j, b) : j.max_chunks;
-    j.part = (float *)grow_scratch(&tl_part, &tl_part_size, sizeof(float) * (size_t)B * j.max_chunks * H * (D + 2));
-    if (!j.part) return -1;
+    /* in a running team, thread 0's partials are shared inside decode_part */
+    const size_t part_bytes = sizeof(float) * (size_t)B * j.max_chunks * H * (D + 2);
+    j.part = team_joined() ? NULL : (float *)grow_scratch(&tl_part, &tl_part_size, part_bytes);
+    j.part_bytes = part_bytes;
+    if (!team_joined() && !j.part) return -1;
     const int vec = kv_vector_path();
     int merges = 0;
     for (int b = 0; b < B; b++) merges |= merged_apart(&j, b, vec);
-    int failed = 0;
+    int failed = 0, next = 0;
     /* one task (a short context at batch 1): no team to wake and wait for */
-    #pragma omp parallel num_threads(threads) if (B * j.max_chunks > 1)
-    {
-    float *s = (float *)grow_scratch(&tl_scratch, &tl_scratch_size, sizeof(float) * (size_t)scratch_floats(&j));
-    if (!s) {
-        #pragma omp atomic write
-        failed = 1;
-    }
-    #pragma omp for schedule(dynamic, 1)
-    for (int task = 0; task < B * j.max_chunks; task++) {
-        const int b = task / j.max_chunks, c = task % j.max_chunks;
-        if (!s || c >= chunks_of(&j, b)) continue;
-        prefetch_task(&j, b, c);
-#ifdef PD_AVX512
-        if (vec == KV_PATH_AVX512) { chunk_avx512(&j, b, c, s); continue; }
-#endif
-#ifdef PD_AVX2
-        if (vec == KV_PATH_AVX2) { chunk_avx2(&j, b, c, s); continue; }
-#endif
-        chunk_scalar(&j, b, c, s);
-    }
-    /* the vector path has written every one-chunk sequence: with only
-     * those, no merge pass (and no second barrier) at all */
-    if (merges) {
-        #pragma omp for schedule(static)
-        for (int task = 0; task < B * H; task++)
-            if (merged_apart(&j, task / H, vec)) merge(&j, task / H, task % H, out + (int64_t)task * D);
-    }
-    }
+    TEAM_RUN(threads, B * j.max_chunks > 1, if (decode_part(&j, vec, merges, tm, &next)) team_fail(&failed));
     return failed ? -1 : 0;
 }

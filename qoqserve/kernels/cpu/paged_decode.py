@@ -29,7 +29,7 @@ FORMATS = {"int4": 0, "int8": 1, "float16": 2, "bfloat16": 3, "float32": 4}
 
 
 def load():
-    return load_library("paged_decode", _FLAGS, _SIGNATURES)
+    return load_library("paged_decode", _FLAGS, _SIGNATURES, team_aware=("paged_decode_attention",))
 
 
 def available() -> bool:

@@ -7,8 +7,15 @@
  * A plan holds, per call: the function, its libffi call interface and one
  * 8-byte slot per argument holding the argument's bits (little-endian, so
  * an int32 or a float sits in the slot's first bytes).
+ *
+ * Calls of team-aware kernels (team.h) that follow each other run in one
+ * OpenMP region of the plan's team size: every thread makes each call, then
+ * the team meets at a barrier before the next, instead of each call forking
+ * and joining its own team. Other calls run from the calling thread alone,
+ * between such regions, as before.
  */
 #include <ffi.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -19,12 +26,14 @@ typedef struct {
     ffi_type **types;
     void **values;
     int returns_int;
+    int team;  /* made by every thread of a running team (team.h) */
 } call_t;
 
 typedef struct {
     int n;
     call_t *calls;
     uint64_t *slots;
+    int team_size;  /* threads of the team regions; under 2: none */
 } plan_t;
 
 static ffi_type *type_of(char code) {
@@ -51,12 +60,13 @@ void plan_free(plan_t *p) {
 
 /* n calls: fns[i]; argument codes of call i in codes (nargs[i] characters
  * each, back to back, from 'p' 'i' 'l' 'f' 'd'); returns[i] 'i' (int) or 'v'
- * (void); bits: every call's argument slots back to back. NULL on a bad code
- * or out of memory. */
+ * (void); team[i] 't' for a team-aware kernel, else '-'; bits: every call's
+ * argument slots back to back. NULL on a bad code or out of memory. */
 plan_t *plan_new(int n, void **fns, const char *codes, const int *nargs, const char *returns,
-                 const uint64_t *bits) {
+                 const char *team, int team_size, const uint64_t *bits) {
     plan_t *p = calloc(1, sizeof(plan_t));
     if (!p) return NULL;
+    p->team_size = team_size;
     int64_t total = 0;
     for (int i = 0; i < n; i++) total += nargs[i];
     p->n = n;
@@ -69,6 +79,7 @@ plan_t *plan_new(int n, void **fns, const char *codes, const int *nargs, const c
         call_t *c = &p->calls[i];
         c->fn = (void (*)(void))fns[i];
         c->returns_int = returns[i] == 'i';
+        c->team = team[i] == 't';
         c->types = malloc(sizeof(ffi_type *) * (size_t)(nargs[i] > 0 ? nargs[i] : 1));
         c->values = malloc(sizeof(void *) * (size_t)(nargs[i] > 0 ? nargs[i] : 1));
         if (!c->types || !c->values || (returns[i] != 'i' && returns[i] != 'v')) { plan_free(p); return NULL; }
@@ -87,13 +98,52 @@ plan_t *plan_new(int n, void **fns, const char *codes, const int *nargs, const c
     return p;
 }
 
+static int failed(const call_t *c, ffi_arg rc) { return c->returns_int && (int32_t)rc != 0; }
+
+/* Team regions share the kernels' team statics (team.h): one at a time. */
+static pthread_mutex_t team_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* Calls first..end-1, all team-aware, on one team. Returns 0 or 1 + the index
+ * of the first call that failed on some thread; the team stops after it,
+ * every thread at the same barrier. */
+static int run_team(const plan_t *p, int first, int end) {
+    int failed_at = 0;  /* 1 + the first failed call */
+    pthread_mutex_lock(&team_lock);
+    #pragma omp parallel num_threads(p->team_size)
+    for (int i = first; i < end; i++) {
+        ffi_arg rc = 0;
+        ffi_call((ffi_cif *)&p->calls[i].cif, p->calls[i].fn, &rc, p->calls[i].values);
+        if (failed(&p->calls[i], rc)) {
+            #pragma omp critical(replay_failed)
+            if (!failed_at || i + 1 < failed_at) failed_at = i + 1;
+        }
+        #pragma omp barrier
+        int seen;
+        #pragma omp atomic read
+        seen = failed_at;
+        /* only calls up to i can have failed by now: every thread stops here */
+        if (seen && seen <= i + 1) break;
+    }
+    pthread_mutex_unlock(&team_lock);
+    return failed_at;
+}
+
 /* Every call in order. Returns 0, or 1 + the index of the first call that
  * returned nonzero (the calls after it are not made). */
 int plan_run(const plan_t *p) {
-    for (int i = 0; i < p->n; i++) {
+    for (int i = 0; i < p->n;) {
+        int end = i;
+        while (p->team_size > 1 && end < p->n && p->calls[end].team) end++;
+        if (end > i) {
+            const int rc = run_team(p, i, end);
+            if (rc) return rc;
+            i = end;
+            continue;
+        }
         ffi_arg rc = 0;
         ffi_call((ffi_cif *)&p->calls[i].cif, p->calls[i].fn, &rc, p->calls[i].values);
-        if (p->calls[i].returns_int && (int32_t)rc != 0) return i + 1;
+        if (failed(&p->calls[i], rc)) return i + 1;
+        i++;
     }
     return 0;
 }

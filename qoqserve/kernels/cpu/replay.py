@@ -2,7 +2,13 @@
 each call prepared once as a libffi call with its argument bits, the whole
 step run by one ctypes call. Built with the system libffi; where it does not
 build, or a call has an argument it cannot encode, graph.py replays the
-calls from Python."""
+calls from Python.
+
+Consecutive calls of team-aware kernels (`team_aware` in build.load_library,
+kernels/cpu/team.h) run in one OpenMP region, every thread making each call,
+with a barrier between calls instead of a fork and join per call. Their
+thread count (each kernel's last argument) must agree; where it does not, or
+it is 1, every call runs on its own as before."""
 from __future__ import annotations
 
 import ctypes
@@ -11,7 +17,7 @@ import struct
 from qoqserve.kernels.cpu.build import load_library
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
-_SIGNATURES = {"plan_new": (_P, [_I, _P, ctypes.c_char_p, _P, ctypes.c_char_p, _P]),
+_SIGNATURES = {"plan_new": (_P, [_I, _P, ctypes.c_char_p, _P, ctypes.c_char_p, ctypes.c_char_p, _I, _P]),
                "plan_run": (_I, [_P]),
                "plan_free": (None, [_P])}
 _CODES = {ctypes.c_void_p: "p", ctypes.c_char_p: "p", ctypes.c_int: "i", ctypes.c_int64: "l",
@@ -43,6 +49,13 @@ def _bits(code: str, a) -> int | None:
     return struct.unpack("<Q", struct.pack("<d", v))[0]
 
 
+def team_size(threads: list[int]) -> int:
+    """The team of the team-aware calls: their common thread count, or 0 (no
+    team regions) when they disagree or ask for one thread."""
+    sizes = set(threads)
+    return sizes.pop() if len(sizes) == 1 and min(threads) > 1 else 0
+
+
 class NativePlan:
     """ops: [(ctypes function, args)], as graph.StepGraph records them. The
     caller keeps ops (and what they point to) alive while the plan lives."""
@@ -67,11 +80,13 @@ class NativePlan:
             returns.append(ret)
             bits += arg_bits
         self.names = [fn.__name__ for fn, _ in ops]
+        team = ["t" if getattr(fn, "team_aware", False) else "-" for fn, _ in ops]
+        self.team_size = team_size([_bits("i", args[-1]) for (fn, args), t in zip(ops, team) if t == "t"])
         fn_arr = (ctypes.c_void_p * max(len(fns), 1))(*fns)
         n_arr = (ctypes.c_int * max(len(nargs), 1))(*nargs)
         bit_arr = (ctypes.c_uint64 * max(len(bits), 1))(*bits)
         self._plan = lib.plan_new(len(fns), fn_arr, "".join(codes).encode(), n_arr, "".join(returns).encode(),
-                                  bit_arr)
+                                  "".join(team).encode(), self.team_size, bit_arr)
         if not self._plan:
             raise MemoryError("replay plan: out of memory")
 

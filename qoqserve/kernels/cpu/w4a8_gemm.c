@@ -77,6 +77,7 @@ typedef struct {
 
 #include "bf16.h"
 #include "int8_round.h"
+#include "team.h"
 #include "thread_scratch.h"
 #include "silu_mul_row.h"
 #include "norm_row.h"
@@ -229,6 +230,67 @@ static void make_row(const RowPrep *p, int64_t m, float *row, int store, int8_t 
     quantize_row_scalar(xm, bf16, K, Kp, xq + m * Kp, sa + m, qsum + m);
 }
 
+typedef struct {
+    RowPrep prep;
+    const void *norm_w;
+    Job job;  /* without its activations: each part points them at its scratch */
+    uint8_t *main_buf;
+    int own, amx;
+    size_t xq_bytes, act_bytes, panel_bytes;
+    int64_t nblocks;
+} Call;
+
+static void *volatile team_main;  /* thread 0's activations, in a running team (team.h) */
+
+/* Thread tm.t of tm.T: the quantized rows (all of them for itself with own
+ * rows, else its share, then the team meets), then its range of blocks.
+ * Nonzero when this thread's scratch could not be had. */
+static int gemm_part(const Call *c, team_t tm) {
+    const RowPrep *p = &c->prep;
+    const int64_t M = c->job.M, K = p->K;
+    /* the made row, and for X_NORM the norm weight as fp32 after it */
+    float *row = p->x_mode ? (float *)grow_scratch(&tl_row, &tl_row_size,
+                                                   sizeof(float) * (size_t)K * (p->x_mode == X_NORM ? 2 : 1)) : NULL;
+    uint8_t *act = c->main_buf;
+    if (c->own) act = grow_scratch(&tl_own, &tl_own_size, c->act_bytes);
+    else if (tm.joined)
+        act = team_share(tm, &team_main, tm.t == 0 ? grow_scratch(&tl_main, &tl_main_size, c->act_bytes) : NULL);
+    const int ready = act && (row || !p->x_mode);  /* this thread has its scratch */
+    if (p->x_mode == X_NORM && row) load_row(c->norm_w, p->x_bf16, 0, K, row + K);
+    int8_t *xq = act ? (int8_t *)act : NULL;
+    float *sa = act ? (float *)(act + c->xq_bytes) : NULL;
+    int32_t *qsum = act ? (int32_t *)(sa + M) : NULL, *gsum = act && p->groups ? qsum + M : NULL;
+    if (c->own) {
+        for (int64_t m = 0; ready && m < M; m++) make_row(p, m, row, 0, xq, sa, qsum, gsum);
+    } else {
+        for (int64_t m = M * tm.t / tm.T; ready && m < M * (tm.t + 1) / tm.T; m++)
+            make_row(p, m, row, 1, xq, sa, qsum, gsum);
+        TEAM_SYNC(tm);
+    }
+    Job job = c->job;
+    job.xq = xq, job.sa = sa, job.qsum = qsum, job.gsum = gsum;
+    uint8_t *mine = c->panel_bytes ? grow_scratch(&tl_panel, &tl_panel_size, c->panel_bytes) : NULL;
+    const int ok = ready && (!c->panel_bytes || mine);
+    if (ok) {
+        /* contiguous, balanced ranges of blocks: one block finer than the tile */
+        const int64_t lo = c->nblocks * tm.t / tm.T, hi = c->nblocks * (tm.t + 1) / tm.T;
+#if HAVE_SIMD
+        if (c->amx) blocks_amx(&job, lo, hi, mine);
+        else if (p->simd) blocks_simd(&job, lo, hi, mine);
+        else if (p->avx2) blocks_avx2(&job, lo, hi);
+        else
+#endif
+            blocks_scalar(&job, lo, hi, (int8_t *)mine);
+    }
+    /* own rows in a running team: X_NORM's h += delta once every thread has read h */
+    if (c->own && p->x_mode == X_NORM && p->delta && tm.joined) {
+        TEAM_SYNC(tm);
+        if (tm.t == 0 && row)
+            for (int64_t m = 0; m < M; m++) add_row((void *)p->x, p->delta, m, K, p->x_bf16, row, 1);
+    }
+    return !ok;
+}
+
 /* x [M, K] fp32/bf16 -> y [M, N] fp32/bf16 on packed codes (layout above).
  * The input row is x's row (x_mode 0), or made from x and only quantized,
  * never written out, rounded as the standalone op rounds it:
@@ -262,61 +324,19 @@ int w4a8_gemm(const void *x, int x_bf16, int x_mode, const void *delta, const vo
     const size_t xq_bytes = ((size_t)(rows * Kp) + 63) & ~(size_t)63;
     const int64_t groups = avx2 && group ? K / group : 0;
     const size_t act_bytes = xq_bytes + 8 * (size_t)M + 4 * (size_t)(M * groups);
-    uint8_t *main_buf = own ? NULL : grow_scratch(&tl_main, &tl_main_size, act_bytes);
-    if (!own && !main_buf) return -1;
+    /* in a running team, thread 0 makes the shared activations inside gemm_part */
+    uint8_t *main_buf = own || team_joined() ? NULL : grow_scratch(&tl_main, &tl_main_size, act_bytes);
+    if (!own && !team_joined() && !main_buf) return -1;
     /* the SIMD panel holds NR blocks of 16 channels x Kp, needed only past one
      * row tile; the scalar path keeps one channel's Kp weights */
     const size_t panel_bytes = simd ? (M > MR || amx ? (size_t)(NR * NB * Kp) : 0) : avx2 ? 0 : (size_t)Kp;
-    const RowPrep prep = {x, x_bf16, x_mode, delta, eps, K, Kp, simd, avx2, groups, group};
+    const Call call = {{x, x_bf16, x_mode, delta, eps, K, Kp, simd, avx2, groups, group}, norm_w,
+                       {NULL, NULL, NULL, M, Kp, N, w, gp, group, s1, rowsum, zs1, bias, y, out_bf16, NULL},
+                       main_buf, own, amx, xq_bytes, act_bytes, panel_bytes, nblocks};
     int failed = 0;
-    #pragma omp parallel num_threads(threads > 0 ? threads : 1) if (M * N * K > (1 << 18))
-    {
-        int t = 0, T = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-        T = omp_get_num_threads();
-#endif
-        /* the made row, and for X_NORM the norm weight as fp32 after it */
-        float *row = x_mode ? (float *)grow_scratch(&tl_row, &tl_row_size,
-                                                    sizeof(float) * (size_t)K * (x_mode == X_NORM ? 2 : 1)) : NULL;
-        uint8_t *act = own ? grow_scratch(&tl_own, &tl_own_size, act_bytes) : main_buf;
-        const int ready = act && (row || !x_mode);  /* this thread has its scratch */
-        if (!ready) {
-            #pragma omp atomic write
-            failed = 1;
-        }
-        if (x_mode == X_NORM && row) load_row(norm_w, x_bf16, 0, K, row + K);
-        int8_t *xq = act ? (int8_t *)act : NULL;
-        float *sa = act ? (float *)(act + xq_bytes) : NULL;
-        int32_t *qsum = act ? (int32_t *)(sa + M) : NULL, *gsum = act && groups ? qsum + M : NULL;
-        const Job job = {xq, sa, qsum, M, Kp, N, w, gp, group, s1, rowsum, zs1, bias, y, out_bf16, gsum};
-        if (own) {
-            for (int64_t m = 0; ready && m < M; m++) make_row(&prep, m, row, 0, xq, sa, qsum, gsum);
-        } else {
-            #pragma omp for schedule(static)
-            for (int64_t m = 0; m < M; m++)
-                if (ready) make_row(&prep, m, row, 1, xq, sa, qsum, gsum);
-        }
-        uint8_t *mine = panel_bytes ? grow_scratch(&tl_panel, &tl_panel_size, panel_bytes) : NULL;
-        if (!ready) {
-            /* failed is set: no rows to multiply */
-        } else if (panel_bytes && !mine) {
-            #pragma omp atomic write
-            failed = 1;
-        } else {
-            /* contiguous, balanced ranges of blocks: one block finer than the tile */
-            const int64_t lo = nblocks * t / T, hi = nblocks * (t + 1) / T;
-#if HAVE_SIMD
-            if (amx) blocks_amx(&job, lo, hi, mine);
-            else if (simd) blocks_simd(&job, lo, hi, mine);
-            else if (avx2) blocks_avx2(&job, lo, hi);
-            else
-#endif
-                blocks_scalar(&job, lo, hi, (int8_t *)mine);
-        }
-    }
+    TEAM_RUN(threads, M * N * K > (1 << 18), if (gemm_part(&call, tm)) team_fail(&failed));
     if (failed) return -1;
-    if (own && x_mode == X_NORM && delta)  /* every thread has read h: now h += delta */
+    if (own && x_mode == X_NORM && delta && !team_joined())  /* every thread has read h: now h += delta */
         for (int64_t m = 0; m < M; m++) add_row((void *)x, delta, m, K, x_bf16, (float *)tl_row, 1);
     return 0;
 }

@@ -64,7 +64,8 @@ class NormInput(NamedTuple):
 def load():
     # no FMA contraction: the reference rounds each product and sum on its own;
     # the AVX-512 functions are chosen at run time (runtime_dispatch_flags)
-    return load_library("w4a8_gemm", ["-ffp-contract=off", *runtime_dispatch_flags()], _SIGNATURES)
+    return load_library("w4a8_gemm", ["-ffp-contract=off", *runtime_dispatch_flags()], _SIGNATURES,
+                        team_aware=("w4a8_gemm",))
 
 
 def available() -> bool:

@@ -1,0 +1,74 @@
+/* The threads a kernel's parallel part runs on, one of two ways:
+ *
+ * - called once (an eager call): the kernel opens its own OpenMP region;
+ * - called by every thread of a team already running: replay.c runs the
+ *   calls of a captured step that way, in one parallel region with a barrier
+ *   between calls, because inside a decode step a fork and a join cost as
+ *   much as the work of a small call (docs/runtime.md, "One team per step").
+ *
+ * TEAM_RUN gives the part a team_t {t, T, joined}: thread t of T. When the
+ * kernel's own condition says the work is too small to split, T is 1 either
+ * way: in its own region no team is woken, in a running team thread 0 does
+ * the work and the others return at once. A part meets the other threads only
+ * through TEAM_SYNC (a no-op when T is 1) and shares a buffer one of them
+ * made through team_share, never through OpenMP worksharing, which every
+ * thread of the running team would have to reach.
+ */
+#ifndef QOQSERVE_TEAM_H
+#define QOQSERVE_TEAM_H
+
+typedef struct {
+    int t, T;    /* this thread, of T */
+    int joined;  /* 1: every thread of a running team called the kernel */
+} team_t;
+
+#ifdef _OPENMP
+#include <omp.h>
+
+#define TEAM_SYNC(tm) do { if ((tm).T > 1) { _Pragma("omp barrier") } } while (0)
+
+/* the statement(s) after (threads, cond) run with `tm` in scope, on the
+ * running team if there is one, else on a region of `threads` when cond */
+#define TEAM_RUN(threads, cond, ...) do { \
+        const int team_n_ = (threads) > 0 ? (threads) : 1, team_if_ = (cond); \
+        if (omp_in_parallel()) { \
+            const team_t tm = {omp_get_thread_num(), team_if_ ? omp_get_num_threads() : 1, 1}; \
+            if (tm.t < tm.T) { __VA_ARGS__; } \
+        } else { \
+            _Pragma("omp parallel num_threads(team_n_) if (team_if_)") \
+            { const team_t tm = {omp_get_thread_num(), omp_get_num_threads(), 0}; __VA_ARGS__; } \
+        } \
+    } while (0)
+
+/* whether the caller is one of the threads of a running team (then every
+ * thread of it makes this call) */
+static inline int team_joined(void) { return omp_in_parallel(); }
+
+/* *flag = 1 from any thread of a part (shared in the kernel's own region) */
+static inline void team_fail(int *flag) {
+    #pragma omp atomic write
+    *flag = 1;
+}
+#else
+static inline void team_fail(int *flag) { *flag = 1; }
+#define TEAM_SYNC(tm) do { (void)(tm); } while (0)
+#define TEAM_RUN(threads, cond, ...) do { \
+        (void)(threads); (void)(cond); \
+        const team_t tm = {0, 1, 0}; \
+        __VA_ARGS__; \
+    } while (0)
+static inline int team_joined(void) { return 0; }
+#endif
+
+/* The pointer thread 0 has, for every thread: a buffer one thread makes and
+ * all use. In its own region the kernel made it before the region and every
+ * thread already has it; in a running team each thread called the kernel with
+ * its own locals, so thread 0 publishes its pointer in `slot` (a static of the
+ * kernel's library: replay.c runs one team at a time) and the team meets. */
+static inline void *team_share(team_t tm, void *volatile *slot, void *mine) {
+    if (!tm.joined || tm.T == 1) return mine;
+    if (tm.t == 0) *slot = mine;
+    TEAM_SYNC(tm);
+    return *slot;
+}
+#endif

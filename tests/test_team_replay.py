@@ -1,0 +1,105 @@
+"""Captured steps replayed on one team of threads (kernels/cpu/replay.c,
+kernels/cpu/team.h): consecutive team-aware calls run in one OpenMP region,
+every thread making each call. Each kernel must compute there what its own
+eager call computes, bit for bit, on every path that splits work between
+threads, and a failing call must stop the team without a hang."""
+import gc
+
+import pytest
+import torch
+from test_captured_step import GREEDY, needs_c
+from test_w4a8_packed_gemm import _checkpoint, _input, _packed
+
+from qoqserve.kernels.cpu import graph, replay
+from qoqserve.kernels.cpu.w4a8_gemm import NormInput, SiluMulInput
+from qoqserve.llm import LLM
+
+pytestmark = needs_c
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # a team of two even on a one-core machine: correctness, not speed
+    yield
+    torch.set_num_threads(before)
+
+
+def test_the_team_is_the_common_thread_count_of_the_team_calls():
+    assert replay.team_size([2, 2, 2]) == 2
+    assert replay.team_size([4]) == 4
+    assert replay.team_size([2, 1]) == 0  # disagreeing: every call on its own
+    assert replay.team_size([1, 1]) == 0  # one thread: nothing to share
+    assert replay.team_size([]) == 0
+
+
+@pytest.mark.parametrize("m", [1, 2, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_packed_gemm_in_a_team_equals_its_eager_calls(two_threads, m, dtype):
+    # N x K large enough that even one row is split between the threads; m 1
+    # and 2 make their rows on every thread (X_NORM's h update then waits for
+    # both), m 5 shares thread 0's quantized rows
+    k, n = 576, 1024
+    lin = _packed(_checkpoint(n, k, 64, seed=m), 64)
+    lin_down = _packed(_checkpoint(n, k, 64, seed=m + 10), 64)
+    g = torch.Generator().manual_seed(m)
+    h, delta = _input(m, k, dtype, seed=m + 1), torch.randn(m, k, generator=g).to(dtype)
+    weight = (torch.rand(k, generator=g) + 0.5).to(dtype)
+    gate_up = (torch.randn(m, 2 * k, generator=g) * 2).to(dtype)
+
+    def step(hh):
+        return (lin(NormInput(hh, delta, weight, 1e-5)), lin(hh), lin_down(SiluMulInput(gate_up)))
+
+    h_eager = h.clone()
+    want = step(h_eager)
+    h_team = h.clone()
+    sg = graph.StepGraph()
+    out = sg.capture(lambda: step(h_team))
+    assert sg._plan is not None and sg._plan.team_size == 2
+    assert torch.equal(h_team, h)  # recording ran nothing
+    for o in out:
+        o.zero_()
+    sg.replay()
+    assert torch.equal(h_team, h_eager)  # h += delta once, after both threads read h
+    for got, ref in zip(out, want):
+        assert torch.equal(got, ref)
+
+
+def test_a_failing_call_stops_the_team_at_it(two_threads):
+    lin = _packed(_checkpoint(1024, 576, 64, seed=0), 64)
+    x = _input(1, 576, torch.float32, seed=1)
+    sg = graph.StepGraph()
+    first, second = sg.capture(lambda: (lin(x), lin(x)))
+    assert sg._plan.team_size == 2
+    (fn, args), later = sg.ops[0], sg.ops[1]
+    bad = list(args)
+    bad[-2] = type(args[-2])(99)  # a SIMD level no CPU has: -2 from every thread
+    plan = replay.NativePlan([(fn, tuple(bad)), later])
+    assert plan.team_size == 2
+    first.zero_(), second.zero_()
+    with pytest.raises(RuntimeError, match="w4a8_gemm"):
+        plan.run()  # returns (no hang), naming the call
+    assert not second.any()  # the call after it was not made
+    sg.replay()  # the team is usable again
+    assert torch.equal(first, lin(x)) and torch.equal(second, first)
+
+
+def test_a_decode_step_on_a_team_equals_eager_on_every_split_path(qoq_tiny, two_threads):
+    # 16 sequences: the GEMMs share thread 0's quantized rows, RoPE (8+ tokens)
+    # and the KV4 write (32+ heads x tokens) split their rows; prompts past
+    # 256 tokens make attention tasks of several chunks and a merge pass
+    prompts = [[(5 + 7 * i + j) % 250 + 3 for j in range(20 + 23 * i)] for i in range(16)]
+
+    def outputs(**kw):
+        llm = LLM(qoq_tiny, kv_cache_gb=0.1, dtype="float32", **kw)
+        outs = llm.generate(prompts, GREEDY)
+        captured = llm.engine.runner.captured
+        teams = sorted({g._plan.team_size for g in captured.graphs.values()}) if captured else []
+        del llm
+        gc.collect()
+        return [(o.token_ids, o.logprobs) for o in outs], teams
+
+    eager, _ = outputs(enforce_eager=True)
+    team, teams = outputs(capture_sizes="1,8,16")
+    assert teams == [2]
+    assert team == eager
