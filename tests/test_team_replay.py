@@ -10,7 +10,7 @@ import torch
 from test_captured_step import GREEDY, needs_c
 from test_w4a8_packed_gemm import _checkpoint, _input, _packed
 
-from qoqserve.kernels.cpu import graph, replay
+from qoqserve.kernels.cpu import elementwise, graph, replay
 from qoqserve.kernels.cpu.w4a8_gemm import NormInput, SiluMulInput
 from qoqserve.llm import LLM
 
@@ -65,6 +65,33 @@ def test_the_packed_gemm_in_a_team_equals_its_eager_calls(two_threads, m, dtype)
         assert torch.equal(got, ref)
 
 
+@pytest.mark.parametrize("tokens", [1, 3, 9])
+@pytest.mark.parametrize("transform", [False, True])
+def test_rope_in_a_team_equals_its_eager_call(two_threads, tokens, transform):
+    # under 8 tokens thread 0 does it all while the other waits, from 8 they split the tokens
+    g = torch.Generator().manual_seed(tokens)
+    heads, kv_heads, d = 9, 3, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g)
+    pos = torch.randint(0, 100, (tokens,), generator=g)
+    angle = torch.arange(128)[:, None] * torch.rand(d, generator=g)
+    cos, sin = angle.cos().contiguous(), angle.sin().contiguous()
+    shift = torch.randn(kv_heads, d, generator=g) if transform else None
+    rot = torch.linalg.qr(torch.randn(d, d, generator=g))[0].contiguous() if transform else None
+
+    def step():
+        return elementwise.qkv_rope(qkv, pos, cos, sin, heads, kv_heads, d, shift, rot)
+
+    want = step()
+    sg = graph.StepGraph()
+    out = sg.capture(step)
+    assert sg._plan.team_size == 2
+    for o in out:
+        o.zero_()
+    sg.replay()
+    for got, ref in zip(out, want):
+        assert torch.equal(got, ref)
+
+
 def test_a_failing_call_stops_the_team_at_it(two_threads):
     lin = _packed(_checkpoint(1024, 576, 64, seed=0), 64)
     x = _input(1, 576, torch.float32, seed=1)
@@ -87,7 +114,8 @@ def test_a_failing_call_stops_the_team_at_it(two_threads):
 def test_a_decode_step_on_a_team_equals_eager_on_every_split_path(qoq_tiny, two_threads):
     # 16 sequences: the GEMMs share thread 0's quantized rows, RoPE (8+ tokens)
     # and the KV4 write (32+ heads x tokens) split their rows; prompts past
-    # 256 tokens make attention tasks of several chunks and a merge pass
+    # 256 tokens make attention tasks of several chunks and a merge pass. The
+    # last ones decode in the smaller graphs, where those calls fall to thread 0
     prompts = [[(5 + 7 * i + j) % 250 + 3 for j in range(20 + 23 * i)] for i in range(16)]
 
     def outputs(**kw):
@@ -100,6 +128,6 @@ def test_a_decode_step_on_a_team_equals_eager_on_every_split_path(qoq_tiny, two_
         return [(o.token_ids, o.logprobs) for o in outs], teams
 
     eager, _ = outputs(enforce_eager=True)
-    team, teams = outputs(capture_sizes="1,8,16")
+    team, teams = outputs(capture_sizes="1,2,4,16")
     assert teams == [2]
     assert team == eager
