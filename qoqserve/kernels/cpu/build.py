@@ -80,12 +80,16 @@ def _build(source: str, flags: list[str]) -> str:
 
 
 def load_library(name: str, flags: list[str], signatures: dict[str, tuple],
-                 fallback: str = "the torch path", team_aware: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+                 fallback: str = "the torch path", team_aware: tuple[str, ...] = (),
+                 serial: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """qoqserve/kernels/cpu/<name>.c as a loaded library with the given
     {function: (restype, [argtypes])}, or None when it cannot be built here
-    (logged once, naming `fallback`: what runs instead). team_aware: the
-    functions built with team.h's TEAM_RUN (their last argument the thread
-    count), which a replayed step may call from every thread of one team."""
+    (logged once, naming `fallback`: what runs instead). How a replayed step
+    may run each function inside its team of threads (replay.py), as
+    `fn.team`: "t" for team_aware ones (built with team.h's TEAM_RUN, their
+    last argument the thread count: every thread of the team calls them), "s"
+    for serial ones (no OpenMP inside: one thread of the team calls them),
+    None for the rest (the team ends before them)."""
     with _lock:
         name_lock = _name_locks.setdefault(name, threading.Lock())
     with name_lock:
@@ -96,7 +100,7 @@ def load_library(name: str, flags: list[str], signatures: dict[str, tuple],
                 for fn_name, (restype, argtypes) in signatures.items():
                     fn = getattr(lib, fn_name)
                     fn.restype, fn.argtypes = restype, argtypes
-                    fn.team_aware = fn_name in team_aware
+                    fn.team = "t" if fn_name in team_aware else "s" if fn_name in serial else None
                 _libs[name] = lib
             except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
                 _libs[name] = None

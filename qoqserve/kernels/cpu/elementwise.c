@@ -26,7 +26,7 @@
 enum { MAX_ROW = 16384 };
 
 /* rows are tiny; threads only pay off for prompt-sized batches */
-#define PAR_ROWS(T) if ((T) >= 8)
+enum { PAR_ROWS = 8 };
 
 void embed_rows(const int64_t *ids, const void *table, void *h, int64_t T, int64_t row_bytes) {
     for (int64_t t = 0; t < T; t++)
@@ -42,33 +42,30 @@ void concat_rows(const void *a, int64_t a_bytes, const void *b, int64_t b_bytes,
 /* y = w * x / rms(x); x rows `x_stride` elements apart, y contiguous [T, K] */
 void rms_norm(const void *x, int64_t x_stride, const void *w, void *y, int64_t T, int64_t K, float eps,
               int bf16, int threads) {
-    #pragma omp parallel for num_threads(threads) PAR_ROWS(T)
-    for (int64_t t = 0; t < T; t++) {
+    TEAM_RUN(threads, T >= PAR_ROWS, for (int64_t t = T * tm.t / tm.T; t < T * (tm.t + 1) / tm.T; t++) {
         float xv[MAX_ROW], wv[MAX_ROW];
         load_row(w, bf16, 0, K, wv);
         load_row(x, bf16, t * x_stride, K, xv);
         norm_row(xv, wv, K, eps, bf16);
         store_row(xv, K, y, bf16, t * K);
-    }
+    });
 }
 
 /* h += d (in place, the residual stream), then y = rms_norm(h) */
 void add_rms_norm(void *h, const void *d, const void *w, void *y, int64_t T, int64_t K, float eps,
                   int bf16, int threads) {
-    #pragma omp parallel for num_threads(threads) PAR_ROWS(T)
-    for (int64_t t = 0; t < T; t++) {
+    TEAM_RUN(threads, T >= PAR_ROWS, for (int64_t t = T * tm.t / tm.T; t < T * (tm.t + 1) / tm.T; t++) {
         float xv[MAX_ROW], wv[MAX_ROW];
         load_row(w, bf16, 0, K, wv);
         add_norm_row(h, d, wv, t, K, eps, bf16, xv, 1);
         store_row(xv, K, y, bf16, t * K);
-    }
+    });
 }
 
 /* gu [T, 2I] (gate | up) -> y [T, I] = silu(gate) * up, silu(g) = g / (1 + e^-g) */
 void silu_mul(const void *gu, void *y, int64_t T, int64_t I, int bf16, int threads) {
     const size_t es = bf16 ? 2 : 4;
-    #pragma omp parallel for num_threads(threads) PAR_ROWS(T)
-    for (int64_t t = 0; t < T; t++) {
+    TEAM_RUN(threads, T >= PAR_ROWS, for (int64_t t = T * tm.t / tm.T; t < T * (tm.t + 1) / tm.T; t++) {
         float g[MAX_ROW];
         for (int64_t i0 = 0; i0 < I; i0 += MAX_ROW) {
             const int64_t n = I - i0 < MAX_ROW ? I - i0 : MAX_ROW;
@@ -76,7 +73,7 @@ void silu_mul(const void *gu, void *y, int64_t T, int64_t I, int bf16, int threa
             silu_mul_row(row + (size_t)i0 * es, row + (size_t)(I + i0) * es, bf16, n, g);
             store_row(g, n, y, bf16, t * I + i0);
         }
-    }
+    });
 }
 
 /* x[0:D] = y[0:D] @ R, each output summed over e in order; inlined with a
@@ -139,7 +136,7 @@ static void rope_token(const void *qkv, int64_t row, int64_t t, int H, int Hkv, 
 void qkv_rope(const void *qkv, int64_t row, int64_t T, int H, int Hkv, int D, const int64_t *pos,
               const float *cos, const float *sin, const void *shift, const void *rot, void *q,
               void *k, void *v, int bf16, int threads) {
-    TEAM_RUN(threads, T >= 8, for (int64_t t = T * tm.t / tm.T; t < T * (tm.t + 1) / tm.T; t++)
+    TEAM_RUN(threads, T >= PAR_ROWS, for (int64_t t = T * tm.t / tm.T; t < T * (tm.t + 1) / tm.T; t++)
              rope_token(qkv, row, t, H, Hkv, D, pos, cos, sin, shift, rot, q, k, v, bf16));
 }
 

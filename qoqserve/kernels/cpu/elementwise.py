@@ -27,7 +27,9 @@ MAX_ROW = 16384  # the C scratch rows: hidden size, intermediate size per chunk
 
 
 def load():
-    return load_library("elementwise", ["-ffp-contract=off"], _SIGNATURES, team_aware=("qkv_rope",))
+    return load_library("elementwise", ["-ffp-contract=off"], _SIGNATURES,
+                        team_aware=("qkv_rope", "rms_norm", "add_rms_norm", "silu_mul"),
+                        serial=("embed_rows", "concat_rows"))
 
 
 def available() -> bool:

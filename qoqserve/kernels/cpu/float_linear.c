@@ -21,6 +21,7 @@
 #include <omp.h>
 #endif
 #include "bf16.h"
+#include "team.h"
 
 enum { LANES = 16, PANEL_ROWS = 4 };  /* PANEL_ROWS: NR of the SIMD tiles */
 
@@ -267,6 +268,27 @@ static void rows_avx2(const float *x, int64_t M, int64_t K, const void *w, int w
 /* The vector path this CPU runs: 2 AVX-512, 1 AVX2, 0 none */
 int float_linear_simd(void) { return simd_supported() ? 2 : avx2_supported() ? 1 : 0; }
 
+/* Thread tm.t of tm.T: its share of the output column chunks (of 64, a
+ * multiple of NR: the chunking never changes a result, only who computes
+ * it). Nonzero when its panel could not be had. */
+static int float_part(const float *x, int64_t M, int64_t K, const void *w, int w_kind, int64_t N,
+                      const float *bias, float *y, int simd, int use_panel, int64_t kp, team_t tm) {
+    const int64_t chunk = 64, chunks = (N + chunk - 1) / chunk;
+    float *panel = use_panel ? malloc((size_t)(PANEL_ROWS * kp) * sizeof(float)) : NULL;
+    if (use_panel && !panel) return 1;
+    for (int64_t c = chunks * tm.t / tm.T; c < chunks * (tm.t + 1) / tm.T; c++) {
+        const int64_t lo = c * chunk, hi = lo + chunk < N ? lo + chunk : N;
+        if (simd == 2) rows_simd(x, M, K, w, w_kind, lo, hi, N, y, panel);
+        else if (simd == 1) rows_avx2(x, M, K, w, w_kind, lo, hi, N, y);
+        else rows_scalar(x, M, K, w, w_kind, lo, hi, N, y);
+        if (bias)
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t n = lo; n < hi; n++) y[m * N + n] += bias[n];
+    }
+    free(panel);
+    return 0;
+}
+
 /* y = x W^T (+ bias, fp32 [N] or NULL) on vector path `simd` (as
  * float_linear_simd; 0 the scalar loops). Returns 0, or -2 when simd asks for
  * a path this CPU lacks, -3 when a panel could not be allocated. */
@@ -274,30 +296,12 @@ int float_linear(const float *x, int64_t M, int64_t K, const void *w, int w_kind
                  const float *bias, float *y, int simd, int threads) {
     if (simd > float_linear_simd()) return -2;
     if (M <= 0 || N <= 0) return 0;
-    /* output columns in chunks of 64 (a multiple of NR): the chunking never
-     * changes a result, only who computes it */
-    const int64_t chunk = 64, chunks = (N + chunk - 1) / chunk;
     /* bf16/fp16 weights read by more than two row tiles are converted once per
      * NR rows into a per-thread fp32 panel instead of once per row tile */
     const int use_panel = simd == 2 && w_kind != W_FP32 && M > 8;
     const int64_t kp = (K + LANES - 1) / LANES * LANES;
     int failed = 0;
-    #pragma omp parallel num_threads(threads) if (M * N * K > (1 << 16)) reduction(|: failed)
-    {
-        float *panel = use_panel ? malloc((size_t)(PANEL_ROWS * kp) * sizeof(float)) : NULL;
-        if (use_panel && !panel) failed = 1;
-        #pragma omp for schedule(static)
-        for (int64_t c = 0; c < chunks; c++) {
-            const int64_t lo = c * chunk, hi = lo + chunk < N ? lo + chunk : N;
-            if (use_panel && !panel) continue;
-            if (simd == 2) rows_simd(x, M, K, w, w_kind, lo, hi, N, y, panel);
-            else if (simd == 1) rows_avx2(x, M, K, w, w_kind, lo, hi, N, y);
-            else rows_scalar(x, M, K, w, w_kind, lo, hi, N, y);
-            if (bias)
-                for (int64_t m = 0; m < M; m++)
-                    for (int64_t n = lo; n < hi; n++) y[m * N + n] += bias[n];
-        }
-        free(panel);
-    }
+    TEAM_RUN(threads, M * N * K > (1 << 16), if (float_part(x, M, K, w, w_kind, N, bias, y, simd, use_panel, kp, tm))
+                                                   team_fail(&failed));
     return failed ? -3 : 0;
 }

@@ -20,7 +20,8 @@ WEIGHT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C
 def load():
     # no FMA contraction beyond the explicit fmaf/fmadd: the scalar path must
     # round exactly as the vector one
-    return load_library("float_linear", ["-ffp-contract=off", *runtime_dispatch_flags()], _SIGNATURES)
+    return load_library("float_linear", ["-ffp-contract=off", *runtime_dispatch_flags()], _SIGNATURES,
+                        team_aware=("float_linear",))
 
 
 def available() -> bool:

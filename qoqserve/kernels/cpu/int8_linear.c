@@ -216,6 +216,57 @@ int int8_linear_available(void) { return HAVE_INT8; }
  * them and QOQSERVE_CPU_ISA does not cap it below) */
 int int8_linear_amx(void) { return amx_allowed(); }
 
+#include "team.h"
+#include "thread_scratch.h"
+
+/* per-thread scratch (thread_scratch.h): the quantized rows, their scales and sums */
+static __thread void *tl_act;
+static __thread size_t tl_act_size;
+static void *volatile team_act;  /* thread 0's, in a running team (team.h) */
+
+typedef struct {
+    const void *x; int x_bf16; int64_t K;
+    Job job;  /* without its activations */
+    uint8_t *act; size_t act_bytes, xq_bytes;
+    int amx; int64_t nblocks, chunks;
+} Call;
+
+/* Thread tm.t of tm.T: its share of the rows quantized, the team meets,
+ * then its share of the column chunks. Nonzero without activations. */
+static int int8_part(const Call *c, team_t tm) {
+    const int64_t M = c->job.M, K = c->K, Kp = c->job.Kp;
+    uint8_t *act = c->act;
+    if (tm.joined)
+        act = team_share(tm, &team_act, tm.t == 0 ? grow_scratch(&tl_act, &tl_act_size, c->act_bytes) : NULL);
+    int8_t *xq = (int8_t *)act;
+    float *sa = act ? (float *)(act + c->xq_bytes) : NULL;
+    int32_t *qsum = act ? (int32_t *)(sa + M) : NULL;
+    for (int64_t m = M * tm.t / tm.T; act && m < M * (tm.t + 1) / tm.T; m++)
+        QUANTIZE_ROW((const char *)c->x + m * K * (c->x_bf16 ? 2 : 4), c->x_bf16, K, Kp, xq + m * Kp, sa + m,
+                     qsum + m);
+    TEAM_SYNC(tm);
+    if (!act) return 1;
+    Job job = c->job;
+    job.xq = xq, job.sa = sa, job.qsum = qsum;
+    int32_t acc[256] __attribute__((aligned(64)));
+    if (c->amx) amx_begin();
+    for (int64_t ch = c->chunks * tm.t / tm.T; ch < c->chunks * (tm.t + 1) / tm.T; ch++) {
+        const int64_t nb0 = ch * NR, nr = c->nblocks - nb0 < NR ? c->nblocks - nb0 : NR;
+        if (c->amx) {
+            chunk_amx(&job, nb0, (int)nr, acc);
+            continue;
+        }
+#if HAVE_INT8 == 2
+        for (int64_t m0 = 0; m0 < M; m0 += MR)
+            run_tile(&job, m0, nb0, M - m0 < MR ? (int)(M - m0) : MR, (int)nr);
+#else
+        run_chunk(&job, nb0, nr);
+#endif
+    }
+    if (c->amx) amx_end();
+    return 0;
+}
+
 /* x [M, K] fp32/bf16 -> y [M, N] fp32/bf16:
  *   y = (x_q . w) * s_a[m] * s1[n] (- rowsum[m] * zs1[n]) (+ bias[n])
  * rowsum/zs1 (per-channel zero points) and bias may be NULL.
@@ -224,43 +275,19 @@ int int8_linear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *
                 int offset, const float *s1, const float *rowsum, const float *zs1,
                 const float *bias, void *y, int out_bf16, int threads) {
     const int64_t Kp = (K + 3) & ~(int64_t)3, nblocks = (N + NB - 1) / NB;
-    const int64_t chunks = (nblocks + NR - 1) / NR;
     /* the cap (getenv) is read only for calls the tiles could take, not per decode row */
     const int amx = amx_rows(1, M, Kp) && amx_allowed();
     /* AMX loads 16 rows a tile: rows past M are allocated, never stored */
-    int8_t *xq = malloc((size_t)((amx ? (M + 15) / 16 * 16 : M) * Kp) + 64);
-    float *sa = malloc(sizeof(float) * (size_t)M);
-    int32_t *qsum = malloc(sizeof(int32_t) * (size_t)M);
-    if (!xq || !sa || !qsum) {
-        free(xq); free(sa); free(qsum);
-        return -1;
-    }
-    Job job = {xq, sa, qsum, M, Kp, N, w, offset, s1, rowsum, zs1, bias, y, out_bf16};
-    #pragma omp parallel num_threads(threads) if (M * N * K > (1 << 18))
-    {
-        #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) QUANTIZE_ROW((const char *)x + m * K * (x_bf16 ? 2 : 4), x_bf16,
-                                               K, Kp, xq + m * Kp, sa + m, qsum + m);
-        int32_t acc[256] __attribute__((aligned(64)));
-        if (amx) amx_begin();
-        #pragma omp for schedule(static)
-        for (int64_t c = 0; c < chunks; c++) {
-            const int64_t nb0 = c * NR, nr = nblocks - nb0 < NR ? nblocks - nb0 : NR;
-            if (amx) {
-                chunk_amx(&job, nb0, (int)nr, acc);
-                continue;
-            }
-#if HAVE_INT8 == 2
-            for (int64_t m0 = 0; m0 < M; m0 += MR)
-                run_tile(&job, m0, nb0, M - m0 < MR ? (int)(M - m0) : MR, (int)nr);
-#else
-            run_chunk(&job, nb0, nr);
-#endif
-        }
-        if (amx) amx_end();
-    }
-    free(xq); free(sa); free(qsum);
-    return 0;
+    const size_t xq_bytes = ((size_t)((amx ? (M + 15) / 16 * 16 : M) * Kp) + 63) & ~(size_t)63;
+    const size_t act_bytes = xq_bytes + 8 * (size_t)M;
+    /* in a running team, thread 0 makes the activations inside int8_part */
+    uint8_t *act = team_joined() ? NULL : grow_scratch(&tl_act, &tl_act_size, act_bytes);
+    if (!team_joined() && !act) return -1;
+    const Call call = {x, x_bf16, K, {NULL, NULL, NULL, M, Kp, N, w, offset, s1, rowsum, zs1, bias, y, out_bf16},
+                       act, act_bytes, xq_bytes, amx, nblocks, (nblocks + NR - 1) / NR};
+    int failed = 0;
+    TEAM_RUN(threads, M * N * K > (1 << 18), if (int8_part(&call, tm)) team_fail(&failed));
+    return failed ? -1 : 0;
 }
 
 #else

@@ -25,7 +25,7 @@ DTYPES = (torch.float32, torch.bfloat16)  # of the input and output
 
 def load():
     # no FMA contraction: the reference rounds each product and sum on its own
-    lib = load_library("int8_linear", ["-ffp-contract=off"], _SIGNATURES)
+    lib = load_library("int8_linear", ["-ffp-contract=off"], _SIGNATURES, team_aware=("int8_linear",))
     return lib if lib is not None and lib.int8_linear_available() else None
 
 

@@ -17,7 +17,8 @@ _SIGNATURES = {"kv4_write": (None, [_P, _P, _I, _P, _L, _I, _I, _P, _I]),
 
 def load():
     # no FMA contraction: the reference rounds x / scale and + zero separately
-    return load_library("kv4_write", ["-ffp-contract=off"], _SIGNATURES, team_aware=("kv4_write",))
+    return load_library("kv4_write", ["-ffp-contract=off"], _SIGNATURES, team_aware=("kv4_write",),
+                        serial=("kv_copy_rows",))
 
 
 def available() -> bool:

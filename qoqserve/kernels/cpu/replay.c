@@ -8,13 +8,15 @@
  * 8-byte slot per argument holding the argument's bits (little-endian, so
  * an int32 or a float sits in the slot's first bytes).
  *
- * Calls of team-aware kernels (team.h) that follow each other run in one
- * OpenMP region of the plan's team size: every thread makes each call, then
- * the team meets at a barrier before the next, instead of each call forking
- * and joining its own team. Other calls run from the calling thread alone,
- * between such regions, as before.
+ * Calls that can run inside a team and follow each other run in one OpenMP
+ * region of the plan's team size, the team meeting at a barrier after each
+ * call instead of each call forking and joining its own team: a team-aware
+ * kernel (team.h) is called by every thread, a serial one (no OpenMP inside)
+ * by thread 0. Other calls run from the calling thread alone, between such
+ * regions, as before.
  */
 #include <ffi.h>
+#include <omp.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -26,7 +28,7 @@ typedef struct {
     ffi_type **types;
     void **values;
     int returns_int;
-    int team;  /* made by every thread of a running team (team.h) */
+    char team;  /* 't': every thread of a running team makes it (team.h), 's': thread 0 of it, 0: no team */
 } call_t;
 
 typedef struct {
@@ -60,7 +62,8 @@ void plan_free(plan_t *p) {
 
 /* n calls: fns[i]; argument codes of call i in codes (nargs[i] characters
  * each, back to back, from 'p' 'i' 'l' 'f' 'd'); returns[i] 'i' (int) or 'v'
- * (void); team[i] 't' for a team-aware kernel, else '-'; bits: every call's
+ * (void); team[i] 't' for a team-aware kernel, 's' for a serial one, else
+ * '-'; bits: every call's
  * argument slots back to back. NULL on a bad code or out of memory. */
 plan_t *plan_new(int n, void **fns, const char *codes, const int *nargs, const char *returns,
                  const char *team, int team_size, const uint64_t *bits) {
@@ -79,7 +82,7 @@ plan_t *plan_new(int n, void **fns, const char *codes, const int *nargs, const c
         call_t *c = &p->calls[i];
         c->fn = (void (*)(void))fns[i];
         c->returns_int = returns[i] == 'i';
-        c->team = team[i] == 't';
+        c->team = team[i] == 't' || team[i] == 's' ? team[i] : 0;
         c->types = malloc(sizeof(ffi_type *) * (size_t)(nargs[i] > 0 ? nargs[i] : 1));
         c->values = malloc(sizeof(void *) * (size_t)(nargs[i] > 0 ? nargs[i] : 1));
         if (!c->types || !c->values || (returns[i] != 'i' && returns[i] != 'v')) { plan_free(p); return NULL; }
@@ -103,8 +106,8 @@ static int failed(const call_t *c, ffi_arg rc) { return c->returns_int && (int32
 /* Team regions share the kernels' team statics (team.h): one at a time. */
 static pthread_mutex_t team_lock = PTHREAD_MUTEX_INITIALIZER;
 
-/* Calls first..end-1, all team-aware, on one team. Returns 0 or 1 + the index
- * of the first call that failed on some thread; the team stops after it,
+/* Calls first..end-1, all team-aware or serial, on one team. Returns 0 or
+ * 1 + the index of the first call that failed on some thread; the team stops after it,
  * every thread at the same barrier. */
 static int run_team(const plan_t *p, int first, int end) {
     int failed_at = 0;  /* 1 + the first failed call */
@@ -112,7 +115,8 @@ static int run_team(const plan_t *p, int first, int end) {
     #pragma omp parallel num_threads(p->team_size)
     for (int i = first; i < end; i++) {
         ffi_arg rc = 0;
-        ffi_call((ffi_cif *)&p->calls[i].cif, p->calls[i].fn, &rc, p->calls[i].values);
+        if (p->calls[i].team == 't' || omp_get_thread_num() == 0)
+            ffi_call((ffi_cif *)&p->calls[i].cif, p->calls[i].fn, &rc, p->calls[i].values);
         if (failed(&p->calls[i], rc)) {
             #pragma omp critical(replay_failed)
             if (!failed_at || i + 1 < failed_at) failed_at = i + 1;

@@ -4,11 +4,12 @@ step run by one ctypes call. Built with the system libffi; where it does not
 build, or a call has an argument it cannot encode, graph.py replays the
 calls from Python.
 
-Consecutive calls of team-aware kernels (`team_aware` in build.load_library,
-kernels/cpu/team.h) run in one OpenMP region, every thread making each call,
-with a barrier between calls instead of a fork and join per call. Their
-thread count (each kernel's last argument) must agree; where it does not, or
-it is 1, every call runs on its own as before."""
+Consecutive calls of kernels that can run inside a team (`fn.team`, set by
+build.load_library) run in one OpenMP region with a barrier between calls
+instead of a fork and join per call: every thread makes a team-aware call
+(kernels/cpu/team.h), thread 0 alone a serial one. The team-aware calls'
+thread count (their last argument) must agree; where it does not, or it is
+1, every call runs on its own as before."""
 from __future__ import annotations
 
 import ctypes
@@ -80,7 +81,7 @@ class NativePlan:
             returns.append(ret)
             bits += arg_bits
         self.names = [fn.__name__ for fn, _ in ops]
-        team = ["t" if getattr(fn, "team_aware", False) else "-" for fn, _ in ops]
+        team = [getattr(fn, "team", None) or "-" for fn, _ in ops]
         self.team_size = team_size([_bits("i", args[-1]) for (fn, args), t in zip(ops, team) if t == "t"])
         fn_arr = (ctypes.c_void_p * max(len(fns), 1))(*fns)
         n_arr = (ctypes.c_int * max(len(nargs), 1))(*nargs)
