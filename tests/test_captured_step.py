@@ -179,6 +179,27 @@ def test_w8a8_quantized_at_load_replays(tmp_path):
 
 
 @needs_c
+def test_the_graph_ends_with_the_lm_head_or_leaves_it_after_the_replay(qoq_tiny, monkeypatch):
+    # where the head records, a replay gives the logits; where it does not, the
+    # graphs end at the hidden states and the head runs after each replay
+    from qoqserve.models.llama import LlamaForCausalLM
+    prompts = [[5 + i * 3 + j for j in range(7 + 5 * i)] for i in range(3)]
+    eager, _ = _outputs(qoq_tiny, prompts, dtype="float32", enforce_eager=True)
+    llm = LLM(qoq_tiny, kv_cache_gb=0.05, dtype="float32", capture_sizes="1,2,4")
+    captured = llm.engine.runner.captured
+    assert captured.with_head and captured.graphs[4].output.shape[-1] == llm.engine.arch.vocab_size
+    assert [(o.token_ids, o.logprobs) for o in llm.generate(prompts, GREEDY)] == eager
+    del llm
+    gc.collect()
+    head = LlamaForCausalLM.compute_logits
+    monkeypatch.setattr(LlamaForCausalLM, "compute_logits", lambda self, h: head(self, h) * 1.0)  # a torch op
+    llm = LLM(qoq_tiny, kv_cache_gb=0.05, dtype="float32", capture_sizes="1,2,4")
+    captured = llm.engine.runner.captured
+    assert captured is not None and not captured.with_head and sorted(captured.graphs) == [1, 2, 4]
+    assert [(o.token_ids, o.logprobs) for o in llm.generate(prompts, GREEDY)] == eager
+
+
+@needs_c
 def test_a_model_that_cannot_be_captured_runs_op_by_op(qoq_tiny):
     # the sim method computes with torch ops: capture refuses, steps still run
     outs, stats = _outputs(qoq_tiny, [[5, 6, 7, 8]], dtype="float32", w4a8_backend="sim")

@@ -13,9 +13,12 @@ their K/V into a scratch page no sequence owns and attend to nothing, and
 every kernel computes each row on its own, so the real rows' results are
 unchanged (tests check it).
 
-Anything the forward runs that is not a replayable C kernel makes the
-capture fail (graph.CaptureError); the engine then runs op by op and says
-so once. `enforce_eager` never captures.
+The graph ends with the LM head, so a replay gives the step's logits: no
+module call and no fresh logits tensor per step. Where the head cannot be
+recorded (graph.CaptureError), the graphs end at the final hidden states and
+the head runs after each replay. Anything else the forward runs that is not
+a replayable C kernel makes the capture fail; the engine then runs op by op
+and says so once. `enforce_eager` never captures.
 """
 from __future__ import annotations
 
@@ -79,6 +82,7 @@ class CapturedDecode:
                     ("ids", "positions", "slots", "context_lens", "block_tables")}
         self._rows: list[tuple | None] = [None] * n  # (request, preemptions, blocks written) per row
         self.graphs: dict[int, graph.StepGraph] = {}
+        self.with_head = True  # the graphs end with the LM head (module docstring)
         self.disabled: str | None = None
         self.capture_seconds = 0.0
 
@@ -109,16 +113,29 @@ class CapturedDecode:
         if g is not None or self.disabled:
             return g
         arena = self.graphs.get(self.max_size)
-        g = graph.StepGraph(arena)
         self._reset_rows(0, self.max_size)
+        inputs = (self.ids[:size], self.positions[:size], self._meta(size), self.kv_caches)
         try:
-            g.capture(self.model, self.ids[:size], self.positions[:size], self._meta(size), self.kv_caches)
+            try:
+                g = graph.StepGraph(arena)
+                g.capture(self._step, *inputs)
+            except graph.CaptureError as e:
+                if not self.with_head or self.graphs:
+                    raise
+                log.info("the LM head runs after each captured decode step (not recordable: %s)", e)
+                self.with_head = False
+                g = graph.StepGraph(arena)
+                g.capture(self._step, *inputs)
         except graph.CaptureError as e:
             self.disabled = str(e)
             log.warning("decode steps run op by op (not captured): %s", e)
             return None
         self.graphs[size] = g
         return g
+
+    def _step(self, *inputs) -> torch.Tensor:
+        hidden = self.model(*inputs)
+        return self.model.compute_logits(hidden) if self.with_head else hidden
 
     def _check_kernels(self) -> None:
         """Recording ran no kernel: replay the smallest graph once (padding rows
@@ -143,9 +160,9 @@ class CapturedDecode:
             return None
         return self.sizes[bisect.bisect_left(self.sizes, batch_size)]
 
-    def run(self, decodes: list[Sequence]) -> torch.Tensor | None:
-        """Final hidden states [len(decodes), hidden] of one decode step, or None
-        when this batch cannot run captured."""
+    def logits(self, decodes: list[Sequence]) -> torch.Tensor | None:
+        """fp32 logits [len(decodes), vocab] of one decode step, or None when
+        this batch cannot run captured."""
         b = len(decodes)
         size = self.bucket(b)
         g = self._graph(size) if size is not None else None
@@ -154,7 +171,8 @@ class CapturedDecode:
         self._write_inputs(decodes)
         if size > b:
             self._reset_rows(b, size)
-        return g.replay()[:b]
+        out = g.replay()[:b]
+        return out if self.with_head else self.model.compute_logits(out)
 
     def _write_inputs(self, decodes: list[Sequence]) -> None:
         np, bs = self._np, self.block_size

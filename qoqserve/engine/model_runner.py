@@ -258,9 +258,9 @@ class ModelRunner:
         where they were."""
         self.sampler.begin()
         if not batch.prefills and self.captured is not None:
-            hidden = self.captured.run(batch.decodes)
-            if hidden is not None:
-                return self.sampler(self.model.compute_logits(hidden), batch.sampled)
+            logits = self.captured.logits(batch.decodes)
+            if logits is not None:
+                return self.sampler(logits, batch.sampled)
         if batch.prefills and self.mixed is not None:
             rows = sampled_rows(batch)
             hidden = self.mixed.run(batch, rows)
