@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Per-kernel time inside captured decode steps: the embedded QoQ model at
 batch B (P-token prompts, 64 by default), each C call of the captured graph
-(the LM head its last) timed over 50 replays, beside a plain replay
+timed over 50 replays, beside a plain replay and the LM head's graph
 (docs/benchmarks.md, roofline).
 Then the fastest of 100 native replays of the GEMM calls alone, of every
 other call alone, of the whole graph, and of a whole engine step: what the
@@ -46,10 +46,13 @@ def main() -> None:
     for _ in range(REPLAYS):
         graph.replay()
     replay = (time.perf_counter() - start) / REPLAYS
-    # the graph ends with the LM head (engine/captured_step.py): its call is the graph's last
-    head = spent[graph.ops[-1][0].__name__] / REPLAYS if runner.captured.with_head else float("nan")
+    head_graph = runner.captured.heads.get(batch)  # the LM head over the real rows, captured apart
+    start = time.perf_counter()
+    for _ in range(REPLAYS):
+        head_graph.replay() if head_graph else runner.model.compute_logits(graph.output[:batch])
+    head = (time.perf_counter() - start) / REPLAYS
     print(f"batch {batch}, {prompt_len}-token prompts: {len(graph.ops)} calls per replay, "
-          f"replay {replay * 1e3:.2f} ms, LM head ({graph.ops[-1][0].__name__}) in it {head * 1e3:.2f} ms")
+          f"replay {replay * 1e3:.2f} ms, LM head {head * 1e3:.2f} ms")
     for name, t in spent.most_common():
         print(f"  {name:28s} {t / REPLAYS * 1e3:7.3f} ms/step {calls[name] // REPLAYS:4d} calls "
               f"{t / calls[name] * 1e6:7.1f} us/call")

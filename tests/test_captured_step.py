@@ -179,15 +179,18 @@ def test_w8a8_quantized_at_load_replays(tmp_path):
 
 
 @needs_c
-def test_the_graph_ends_with_the_lm_head_or_leaves_it_after_the_replay(qoq_tiny, monkeypatch):
-    # where the head records, a replay gives the logits; where it does not, the
-    # graphs end at the hidden states and the head runs after each replay
+def test_the_lm_head_is_captured_per_row_count_or_runs_after_the_replay(qoq_tiny, monkeypatch):
+    # where the head records, one graph per row count computes the real rows'
+    # logits only; where it does not, the head runs op by op after each replay
     from qoqserve.models.llama import LlamaForCausalLM
     prompts = [[5 + i * 3 + j for j in range(7 + 5 * i)] for i in range(3)]
     eager, _ = _outputs(qoq_tiny, prompts, dtype="float32", enforce_eager=True)
     llm = LLM(qoq_tiny, kv_cache_gb=0.05, dtype="float32", capture_sizes="1,2,4")
     captured = llm.engine.runner.captured
-    assert captured.with_head and captured.graphs[4].output.shape[-1] == llm.engine.arch.vocab_size
+    vocab = llm.engine.arch.vocab_size
+    assert captured.with_head and sorted(captured.heads) == [1, 2, 3, 4]
+    assert captured.heads[3].output.shape == (3, vocab)  # 3 rows run in the size-4 graph: no padded row
+    assert captured.heads[3].output.data_ptr() == captured.heads[4].output.data_ptr()  # one buffer
     assert [(o.token_ids, o.logprobs) for o in llm.generate(prompts, GREEDY)] == eager
     del llm
     gc.collect()
@@ -195,7 +198,8 @@ def test_the_graph_ends_with_the_lm_head_or_leaves_it_after_the_replay(qoq_tiny,
     monkeypatch.setattr(LlamaForCausalLM, "compute_logits", lambda self, h: head(self, h) * 1.0)  # a torch op
     llm = LLM(qoq_tiny, kv_cache_gb=0.05, dtype="float32", capture_sizes="1,2,4")
     captured = llm.engine.runner.captured
-    assert captured is not None and not captured.with_head and sorted(captured.graphs) == [1, 2, 4]
+    assert captured is not None and not captured.with_head and not captured.heads
+    assert sorted(captured.graphs) == [1, 2, 4]
     assert [(o.token_ids, o.logprobs) for o in llm.generate(prompts, GREEDY)] == eager
 
 

@@ -13,12 +13,15 @@ their K/V into a scratch page no sequence owns and attend to nothing, and
 every kernel computes each row on its own, so the real rows' results are
 unchanged (tests check it).
 
-The graph ends with the LM head, so a replay gives the step's logits: no
-module call and no fresh logits tensor per step. Where the head cannot be
-recorded (graph.CaptureError), the graphs end at the final hidden states and
-the head runs after each replay. Anything else the forward runs that is not
-a replayable C kernel makes the capture fail; the engine then runs op by op
-and says so once. `enforce_eager` never captures.
+The LM head is captured apart, once per row count b (1 up to the largest
+size): a step replays its decode graph, then the head over its b real rows
+(a padded row would cost a vocabulary GEMV), with no module call and no fresh
+logits tensor. Where the head cannot be recorded, it runs op by op after
+the replay.
+
+Anything the forward runs that is not a replayable C kernel makes the
+capture fail (graph.CaptureError); the engine then runs op by op and says
+so once. `enforce_eager` never captures.
 """
 from __future__ import annotations
 
@@ -82,7 +85,8 @@ class CapturedDecode:
                     ("ids", "positions", "slots", "context_lens", "block_tables")}
         self._rows: list[tuple | None] = [None] * n  # (request, preemptions, blocks written) per row
         self.graphs: dict[int, graph.StepGraph] = {}
-        self.with_head = True  # the graphs end with the LM head (module docstring)
+        self.heads: dict[int, graph.StepGraph] = {}  # per row count (module docstring)
+        self.with_head = True  # False: the head could not be captured
         self.disabled: str | None = None
         self.capture_seconds = 0.0
 
@@ -97,6 +101,9 @@ class CapturedDecode:
             if self._graph(size) is None:
                 break
         else:
+            for rows in range(self.max_size, 0, -1):  # largest first: the others share its buffer
+                if self._head(rows) is None:
+                    break
             self._check_kernels()
         self.capture_seconds = time.perf_counter() - start
         if self.disabled is None:
@@ -112,20 +119,10 @@ class CapturedDecode:
         g = self.graphs.get(size)
         if g is not None or self.disabled:
             return g
-        arena = self.graphs.get(self.max_size)
+        g = graph.StepGraph(self.graphs.get(self.max_size))
         self._reset_rows(0, self.max_size)
-        inputs = (self.ids[:size], self.positions[:size], self._meta(size), self.kv_caches)
         try:
-            try:
-                g = graph.StepGraph(arena)
-                g.capture(self._step, *inputs)
-            except graph.CaptureError as e:
-                if not self.with_head or self.graphs:
-                    raise
-                log.info("the LM head runs after each captured decode step (not recordable: %s)", e)
-                self.with_head = False
-                g = graph.StepGraph(arena)
-                g.capture(self._step, *inputs)
+            g.capture(self.model, self.ids[:size], self.positions[:size], self._meta(size), self.kv_caches)
         except graph.CaptureError as e:
             self.disabled = str(e)
             log.warning("decode steps run op by op (not captured): %s", e)
@@ -133,9 +130,26 @@ class CapturedDecode:
         self.graphs[size] = g
         return g
 
-    def _step(self, *inputs) -> torch.Tensor:
-        hidden = self.model(*inputs)
-        return self.model.compute_logits(hidden) if self.with_head else hidden
+    @torch.inference_mode()
+    def _head(self, rows: int) -> graph.StepGraph | None:
+        """The LM head over the first `rows` hidden states of the decode graph
+        they run in, or None where the head does not record."""
+        g = self.heads.get(rows)
+        if g is not None or not self.with_head:
+            return g
+        g = graph.StepGraph(self.heads.get(self.max_size))
+        try:
+            g.capture(self.model.compute_logits, self.graphs[self.bucket(rows)].output[:rows])
+        except graph.CaptureError as e:
+            self._no_head(e)
+            return None
+        self.heads[rows] = g
+        return g
+
+    def _no_head(self, why: Exception) -> None:
+        log.info("the LM head runs op by op after each captured decode step: %s", why)
+        self.with_head = False
+        self.heads.clear()
 
     def _check_kernels(self) -> None:
         """Recording ran no kernel: replay the smallest graph once (padding rows
@@ -148,6 +162,12 @@ class CapturedDecode:
             self.graphs.clear()
             self.disabled = str(e)
             log.warning("decode steps run op by op (not captured): %s", e)
+            return
+        try:
+            if self.with_head:
+                self.heads[1].replay()
+        except RuntimeError as e:
+            self._no_head(e)
 
     def _reset_rows(self, lo: int, hi: int) -> None:
         pad_decode_rows(self._np, lo, hi, self.pad_slot)
@@ -171,8 +191,9 @@ class CapturedDecode:
         self._write_inputs(decodes)
         if size > b:
             self._reset_rows(b, size)
-        out = g.replay()[:b]
-        return out if self.with_head else self.model.compute_logits(out)
+        hidden = g.replay()[:b]
+        head = self._head(b)
+        return head.replay() if head is not None else self.model.compute_logits(hidden)
 
     def _write_inputs(self, decodes: list[Sequence]) -> None:
         np, bs = self._np, self.block_size
