@@ -14,10 +14,11 @@ every kernel computes each row on its own, so the real rows' results are
 unchanged (tests check it).
 
 The LM head is captured apart, once per row count b (1 up to the largest
-size): a step replays its decode graph, then the head over its b real rows
-(a padded row would cost a vocabulary GEMV), with no module call and no fresh
-logits tensor. Where the head cannot be recorded, it runs op by op after
-the replay.
+size), and a step of b rows replays its decode graph and then the head over
+the b real rows as one graph (StepGraph.then: one native plan, one team of
+threads): a padded row would cost a vocabulary GEMV, and the head as a
+module call allocates a fresh logits tensor per step. Where the head cannot
+be recorded, it runs op by op after the replay.
 
 Anything the forward runs that is not a replayable C kernel makes the
 capture fail (graph.CaptureError); the engine then runs op by op and says
@@ -86,6 +87,7 @@ class CapturedDecode:
         self._rows: list[tuple | None] = [None] * n  # (request, preemptions, blocks written) per row
         self.graphs: dict[int, graph.StepGraph] = {}
         self.heads: dict[int, graph.StepGraph] = {}  # per row count (module docstring)
+        self.steps: dict[int, graph.StepGraph] = {}  # per row count: its decode graph, then its head
         self.with_head = True  # False: the head could not be captured
         self.disabled: str | None = None
         self.capture_seconds = 0.0
@@ -150,6 +152,7 @@ class CapturedDecode:
         log.info("the LM head runs op by op after each captured decode step: %s", why)
         self.with_head = False
         self.heads.clear()
+        self.steps.clear()
 
     def _check_kernels(self) -> None:
         """Recording ran no kernel: replay the smallest graph once (padding rows
@@ -191,9 +194,13 @@ class CapturedDecode:
         self._write_inputs(decodes)
         if size > b:
             self._reset_rows(b, size)
-        hidden = g.replay()[:b]
         head = self._head(b)
-        return head.replay() if head is not None else self.model.compute_logits(hidden)
+        if head is None:
+            return self.model.compute_logits(g.replay()[:b])
+        step = self.steps.get(b)
+        if step is None:
+            step = self.steps[b] = g.then(head)
+        return step.replay()
 
     def _write_inputs(self, decodes: list[Sequence]) -> None:
         np, bs = self._np, self.block_size

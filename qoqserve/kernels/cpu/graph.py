@@ -149,6 +149,15 @@ class StepGraph:
         except ValueError:
             self._plan = None
 
+    def then(self, after: "StepGraph") -> "StepGraph":
+        """This graph's calls and then `after`'s as one graph (one native plan,
+        so one team region for both); its output is after's. It holds on to
+        both, whose buffers its calls use."""
+        g = StepGraph()
+        g.ops, g.output, g.buffers = self.ops + after.ops, after.output, [self, after]
+        g._native()
+        return g
+
     def replay(self):
         if self._plan is not None:
             self._plan.run()
