@@ -13,6 +13,11 @@
  * through TEAM_SYNC (a no-op when T is 1) and shares a buffer one of them
  * made through team_share, never through OpenMP worksharing, which every
  * thread of the running team would have to reach.
+ *
+ * "A team is running" is omp_in_parallel(): called from inside any parallel
+ * region of this OpenMP runtime, a kernel takes its caller for one thread of
+ * a team whose every thread makes the same call. Only replay.c calls them
+ * so; everything else calls them from Python threads, outside any region.
  */
 #ifndef QOQSERVE_TEAM_H
 #define QOQSERVE_TEAM_H
