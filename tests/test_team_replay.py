@@ -148,7 +148,7 @@ def test_a_failing_call_stops_the_team_at_it(two_threads):
     assert torch.equal(first, lin(x)) and torch.equal(second, first)
 
 
-def test_a_decode_step_on_a_team_equals_eager_on_every_split_path(qoq_tiny, two_threads):
+def test_a_decode_step_on_a_team_equals_eager_on_every_split_path(qoq_tiny, two_threads, isa):
     # 16 sequences: the GEMMs share thread 0's quantized rows, RoPE (8+ tokens)
     # and the KV4 write (32+ heads x tokens) split their rows; prompts past
     # 256 tokens make attention tasks of several chunks and a merge pass. The
