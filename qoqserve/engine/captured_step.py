@@ -156,9 +156,9 @@ class CapturedDecode:
 
     def _check_kernels(self) -> None:
         """Recording ran no kernel: replay the smallest graph once (padding rows
-        only, writing nowhere) so a kernel that refuses its arguments shows here,
-        not in the first served step. What a kernel checks depends on the layer
-        shapes, not on the batch size."""
+        only, writing nowhere), then the one-row head, so a kernel that refuses
+        its arguments shows here, not in the first served step. What a kernel
+        checks depends on the layer shapes, not on the batch size."""
         try:
             self.graphs[self.sizes[0]].replay()
         except RuntimeError as e:

@@ -63,8 +63,8 @@ void plan_free(plan_t *p) {
 /* n calls: fns[i]; argument codes of call i in codes (nargs[i] characters
  * each, back to back, from 'p' 'i' 'l' 'f' 'd'); returns[i] 'i' (int) or 'v'
  * (void); team[i] 't' for a team-aware kernel, 's' for a serial one, else
- * '-'; bits: every call's
- * argument slots back to back. NULL on a bad code or out of memory. */
+ * '-'; bits: every call's argument slots back to back. NULL on a bad code or
+ * out of memory. */
 plan_t *plan_new(int n, void **fns, const char *codes, const int *nargs, const char *returns,
                  const char *team, int team_size, const uint64_t *bits) {
     plan_t *p = calloc(1, sizeof(plan_t));
@@ -107,8 +107,8 @@ static int failed(const call_t *c, ffi_arg rc) { return c->returns_int && (int32
 static pthread_mutex_t team_lock = PTHREAD_MUTEX_INITIALIZER;
 
 /* Calls first..end-1, all team-aware or serial, on one team. Returns 0 or
- * 1 + the index of the first call that failed on some thread; the team stops after it,
- * every thread at the same barrier. */
+ * 1 + the index of the first call that failed on some thread; the team
+ * stops after it, every thread at the same barrier. */
 static int run_team(const plan_t *p, int first, int end) {
     int failed_at = 0;  /* 1 + the first failed call */
     pthread_mutex_lock(&team_lock);
