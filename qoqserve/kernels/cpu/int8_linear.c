@@ -217,7 +217,6 @@ int int8_linear_available(void) { return HAVE_INT8; }
 int int8_linear_amx(void) { return amx_allowed(); }
 
 #include "team.h"
-#include "thread_scratch.h"
 
 /* per-thread scratch (thread_scratch.h): the quantized rows, their scales and sums */
 static __thread void *tl_act;
@@ -235,9 +234,7 @@ typedef struct {
  * then its share of the column chunks. Nonzero without activations. */
 static int int8_part(const Call *c, team_t tm) {
     const int64_t M = c->job.M, K = c->K, Kp = c->job.Kp;
-    uint8_t *act = c->act;
-    if (tm.joined)
-        act = team_share(tm, &team_act, tm.t == 0 ? grow_scratch(&tl_act, &tl_act_size, c->act_bytes) : NULL);
+    uint8_t *act = team_buffer(tm, c->act, &team_act, &tl_act, &tl_act_size, c->act_bytes);
     int8_t *xq = (int8_t *)act;
     float *sa = act ? (float *)(act + c->xq_bytes) : NULL;
     int32_t *qsum = act ? (int32_t *)(sa + M) : NULL;

@@ -188,14 +188,12 @@ static int team_next;
  * own copy in a running team, shared in the kernel's own region. Nonzero when
  * this thread had no scratch (its tasks are skipped). */
 static int decode_part(job *j, int vec, int merges, team_t tm, int *next) {
-    if (tm.joined) {
-        float *mine = tm.t == 0 ? (float *)grow_scratch(&tl_part, &tl_part_size, j->part_bytes) : NULL;
-        if (tm.T > 1) {
-            if (tm.t == 0) team_next = 0;
-            next = &team_next;
-        }
-        j->part = (float *)team_share(tm, &team_part, mine);
+    if (tm.joined && tm.T > 1) {  /* reset before the team meets in team_buffer */
+        if (tm.t == 0) team_next = 0;
+        next = &team_next;
     }
+    if (tm.joined)  /* j is this thread's own copy: in the kernel's own region the caller made the partials */
+        j->part = (float *)team_buffer(tm, NULL, &team_part, &tl_part, &tl_part_size, j->part_bytes);
     float *s = (float *)grow_scratch(&tl_scratch, &tl_scratch_size, sizeof(float) * (size_t)scratch_floats(j));
     const int tasks = j->B * j->max_chunks;
     for (int task; (task = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED)) < tasks;) {

@@ -21,6 +21,7 @@
  */
 #ifndef QOQSERVE_TEAM_H
 #define QOQSERVE_TEAM_H
+#include "thread_scratch.h"
 
 typedef struct {
     int t, T;    /* this thread, of T */
@@ -75,5 +76,16 @@ static inline void *team_share(team_t tm, void *volatile *slot, void *mine) {
     if (tm.t == 0) *slot = mine;
     TEAM_SYNC(tm);
     return *slot;
+}
+
+/* The scratch buffer every thread of a part works in: `made` where the
+ * kernel opened its own region (made before it, so a failure returns early),
+ * else thread 0's per-thread scratch (*tl of *tl_size, grown to `bytes`),
+ * shared through `slot`. NULL when it could not be had: every thread then
+ * sees NULL, and meets the others at the same barriers. */
+static inline void *team_buffer(team_t tm, void *made, void *volatile *slot, void **tl, size_t *tl_size,
+                                size_t bytes) {
+    if (!tm.joined) return made;
+    return team_share(tm, slot, tm.t == 0 ? grow_scratch(tl, tl_size, bytes) : NULL);
 }
 #endif

@@ -251,10 +251,8 @@ static int gemm_part(const Call *c, team_t tm) {
     /* the made row, and for X_NORM the norm weight as fp32 after it */
     float *row = p->x_mode ? (float *)grow_scratch(&tl_row, &tl_row_size,
                                                    sizeof(float) * (size_t)K * (p->x_mode == X_NORM ? 2 : 1)) : NULL;
-    uint8_t *act = c->main_buf;
-    if (c->own) act = grow_scratch(&tl_own, &tl_own_size, c->act_bytes);
-    else if (tm.joined)
-        act = team_share(tm, &team_main, tm.t == 0 ? grow_scratch(&tl_main, &tl_main_size, c->act_bytes) : NULL);
+    uint8_t *act = c->own ? grow_scratch(&tl_own, &tl_own_size, c->act_bytes)
+                          : team_buffer(tm, c->main_buf, &team_main, &tl_main, &tl_main_size, c->act_bytes);
     const int ready = act && (row || !p->x_mode);  /* this thread has its scratch */
     if (p->x_mode == X_NORM && row) load_row(c->norm_w, p->x_bf16, 0, K, row + K);
     int8_t *xq = act ? (int8_t *)act : NULL;
