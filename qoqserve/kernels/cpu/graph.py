@@ -154,7 +154,7 @@ class StepGraph:
         so one team region for both); its output is after's. It holds on to
         both, whose buffers its calls use."""
         g = StepGraph()
-        g.ops, g.output, g.buffers = self.ops + after.ops, after.output, [self, after]
+        g.ops, g.output, g._parts = self.ops + after.ops, after.output, (self, after)
         g._native()
         return g
 
