@@ -13,7 +13,8 @@
  * call instead of each call forking and joining its own team: a team-aware
  * kernel (team.h) is called by every thread, a serial one (no OpenMP inside)
  * by thread 0. Other calls run from the calling thread alone, between such
- * regions, as before.
+ * regions, as before. The team meets at team.h's barrier, as the kernels'
+ * parts do.
  */
 #include <ffi.h>
 #include <omp.h>
@@ -21,6 +22,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "team.h"
 
 typedef struct {
     void (*fn)(void);
@@ -121,7 +123,7 @@ static int run_team(const plan_t *p, int first, int end) {
             #pragma omp critical(replay_failed)
             if (!failed_at || i + 1 < failed_at) failed_at = i + 1;
         }
-        #pragma omp barrier
+        team_barrier(p->team_size);
         int seen;
         #pragma omp atomic read
         seen = failed_at;

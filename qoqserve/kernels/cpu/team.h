@@ -30,8 +30,46 @@ typedef struct {
 
 #ifdef _OPENMP
 #include <omp.h>
+#include <sched.h>
 
-#define TEAM_SYNC(tm) do { if ((tm).T > 1) { _Pragma("omp barrier") } } while (0)
+/* The barrier of a running team. GNU OpenMP's barrier costs ~190 ns between
+ * two cores here, this one ~55 ns (docs/runtime.md, "One team per step"),
+ * and a decode step meets ~9 times a layer. One per library (a static of
+ * this header): replay.c runs one team at a time, every thread of it meets
+ * at every one, and the count is back at 0 after each. */
+static struct {
+    _Alignas(64) int count;  /* threads arrived */
+    _Alignas(64) int gen;    /* barriers completed */
+} team_bar;
+
+#if defined(__x86_64__) || defined(__i386__)
+#define TEAM_PAUSE() __builtin_ia32_pause()
+#elif defined(__aarch64__)
+#define TEAM_PAUSE() __asm__ __volatile__("yield")
+#else
+#define TEAM_PAUSE() do { } while (0)
+#endif
+
+/* spins before a waiting thread starts to yield its core (another thread of
+ * the process may need it, e.g. the server's, while a team thread waits) */
+enum { TEAM_SPINS = 4096 };
+
+static inline void team_barrier(int T) {
+    const int gen = __atomic_load_n(&team_bar.gen, __ATOMIC_ACQUIRE);
+    if (__atomic_add_fetch(&team_bar.count, 1, __ATOMIC_ACQ_REL) == T) {
+        __atomic_store_n(&team_bar.count, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&team_bar.gen, gen + 1, __ATOMIC_RELEASE);
+        return;
+    }
+    for (int spins = 0; __atomic_load_n(&team_bar.gen, __ATOMIC_ACQUIRE) == gen; spins++) {
+        if (spins < TEAM_SPINS) TEAM_PAUSE();
+        else sched_yield();
+    }
+}
+
+#define TEAM_SYNC(tm) do { \
+        if ((tm).T > 1) { if ((tm).joined) team_barrier((tm).T); else { _Pragma("omp barrier") } } \
+    } while (0)
 
 /* the statement(s) after (threads, cond) run with `tm` in scope, on the
  * running team if there is one, else on a region of `threads` when cond */
