@@ -49,7 +49,7 @@ def main() -> None:
     head_graph = runner.captured.heads.get(batch)  # the LM head over the real rows, captured apart
     start = time.perf_counter()
     for _ in range(REPLAYS):
-        head_graph.replay() if head_graph else runner.model.compute_logits(graph.output[:batch])
+        head_graph.replay() if head_graph else runner.model.compute_logits(graph.output[:batch])  # and the argmax
     head = (time.perf_counter() - start) / REPLAYS
     print(f"batch {batch}, {prompt_len}-token prompts: {len(graph.ops)} calls per replay, "
           f"replay {replay * 1e3:.2f} ms, LM head {head * 1e3:.2f} ms")

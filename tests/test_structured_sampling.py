@@ -9,7 +9,7 @@ import torch
 from qoqserve.engine.sequence import Sequence
 from qoqserve.errors import ConstraintDeadEndError
 from qoqserve.kernels.cpu import token_mask as cpu_token_mask
-from qoqserve.layers.sampler import Sampler
+from qoqserve.layers.sampler import Sampler, apply_penalties
 from qoqserve.layers.token_mask import apply_token_bitmask, apply_token_bitmask_reference, bitmask_words
 from qoqserve.sampling_params import InvalidSamplingParams, SamplingParams, StructuredOutputs
 
@@ -90,6 +90,27 @@ def test_every_sampling_mode_draws_only_allowed_tokens_and_free_rows_are_unchang
             assert all(t in allowed for t, _ in top[0]) and lps[0] > float("-inf")
     alone = Sampler(seed=0)(logits[[1, 3]], [batch[1], batch[3]])[0]
     assert [toks[1], toks[3]] == alone == [Sampler(seed=0)(logits[[1]], [batch[1]])[0][0], 7]
+
+
+def test_the_steps_greedy_tokens_are_taken_unless_a_constraint_masked_the_logits():
+    # a captured step hands the sampler each row's argmax; the sampler takes
+    # those for greedy rows (given here deliberately different from the
+    # logits' argmax, to see which it took), samples other rows as ever, and
+    # once a constraint has masked rows it takes the argmax of the masked logits
+    logits = torch.randn(3, 300) * 3
+    logits[:, 7] = 50.0
+    given = torch.tensor([11, 12, 13])
+    free = [Sequence("g0", [1], SamplingParams(temperature=0)),
+            Sequence("pen", [1, 7], SamplingParams(temperature=0, repetition_penalty=10.0)),
+            Sequence("g2", [1], SamplingParams(temperature=0))]
+    toks = Sampler()(logits.clone(), free, greedy=given)[0]
+    assert toks[0] == 11 and toks[2] == 13
+    assert toks[1] == int(apply_penalties(logits[1], free[1].params, [1, 7], {}).argmax())  # its own argmax
+    assert given.tolist() == [11, 12, 13]  # the step's buffer is not written
+    masked = [free[0], Sequence("c", [1], SamplingParams(temperature=0), constraint=FixedConstraint([5, 9])),
+              free[2]]
+    toks = Sampler()(logits.clone(), masked, greedy=given)[0]
+    assert toks[0] == 7 and toks[1] in (5, 9) and toks[2] == 7
 
 
 def test_structured_outputs_spec_is_checked_and_normalized():

@@ -129,6 +129,31 @@ def test_the_other_kernels_of_a_step_in_a_team_equal_their_eager_calls(two_threa
         assert torch.equal(got, ref)
 
 
+@pytest.mark.parametrize("vocab", [2000, 49152, 1031])
+def test_the_greedy_argmax_in_a_team_is_torchs_on_every_row(two_threads, vocab):
+    # in a team each thread takes its share of every row's columns (units of
+    # 64, as the LM head splits them) and thread 0 joins the shares: the
+    # first maximum and the first NaN must be torch's whichever share holds them
+    g = torch.Generator().manual_seed(vocab)
+    rows = torch.randn(9, vocab, generator=g)
+    half = (vocab + 63) // 64 // 2 * 64  # where thread 1's share starts
+    rows[1, [3, half + 5]] = 50.0  # a tie across the shares: the first one
+    rows[2, [half + 1, half + 7]] = 50.0  # a tie within the second share
+    rows[3, half + 2] = float("nan")  # a NaN in the second share beats a maximum in the first
+    rows[3, 0] = 50.0
+    rows[4, [10, half + 3]] = float("nan")  # the first NaN
+    rows[5] = float("-inf")  # nothing but -inf: index 0
+    rows[6, -1] = 50.0  # the last column
+    rows[7, half - 1] = 50.0  # the last column of the first share
+    sg = graph.StepGraph()
+    out = sg.capture(lambda: elementwise.argmax(rows))
+    assert sg._plan is not None and sg._plan.team_size == 2
+    out.fill_(-1)
+    sg.replay()
+    assert out.tolist() == rows.argmax(-1).tolist()
+    assert torch.equal(elementwise.argmax(rows), rows.argmax(-1))  # and its eager call
+
+
 def test_a_failing_call_stops_the_team_at_it(two_threads):
     lin = _packed(_checkpoint(1024, 576, 64, seed=0), 64)
     x = _input(1, 576, torch.float32, seed=1)

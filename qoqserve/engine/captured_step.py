@@ -18,7 +18,10 @@ size), and a step of b rows replays its decode graph and then the head over
 the b real rows as one graph (StepGraph.then: one native plan, one team of
 threads): a padded row would cost a vocabulary GEMV, and the head as a
 module call allocates a fresh logits tensor per step. Where the head cannot
-be recorded, it runs op by op after the replay.
+be recorded, it runs op by op after the replay. With the head, each row's
+greedy token (the argmax of its logits) is computed in the step by the
+threads that wrote each share of the logits: the sampler reading all of a
+row after the step finds it cold in the other core's cache.
 
 Anything the forward runs that is not a replayable C kernel makes the
 capture fail (graph.CaptureError); the engine then runs op by op and says
@@ -33,7 +36,7 @@ import time
 import torch
 
 from qoqserve.engine.sequence import Sequence
-from qoqserve.kernels.cpu import graph
+from qoqserve.kernels.cpu import elementwise, graph
 from qoqserve.layers.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -141,12 +144,21 @@ class CapturedDecode:
             return g
         g = graph.StepGraph(self.heads.get(self.max_size))
         try:
-            g.capture(self.model.compute_logits, self.graphs[self.bucket(rows)].output[:rows])
+            g.capture(self._logits_and_greedy, self.graphs[self.bucket(rows)].output[:rows])
         except graph.CaptureError as e:
             self._no_head(e)
             return None
         self.heads[rows] = g
         return g
+
+    def _logits_and_greedy(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The head's logits and, where they are fp32 CPU rows the C argmax
+        takes, each row's argmax."""
+        logits = self.model.compute_logits(hidden)
+        greedy = None
+        if logits.dtype == torch.float32 and logits.device.type == "cpu" and elementwise.available():
+            greedy = elementwise.argmax(logits)
+        return logits, greedy
 
     def _no_head(self, why: Exception) -> None:
         log.info("the LM head runs op by op after each captured decode step: %s", why)
@@ -183,9 +195,10 @@ class CapturedDecode:
             return None
         return self.sizes[bisect.bisect_left(self.sizes, batch_size)]
 
-    def logits(self, decodes: list[Sequence]) -> torch.Tensor | None:
-        """fp32 logits [len(decodes), vocab] of one decode step, or None when
-        this batch cannot run captured."""
+    def logits(self, decodes: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Logits [len(decodes), vocab] of one decode step and each row's
+        argmax (int64 [len(decodes)], or None where the step did not compute
+        it), or None when this batch cannot run captured."""
         b = len(decodes)
         size = self.bucket(b)
         g = self._graph(size) if size is not None else None
@@ -196,7 +209,7 @@ class CapturedDecode:
             self._reset_rows(b, size)
         head = self._head(b)
         if head is None:
-            return self.model.compute_logits(g.replay()[:b])
+            return self.model.compute_logits(g.replay()[:b]), None
         step = self.steps.get(b)
         if step is None:
             step = self.steps[b] = g.then(head)

@@ -258,9 +258,9 @@ class ModelRunner:
         where they were."""
         self.sampler.begin()
         if not batch.prefills and self.captured is not None:
-            logits = self.captured.logits(batch.decodes)
-            if logits is not None:
-                return self.sampler(logits, batch.sampled)
+            out = self.captured.logits(batch.decodes)
+            if out is not None:
+                return self.sampler(out[0], batch.sampled, greedy=out[1])
         if batch.prefills and self.mixed is not None:
             rows = sampled_rows(batch)
             hidden = self.mixed.run(batch, rows)

@@ -149,22 +149,26 @@ class Sampler:
             self._undo.append((req.request_id, gen.get_state()))
         return gen
 
-    def __call__(self, logits: torch.Tensor, requests: list[SamplingRequest]
+    def __call__(self, logits: torch.Tensor, requests: list[SamplingRequest], greedy: torch.Tensor | None = None
                  ) -> tuple[list[int], list[float] | None, list[list[tuple[int, float]]] | None]:
         """logits [B, V] -> chosen token per row; when any row asks, each chosen token's
         logprob and each row's top_logprobs most likely (token, logprob) pairs.
         Logprobs are of the model's distribution (within what a constraint allows),
         before penalties and temperature. Constrained rows of fp32 logits are
-        masked in place (the step's logits are not used after sampling)."""
+        masked in place (the step's logits are not used after sampling).
+        greedy: each row's argmax of these logits, computed already (the
+        captured step's); not used once a constraint has masked a row."""
         params = [r.params for r in requests]
         logits = logits.float()
-        dead = self.masks.apply(logits, [r.constraint for r in requests])
+        constraints = [r.constraint for r in requests]
+        dead = self.masks.apply(logits, constraints)
         if dead:  # nothing to sample from: those requests end (engine/isolation.py), the rest go on
             raise ConstraintDeadEndError([requests[i].request_id for i in dead])
         want_logprobs = any(p.logprobs for p in params)
         logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         # greedy rows without penalties: one argmax for the batch
-        tokens = _argmax(logits)
+        masked = any(c is not None for c in constraints)
+        tokens = greedy.clone() if greedy is not None and not masked else _argmax(logits)
         for i, p in enumerate(params):
             if p.greedy and not p.has_penalties:
                 continue

@@ -22,6 +22,7 @@
 #include "bf16.h"
 #include "silu_mul_row.h"
 #include "norm_row.h"
+#include "thread_scratch.h"
 
 enum { MAX_ROW = 16384 };
 
@@ -187,11 +188,62 @@ static int64_t argmax_row(const float *r, int64_t V) {
 }
 #endif
 
+/* One thread's share of a row in a running team: its first NaN, else its
+ * first maximum (i < 0: an empty share) */
+typedef struct { int64_t i; float v; int nan; } arg_share;
+
+static void *volatile team_shares;  /* thread 0's, in a running team (team.h) */
+static __thread void *tl_shares;
+static __thread size_t tl_shares_size;
+
+/* Thread tm.t of a running team: of every row, the columns of its share, in
+ * units of 64 as the linears split their output channels (int8_linear.c,
+ * float_linear.c), so it reads the logits it has just written; then thread
+ * 0 joins the shares in column order: the first share holding a NaN gives
+ * its first NaN, else the first share holding the row's maximum gives its
+ * first index of it. That is argmax_row's answer over the whole row. */
+static void argmax_part(const float *x, int64_t stride, int64_t T, int64_t V, int64_t *out, team_t tm) {
+    arg_share *sh = (arg_share *)team_buffer(tm, NULL, &team_shares, &tl_shares, &tl_shares_size,
+                                             sizeof(arg_share) * (size_t)(T * tm.T));
+    if (!sh) {  /* no scratch for the shares (every thread sees NULL): thread 0 takes every row whole */
+        for (int64_t t = 0; tm.t == 0 && t < T; t++) out[t] = argmax_row(x + t * stride, V);
+        return;
+    }
+    const int64_t units = (V + 63) / 64, lo = units * tm.t / tm.T * 64, end = units * (tm.t + 1) / tm.T * 64;
+    const int64_t hi = end < V ? end : V;
+    for (int64_t t = 0; t < T; t++) {
+        arg_share *mine = &sh[t * tm.T + tm.t];
+        mine->i = -1;
+        if (lo >= hi) continue;
+        const float *row = x + t * stride;
+        mine->i = lo + argmax_row(row + lo, hi - lo);
+        mine->v = row[mine->i];
+        mine->nan = mine->v != mine->v;
+    }
+    TEAM_SYNC(tm);
+    for (int64_t t = 0; tm.t == 0 && t < T; t++) {
+        const arg_share *best = NULL;
+        for (int u = 0; u < tm.T; u++) {
+            const arg_share *s = &sh[t * tm.T + u];
+            if (s->i < 0) continue;
+            if (s->nan) { best = s; break; }
+            if (!best || s->v > best->v) best = s;
+        }
+        out[t] = best->i;
+    }
+}
+
 /* out[t] = index of the largest value of row t of x [T, V] (fp32, rows
  * `stride` apart), the first one on ties, the first NaN if there is one:
  * torch.argmax's answer, for greedy sampling (one vectorized pass for the
- * maximum, then one for the first index holding it) */
+ * maximum, then one for the first index holding it). Called on its own, the
+ * rows go over the threads; in a running team (a captured step, after the
+ * LM head), every row is split between them (argmax_part). */
 void argmax_rows(const float *x, int64_t stride, int64_t T, int64_t V, int64_t *out, int threads) {
+    if (team_joined()) {
+        TEAM_RUN(threads, V >= 1024, argmax_part(x, stride, T, V, out, tm));
+        return;
+    }
     #pragma omp parallel for num_threads(threads) if (T >= 2)
     for (int64_t t = 0; t < T; t++) out[t] = argmax_row(x + t * stride, V);
 }

@@ -28,7 +28,7 @@ MAX_ROW = 16384  # the C scratch rows: hidden size, intermediate size per chunk
 
 def load():
     return load_library("elementwise", ["-ffp-contract=off"], _SIGNATURES,
-                        team_aware=("qkv_rope", "rms_norm", "add_rms_norm", "silu_mul"),
+                        team_aware=("qkv_rope", "rms_norm", "add_rms_norm", "silu_mul", "argmax_rows"),
                         serial=("embed_rows", "concat_rows"))
 
 
@@ -131,12 +131,14 @@ def qkv_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(dim=-1) of fp32 CPU rows [B, V] (int64 [B]): the same
     index (first maximum, first NaN), in one vectorized pass per row, the
-    rows over the threads."""
+    rows over the threads; recorded in a captured step, each row's columns
+    split between the team's threads as the LM head splits them."""
     if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1 or logits.device.type != "cpu":
         raise ValueError("argmax takes fp32 CPU rows [B, V] with contiguous rows")
     b, v = logits.shape
     if v == 0:
         raise ValueError("argmax of an empty row")
-    out = torch.empty(b, dtype=torch.int64)
-    load().argmax_rows(logits.data_ptr(), logits.stride(0), b, v, out.data_ptr(), torch.get_num_threads())
+    out = graph.empty(b, dtype=torch.int64)
+    graph.launch(load().argmax_rows, logits.data_ptr(), logits.stride(0), b, v, out.data_ptr(),
+                 torch.get_num_threads())
     return out
