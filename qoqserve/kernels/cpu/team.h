@@ -32,11 +32,12 @@ typedef struct {
 #include <omp.h>
 #include <sched.h>
 
-/* The barrier of a running team. GNU OpenMP's barrier costs ~190 ns between
- * two cores here, this one ~55 ns (docs/runtime.md, "One team per step"),
- * and a decode step meets ~9 times a layer. One per library (a static of
- * this header): replay.c runs one team at a time, every thread of it meets
- * at every one, and the count is back at 0 after each. */
+/* The barrier of a running team: one shared count and a generation, the
+ * waiting threads spinning on the generation. A decode step meets ~9 times a
+ * layer, and GNU OpenMP's barrier does more work per meeting than this one
+ * (docs/runtime.md, "One team per step"). One per library (a static of this
+ * header): replay.c runs one team at a time, every thread of it meets at
+ * every one, and the count is back at 0 after each. */
 static struct {
     _Alignas(64) int count;  /* threads arrived */
     _Alignas(64) int gen;    /* barriers completed */
