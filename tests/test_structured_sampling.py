@@ -107,6 +107,7 @@ def test_the_steps_greedy_tokens_are_taken_unless_a_constraint_masked_the_logits
     assert toks[0] == 11 and toks[2] == 13
     assert toks[1] == int(apply_penalties(logits[1], free[1].params, [1, 7], {}).argmax())  # its own argmax
     assert given.tolist() == [11, 12, 13]  # the step's buffer is not written
+    assert Sampler()(logits.clone(), [free[0], free[2]], greedy=given[:2])[0] == [11, 12]  # all greedy rows
     masked = [free[0], Sequence("c", [1], SamplingParams(temperature=0), constraint=FixedConstraint([5, 9])),
               free[2]]
     toks = Sampler()(logits.clone(), masked, greedy=given)[0]

@@ -159,8 +159,11 @@ class Sampler:
         greedy: each row's argmax of these logits, computed already (the
         captured step's); not used once a constraint has masked a row."""
         params = [r.params for r in requests]
-        logits = logits.float()
         constraints = [r.constraint for r in requests]
+        if greedy is not None and all(p.greedy and not p.has_penalties and not p.logprobs for p in params) \
+                and all(c is None for c in constraints):
+            return greedy.tolist(), None, None  # the step's argmax is every row's token: nothing else to do
+        logits = logits.float()
         dead = self.masks.apply(logits, constraints)
         if dead:  # nothing to sample from: those requests end (engine/isolation.py), the rest go on
             raise ConstraintDeadEndError([requests[i].request_id for i in dead])
