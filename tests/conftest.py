@@ -210,8 +210,8 @@ class PoisonedSampler:
         self.inner, self.is_poisoned = inner, is_poisoned
         self.failed_batch_sizes: list[int] = []
 
-    def __call__(self, logits, requests):
-        out = self.inner(logits, requests)
+    def __call__(self, logits, requests, **kwargs):
+        out = self.inner(logits, requests, **kwargs)
         for r in requests:
             if self.is_poisoned(r):
                 self.failed_batch_sizes.append(len(requests))

@@ -96,6 +96,31 @@ def test_cpu_token_ops_match_torch_and_are_row_invariant(dtype):
 
 
 @needs_c
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (64, 3, 3), (128, 5, 1), (32, 4, 2)])
+def test_rope_with_the_key_transform_matches_torch_at_the_model_head_sizes(dtype, head_dim, heads, kv_heads):
+    # the rotation runs on groups of heads at once where head_dim is 64 or 128
+    # (groups of 4 and a remainder: 12, 6 and 6 heads here), one head at a
+    # time elsewhere; every path sums each output in order by fused
+    # multiply-adds, so a row's bits do not depend on its group or the batch
+    g = torch.Generator().manual_seed(head_dim + heads)
+    ref, c = TorchTokenOps(), CpuTokenOps()
+    rope = RotaryEmbedding(head_dim, 512, 1e4)
+    kt = KeyTransform(kv_heads, head_dim, dtype)
+    kt.shift.data = torch.randn(kv_heads, head_dim, generator=g).to(dtype)
+    kt.rotation.data = torch.linalg.qr(torch.randn(head_dim, head_dim, generator=g))[0].to(dtype).contiguous()
+    t = 5
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    pos = torch.randint(0, 500, (t,), generator=g)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    got = c.qkv_rope(qkv, pos, rope, kt, heads, kv_heads, head_dim)
+    for a, b in zip(got, ref.qkv_rope(qkv, pos, rope, kt, heads, kv_heads, head_dim)):
+        assert (a.float() - b.float()).abs().max() <= tol * max(1.0, b.float().abs().max().item())
+    assert all(torch.equal(a[2:3], b) for a, b in zip(got, c.qkv_rope(qkv[2:3], pos[2:3], rope, kt, heads,
+                                                                      kv_heads, head_dim)))
+
+
+@needs_c
 def test_step_graph_replays_on_new_inputs_and_rejects_torch_compute():
     w = torch.randn(64)
     buf = torch.randn(3, 64)

@@ -77,12 +77,64 @@ void silu_mul(const void *gu, void *y, int64_t T, int64_t I, int bf16, int threa
     });
 }
 
-/* x[0:D] = y[0:D] @ R, each output summed over e in order; inlined with a
- * constant D for the common head sizes, so x stays in registers */
-static inline __attribute__((always_inline)) void vec_mat(const float *y, const float *R, float *x, int D) {
+/* x[0:D] = y[0:D] @ R (the key transform's rotation): each output summed over
+ * e in order, one fused multiply-add per term, so every path (and any D)
+ * gives the same bits. It is the one dense product among these ops (D^2
+ * multiply-adds a head and token) and most of what qkv_rope costs; rotate_heads
+ * runs it on a group of heads at once (docs/runtime.md). */
+static inline void vec_mat_any(const float *y, const float *R, float *x, int D) {
     for (int d = 0; d < D; d++) x[d] = 0.f;
     for (int e = 0; e < D; e++)
-        for (int d = 0; d < D; d++) x[d] += y[e] * R[e * D + d];
+        for (int d = 0; d < D; d++) x[d] = fmaf(y[e], R[e * D + d], x[d]);
+}
+
+/* heads rotated at once: as many independent chains of multiply-adds, so
+ * the loop is not held up by one chain's latency */
+enum { ROT_GROUP = 4 };
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+/* vec_mat_any of nh rows y[j] at once for D = 16 n (nh * n <= 16): the same
+ * fused multiply-adds in the same order per output, each row of R loaded once
+ * for all nh */
+static inline __attribute__((always_inline)) void vec_mat16(float (*y)[512], const float *R, float (*x)[512],
+                                                            const int nh, const int n) {
+    __m512 acc[ROT_GROUP][8];
+    for (int j = 0; j < nh; j++)
+        for (int u = 0; u < n; u++) acc[j][u] = _mm512_setzero_ps();
+    for (int e = 0; e < 16 * n; e++) {
+        __m512 r[8];
+        for (int u = 0; u < n; u++) r[u] = _mm512_loadu_ps(R + e * 16 * n + 16 * u);
+        for (int j = 0; j < nh; j++) {
+            const __m512 ye = _mm512_set1_ps(y[j][e]);
+            for (int u = 0; u < n; u++) acc[j][u] = _mm512_fmadd_ps(ye, r[u], acc[j][u]);
+        }
+    }
+    for (int j = 0; j < nh; j++)
+        for (int u = 0; u < n; u++) _mm512_storeu_ps(x[j] + 16 * u, acc[j][u]);
+}
+#endif
+
+/* x[j] = y[j] @ R for the nh <= ROT_GROUP rows of one group of heads */
+static void rotate_heads(float (*y)[512], const float *R, float (*x)[512], int nh, int D) {
+#ifdef __AVX512F__
+    if (D == 64) {
+        switch (nh) {  /* constants, so the accumulators stay in registers */
+        case 4: vec_mat16(y, R, x, 4, 4); return;
+        case 3: vec_mat16(y, R, x, 3, 4); return;
+        case 2: vec_mat16(y, R, x, 2, 4); return;
+        default: vec_mat16(y, R, x, 1, 4); return;
+        }
+    }
+    if (D == 128) {
+        for (int j = 0; j < nh; j += 2) {
+            if (nh - j >= 2) vec_mat16(y + j, R, x + j, 2, 8);
+            else vec_mat16(y + j, R, x + j, 1, 8);
+        }
+        return;
+    }
+#endif
+    for (int j = 0; j < nh; j++) vec_mat_any(y[j], R, x[j], D);
 }
 
 /* token t of qkv_rope (below) */
@@ -91,38 +143,41 @@ static void rope_token(const void *qkv, int64_t row, int64_t t, int H, int Hkv, 
                        void *k, void *v, int bf16) {
     /* head_dim <= 512; a bf16 R is widened once per token when it fits
      * the scratch (head_dim <= 128), else row by row */
-    float x[512], y[512], rmat[128 * 128], sh[512];
+    float x[ROT_GROUP][512], y[ROT_GROUP][512], rmat[128 * 128], sh[512];
     const float *R = NULL;
     if (rot && !bf16) R = (const float *)rot;
     else if (rot && D <= 128) { load_row(rot, bf16, 0, (int64_t)D * D, rmat); R = rmat; }
     const float *c = cos + pos[t] * D, *s = sin + pos[t] * D;
     const int half = D / 2;
-    for (int h = 0; h < H + Hkv; h++) {
-        const int is_k = h >= H;
-        load_row(qkv, bf16, t * row + (int64_t)h * D, D, x);
-        for (int d = 0; d < half; d++) y[d] = x[d] * c[d] + -x[d + half] * s[d];
-        for (int d = half; d < D; d++) y[d] = x[d] * c[d] + x[d - half] * s[d];
-        round_row(y, D, bf16);
-        void *dst = is_k ? k : q;
-        const int64_t oi = (t * (is_k ? Hkv : H) + (is_k ? h - H : h)) * D;
-        if (!rot) { store_row(y, D, dst, bf16, oi); continue; }
-        if (is_k) {
-            load_row(shift, bf16, (int64_t)(h - H) * D, D, sh);
-            for (int e = 0; e < D; e++) y[e] = y[e] - sh[e];
-            round_row(y, D, bf16);
+    for (int h0 = 0; h0 < H + Hkv; h0 += ROT_GROUP) {
+        const int nh = H + Hkv - h0 < ROT_GROUP ? H + Hkv - h0 : ROT_GROUP;
+        for (int j = 0; j < nh; j++) {
+            const int h = h0 + j;
+            float *xj = x[j], *yj = y[j];
+            load_row(qkv, bf16, t * row + (int64_t)h * D, D, xj);
+            for (int d = 0; d < half; d++) yj[d] = xj[d] * c[d] + -xj[d + half] * s[d];
+            for (int d = half; d < D; d++) yj[d] = xj[d] * c[d] + xj[d - half] * s[d];
+            round_row(yj, D, bf16);
+            if (rot && h >= H) {
+                load_row(shift, bf16, (int64_t)(h - H) * D, D, sh);
+                for (int e = 0; e < D; e++) yj[e] = yj[e] - sh[e];
+                round_row(yj, D, bf16);
+            }
         }
-        if (R && D == 64) vec_mat(y, R, x, 64);
-        else if (R && D == 128) vec_mat(y, R, x, 128);
-        else if (R) vec_mat(y, R, x, D);
-        else {
-            for (int d = 0; d < D; d++) x[d] = 0.f;
+        if (rot && R) rotate_heads(y, R, x, nh, D);
+        for (int j = 0; rot && !R && j < nh; j++) {
+            for (int d = 0; d < D; d++) x[j][d] = 0.f;
             for (int e = 0; e < D; e++) {
                 float rr[512];
                 load_row(rot, bf16, (int64_t)e * D, D, rr);
-                for (int d = 0; d < D; d++) x[d] += y[e] * rr[d];
+                for (int d = 0; d < D; d++) x[j][d] = fmaf(y[j][e], rr[d], x[j][d]);
             }
         }
-        store_row(x, D, dst, bf16, oi);
+        for (int j = 0; j < nh; j++) {
+            const int h = h0 + j, is_k = h >= H;
+            const int64_t oi = (t * (is_k ? Hkv : H) + (is_k ? h - H : h)) * D;
+            store_row(rot ? x[j] : y[j], D, is_k ? k : q, bf16, oi);
+        }
     }
     const size_t es = bf16 ? 2 : 4;
     memcpy((char *)v + (size_t)(t * Hkv * D) * es, (const char *)qkv + (size_t)(t * row + (H + Hkv) * D) * es,
@@ -133,7 +188,8 @@ static void rope_token(const void *qkv, int64_t row, int64_t t, int H, int Hkv, 
  * k, v [T, Hkv, D] contiguous; RoPE (half-split) on q and k at positions
  * pos[t] from the fp32 tables cos/sin [max_pos, D], rounded once; with
  * rot != NULL then q R and (k - shift) R (shift [Hkv, D], R [D, D] row-major:
- * layers/key_transform.py), each output summed over e in order. */
+ * layers/key_transform.py), each output summed over e in order by fused
+ * multiply-adds. */
 void qkv_rope(const void *qkv, int64_t row, int64_t T, int H, int Hkv, int D, const int64_t *pos,
               const float *cos, const float *sin, const void *shift, const void *rot, void *q,
               void *k, void *v, int bf16, int threads) {
