@@ -117,6 +117,44 @@ def test_incremental_detokenizer(default_source):
     assert detok.add(tok.encode("\U0001F600")[0]) == "" and detok.flush() == "\ufffd"
 
 
+def _sentencepiece_style_tokenizer():
+    """A Llama-2-style tokenizer.json (metaspace, byte fallback, the leading
+    space stripped on decode), trained here on a few lines: a character
+    outside its small vocabulary becomes byte tokens."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, normalizers, trainers
+
+    from qoqserve.model_loader import tokenizer as tokenizer_module
+    backend = Backend(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    specials = ["<unk>", "<s>", "</s>", "<|im_end|>", "<|im_start|>"] + [f"<0x{i:02X}>" for i in range(256)]
+    backend.train_from_iterator(["Hello world, the quick brown fox says hi. " * 3, "Caf\u00e9 done 123 return x"],
+                                trainers.BpeTrainer(vocab_size=400, special_tokens=specials))
+    return tokenizer_module.Tokenizer(backend, bos_token_id=1, eos_token_ids=[2])
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece-style"])
+@pytest.mark.parametrize("skip", [True, False])
+def test_the_rust_decode_stream_gives_the_python_windows_pieces(default_source, skip, kind):
+    # piece for piece, with and without prompt context, across multi-byte
+    # characters split over tokens, special tokens and spaces, then flush()
+    from qoqserve.model_loader import tokenizer as tokenizer_module
+    if tokenizer_module._DecodeStream is None:
+        pytest.skip("this tokenizers library has no DecodeStream: the Python window runs")
+    tok = default_source.tokenizer if kind == "byte-level" else _sentencepiece_style_tokenizer()
+    text = ("  Caf\u00e9 \U0001F600\U0001F44D\U0001F3FD \u65e5\u672c\u8a9e<|im_end|> done 123\n\n"
+            "def f(x):\n    return x**2  # \u00fc\u00f1\u00ee\u00e7\u00f8d\u00e9 \u2192 ok<|im_start|>")
+    ids = tok.encode(text) + tok.encode("\U0001F600")[:1]  # ends mid-character: flush() gives the rest
+    for prompt in ([], tok.encode("Say hi:"), tok.encode("<|im_start|>user\nHi<|im_end|>\n")):
+        rust = IncrementalDetokenizer(tok, prompt_ids=prompt, skip_special_tokens=skip)
+        python = IncrementalDetokenizer(tok, prompt_ids=prompt, skip_special_tokens=skip, use_stream=False)
+        assert rust._stream is not None and python._stream is None
+        assert [rust.add(i) for i in ids] == [python.add(i) for i in ids]
+        assert rust.flush() == python.flush()
+
+
 # --- tiny random HF checkpoints -----------------------------------------------
 
 def _tiny_model(kind: str, vocab: int, **extra):

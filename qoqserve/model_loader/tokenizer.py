@@ -19,6 +19,11 @@ from tokenizers import Tokenizer as _Backend
 
 from qoqserve.errors import ModelLoadError
 
+try:  # tokenizers 0.21+
+    from tokenizers.decoders import DecodeStream as _DecodeStream
+except ImportError:
+    _DecodeStream = None
+
 # llama.cpp token_type values (gguf.TokenType)
 _CONTROL, _USER_DEFINED = 3, 4
 
@@ -164,22 +169,37 @@ class IncrementalDetokenizer:
     that starts a few tokens back, and emits the text past what the window
     already produced; emission waits while the tail is an incomplete
     character. The pieces, plus `flush()`, concatenate to decode(all ids).
+
+    Where the tokenizers library has `DecodeStream` (0.21+), its step does
+    that window in Rust, one call a token instead of two decodes from Python
+    (the same pieces: tests/test_model_loader.py); `use_stream=False` keeps
+    the Python window.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None,
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, use_stream: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = list(prompt_ids or [])
         # a little prompt context keeps the first generated space intact
         self._prefix = max(len(self.ids) - 5, 0)
         self._read = len(self.ids)
+        # primed with the window's ids: its first piece starts where ours does
+        self._stream = (_DecodeStream(ids=self.ids[self._prefix:], skip_special_tokens=skip_special_tokens)
+                        if use_stream and _DecodeStream is not None else None)
 
     def _text(self, start: int, end: int) -> str:
         return self.tokenizer.decode(self.ids[start:end], self.skip_special_tokens)
 
     def add(self, token_id: int) -> str:
         self.ids.append(int(token_id))
+        if self._stream is not None:
+            piece = self._stream.step(self.tokenizer.backend, int(token_id))
+            if not piece:
+                return ""
+            # the window moves as the stream's does, for flush()
+            self._prefix, self._read = self._read, len(self.ids)
+            return piece
         prefix_text = self._text(self._prefix, self._read)
         new_text = self._text(self._prefix, len(self.ids))
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
