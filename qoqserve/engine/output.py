@@ -33,7 +33,10 @@ class OutputTracker:
     def __init__(self, seq: Sequence, tokenizer: Tokenizer, eos_ids: set[int], max_model_len: int):
         self.seq = seq
         params = seq.params
-        self.detok = IncrementalDetokenizer(tokenizer, seq.token_ids[:seq.num_prompt_tokens])
+        # one list for every output of the request: copying the prompt per step
+        # cost O(prompt) per request and step
+        self.prompt_ids = seq.token_ids[:seq.num_prompt_tokens]
+        self.detok = IncrementalDetokenizer(tokenizer, self.prompt_ids)
         self.text = ""
         self.released = 0
         self.stop_token_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_ids)
@@ -93,7 +96,7 @@ class OutputTracker:
         if finished:
             metrics["finished_time"] = time.monotonic()
         return RequestOutput(
-            request_id=seq.request_id, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
+            request_id=seq.request_id, prompt_token_ids=self.prompt_ids,
             token_ids=seq.output_token_ids, text=self.text[:limit], delta_text=delta,
             delta_token_ids=new_tokens, finished=finished, finish_reason=seq.finish_reason,
             logprobs=list(seq.logprobs) if seq.params.logprobs else None,
