@@ -10,7 +10,8 @@
  * rounding where torch's bf16 ops round (after the normalization, after the
  * weight multiply, ...), so the torch path and this one agree to rounding.
  * Built with -ffp-contract=off: products and sums round one at a time, as
- * torch's elementwise ops do.
+ * torch's elementwise ops do; the key transform's rotation, a dense product,
+ * uses explicit fused multiply-adds (vec_mat_any).
  */
 #include <math.h>
 #include <stdint.h>
