@@ -173,6 +173,33 @@ def test_a_failing_call_stops_the_team_at_it(two_threads):
     assert torch.equal(first, lin(x)) and torch.equal(second, first)
 
 
+@pytest.mark.parametrize("fmt", ["int4", "bf16"])
+def test_one_sequences_attention_splits_its_kv_heads_in_a_team(two_threads, isa, fmt):
+    # one task (a context under one chunk): called on its own thread 0 does it
+    # all; in a team the KV heads are split between the threads (1 and 2 of 3),
+    # each head computed alone, so the bits of the eager call
+    from qoqserve.layers import kv_cache as kc
+    from qoqserve.layers.attention_backends import CpuAttention
+    g = torch.Generator().manual_seed(3)
+    hkv, d, bs, heads, n = 3, 64, 16, 9, 40
+    layout = kc.Int4KVCacheLayout(hkv, d, bs) if fmt == "int4" else kc.DenseKVCacheLayout(hkv, d, bs, torch.bfloat16)
+    attention = CpuAttention(layout)
+    tables = torch.tensor([[2, 0, 3]])
+    cache = layout.allocate(4, "cpu")
+    pos = torch.arange(n)
+    layout.write(cache, torch.randn(n, hkv, d, generator=g), torch.randn(n, hkv, d, generator=g),
+                 tables[0, pos // bs] * bs + pos % bs)
+    q, lens = torch.randn(1, heads, d, generator=g), torch.tensor([n])
+    sg = graph.StepGraph()
+    out = sg.capture(lambda: attention.decode(q, cache, tables, lens, d ** -0.5))
+    assert sg._plan is not None and sg._plan.team_size == 2
+    out.zero_()
+    sg.replay()
+    want = attention.decode(q, cache, tables, lens, d ** -0.5)
+    assert want.abs().sum(-1).min() > 0  # every head has an output
+    assert torch.equal(out, want)
+
+
 def test_a_decode_step_on_a_team_equals_eager_on_every_split_path(qoq_tiny, two_threads, isa):
     # 16 sequences: the GEMMs share thread 0's quantized rows, RoPE (8+ tokens)
     # and the KV4 write (32+ heads x tokens) split their rows; prompts past

@@ -46,6 +46,7 @@ typedef struct {
     float *part;   /* per (sequence, chunk, query head): m, l, acc[D] in channel order */
     float *out;    /* [B, H, D]; the vector path writes a one-chunk sequence's rows itself */
     size_t part_bytes;
+    int h_lo, h_hi;  /* the KV heads a task computes: all of them, but where one task is split (decode_part) */
 } job;
 
 static inline float *partial(const job *j, int b, int c, int hq) {
@@ -89,7 +90,7 @@ PORTABLE_CLONES static void chunk_scalar(const job *j, int b, int c, float *s) {
     const int D = j->D, G = j->G, H = j->H, bs = j->bs;
     float *q = s, *acc = q + (int64_t)H * D, *kr = acc + (int64_t)H * D, *vr = kr + BLOCK * D;
     float *m = vr + BLOCK * D, *l = m + H;
-    for (int hq = 0; hq < H; hq++) {
+    for (int hq = j->h_lo * G; hq < j->h_hi * G; hq++) {
         for (int d = 0; d < D; d++) q[hq * D + d] = j->q[((int64_t)b * H + hq) * D + d] * j->qscale;
         m[hq] = -INFINITY;
         l[hq] = 0.f;
@@ -100,7 +101,7 @@ PORTABLE_CLONES static void chunk_scalar(const job *j, int b, int c, float *s) {
     for (int64_t p = p0; p < p1; p++) {
         const int64_t base = table[p] * bs * j->slot_stride;
         const int ntok = (int)(L - p * bs < bs ? L - p * bs : bs);
-        for (int h = 0; h < j->Hkv; h++) {
+        for (int h = j->h_lo; h < j->h_hi; h++) {
             const uint8_t *kh = j->k + base + h * j->head_stride, *vh = j->v + base + h * j->head_stride;
             for (int t0 = 0; t0 < ntok; t0 += BLOCK) {
                 const int n = ntok - t0 < BLOCK ? ntok - t0 : BLOCK;
@@ -115,7 +116,7 @@ PORTABLE_CLONES static void chunk_scalar(const job *j, int b, int c, float *s) {
             }
         }
     }
-    for (int hq = 0; hq < H; hq++) {
+    for (int hq = j->h_lo * G; hq < j->h_hi * G; hq++) {
         float *pr = partial(j, b, c, hq);
         pr[0] = m[hq];
         pr[1] = l[hq];
@@ -157,6 +158,18 @@ static inline __attribute__((always_inline)) void prefetch_task(const job *j, in
             for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((kv ? j->v : j->k) + table[p] * bytes + o, 0, 2);
 }
 
+/* task (sequence b, chunk c) on the vector path vec, after its first pages are requested */
+static inline __attribute__((always_inline)) void run_task(const job *j, int b, int c, int vec, float *s) {
+    prefetch_task(j, b, c);
+#ifdef PD_AVX512
+    if (vec == KV_PATH_AVX512) { chunk_avx512(j, b, c, s); return; }
+#endif
+#ifdef PD_AVX2
+    if (vec == KV_PATH_AVX2) { chunk_avx2(j, b, c, s); return; }
+#endif
+    chunk_scalar(j, b, c, s);
+}
+
 /* per-thread scratch (thread_scratch.h): one call per layer and step, a few
  * microseconds each at short contexts */
 static __thread void *tl_scratch, *tl_part;
@@ -196,17 +209,18 @@ static int decode_part(job *j, int vec, int merges, team_t tm, int *next) {
         j->part = (float *)team_buffer(tm, NULL, &team_part, &tl_part, &tl_part_size, j->part_bytes);
     float *s = (float *)grow_scratch(&tl_scratch, &tl_scratch_size, sizeof(float) * (size_t)scratch_floats(j));
     const int tasks = j->B * j->max_chunks;
-    for (int task; (task = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED)) < tasks;) {
-        const int b = task / j->max_chunks, c = task % j->max_chunks;
-        if (!s || !j->part || c >= chunks_of(j, b)) continue;
-        prefetch_task(j, b, c);
-#ifdef PD_AVX512
-        if (vec == KV_PATH_AVX512) { chunk_avx512(j, b, c, s); continue; }
-#endif
-#ifdef PD_AVX2
-        if (vec == KV_PATH_AVX2) { chunk_avx2(j, b, c, s); continue; }
-#endif
-        chunk_scalar(j, b, c, s);
+    if (tm.joined && tasks == 1 && tm.T > 1) {
+        /* One task in a running team (a short context at batch 1): its KV
+         * heads split between the threads, each head computed alone as
+         * ever (the same bits), instead of one thread doing it all while
+         * the others wait at the barrier after the call. */
+        j->h_lo = j->Hkv * tm.t / tm.T, j->h_hi = j->Hkv * (tm.t + 1) / tm.T;
+        if (s && j->part && j->h_lo < j->h_hi && chunks_of(j, 0) > 0) run_task(j, 0, 0, vec, s);
+    } else {
+        for (int task; (task = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED)) < tasks;) {
+            const int b = task / j->max_chunks, c = task % j->max_chunks;
+            if (s && j->part && c < chunks_of(j, b)) run_task(j, b, c, vec, s);
+        }
     }
     /* the vector path has written every one-chunk sequence: with only
      * those, no merge pass (and no second barrier) at all */
@@ -228,7 +242,7 @@ int paged_decode_attention(const float *q, const uint8_t *k, const uint8_t *v, i
                            float *out, int B, int H, int Hkv, int D, int bs, int width,
                            float sm_scale, int threads) {
     job j = {q, k, v, slot_stride, head_stride, tables, lens, fmt, B, H, Hkv, H / Hkv, D, bs, width,
-             CHUNK_TOKENS / bs > 0 ? CHUNK_TOKENS / bs : 1, 1, sm_scale * 1.4426950408889634f, 0, NULL, out, 0};
+             CHUNK_TOKENS / bs > 0 ? CHUNK_TOKENS / bs : 1, 1, sm_scale * 1.4426950408889634f, 0, NULL, out, 0, 0, Hkv};
     j.kv4_vnni = kv4_vnni_path();
     for (int b = 0; b < B; b++) j.max_chunks = chunks_of(&j, b) > j.max_chunks ? chunks_of(&j, b) : j.max_chunks;
     /* in a running team, thread 0's partials are shared inside decode_part */
@@ -240,7 +254,8 @@ int paged_decode_attention(const float *q, const uint8_t *k, const uint8_t *v, i
     int merges = 0;
     for (int b = 0; b < B; b++) merges |= merged_apart(&j, b, vec);
     int failed = 0, next = 0;
-    /* one task (a short context at batch 1): no team to wake and wait for */
-    TEAM_RUN(threads, B * j.max_chunks > 1, if (decode_part(&j, vec, merges, tm, &next)) team_fail(&failed));
+    /* one task: no team to wake and wait for, but in a running team its heads are split */
+    TEAM_RUN(threads, B * j.max_chunks > 1 || (team_joined() && Hkv > 1),
+             if (decode_part(&j, vec, merges, tm, &next)) team_fail(&failed));
     return failed ? -1 : 0;
 }

@@ -90,7 +90,7 @@ static inline __attribute__((always_inline)) void chunk_impl_avx2(const job *j, 
     const int quant = fmt == KV_INT4 || fmt == KV_INT8;
     float *q = s, *acc = q + (int64_t)H * np, *kr = acc + (int64_t)H * np, *vr = kr + BLOCK * np;
     float *w = vr + BLOCK * np, *sc = w + BLOCK, *zacc = sc + (int64_t)H * ct, *qsum = zacc + (int64_t)H * BLOCK;
-    for (int hq = 0; hq < H; hq++) {
+    for (int hq = j->h_lo * G; hq < j->h_hi * G; hq++) {
         const float *src = j->q + ((int64_t)b * H + hq) * D;
         float sum = 0.f;
         for (int i = 0; i < np; i++) {
@@ -113,7 +113,7 @@ static inline __attribute__((always_inline)) void chunk_impl_avx2(const job *j, 
                 const char *next = (const char *)(pass ? j->v : j->k) + table[p + PD_PF] * bs * ss;
                 for (int64_t o = 0; o < bs * ss; o += 64) _mm_prefetch(next + o, _MM_HINT_T1);
             }
-            for (int h = 0; h < j->Hkv; h++) {
+            for (int h = j->h_lo; h < j->h_hi; h++) {
                 const uint8_t *rows = (pass ? j->v : j->k) + base + h * j->head_stride;
                 for (int t0 = 0; t0 < ntok; t0 += BLOCK) {
                     const int n = ntok - t0 < BLOCK ? ntok - t0 : BLOCK, off = (int)(p - p0) * bs + t0;
@@ -152,7 +152,7 @@ static inline __attribute__((always_inline)) void chunk_impl_avx2(const job *j, 
             }
         }
         if (pass) break;
-        for (int hq = 0; hq < H; hq++) {  /* softmax of the chunk, unnormalized */
+        for (int hq = j->h_lo * G; hq < j->h_hi * G; hq++) {  /* softmax of the chunk, unnormalized */
             float *sh = sc + hq * ct;
             const __m256 ninf = _mm256_set1_ps(-INFINITY);
             __m256 mv = ninf, lv = _mm256_setzero_ps();
@@ -174,7 +174,7 @@ static inline __attribute__((always_inline)) void chunk_impl_avx2(const job *j, 
         }
     }
     const int alone = !merged_apart(j, b, 1);  /* then merge()'s arithmetic is done here */
-    for (int hq = 0; hq < H; hq++) {
+    for (int hq = j->h_lo * G; hq < j->h_hi * G; hq++) {
         float *pr = partial(j, b, c, hq);
         const float *za = zacc + hq * BLOCK;
         const float z = fmt == KV_INT4 ? hsum8(_mm256_add_ps(_mm256_load_ps(za), _mm256_load_ps(za + 8))) : 0.f;

@@ -138,9 +138,9 @@ static inline __attribute__((always_inline)) void chunk_impl(const job *j, int b
     float *w = vr + BLOCK * np, *sc = w + BLOCK, *zacc = sc + (int64_t)H * ct, *qsum = zacc + (int64_t)H * BLOCK;
     /* KV4 scores by VNNI (paged_decode_vnni.h): the query as integer digits, kept where q goes */
     const int vnni = fmt == KV_INT4 && j->kv4_vnni && kv4_vnni_fits(j, (int64_t)BLOCK * np);
-    for (int hq = 0; vnni && hq < H; hq++)
+    for (int hq = j->h_lo * G; vnni && hq < j->h_hi * G; hq++)
         kv4_query_digits(j->q + ((int64_t)b * H + hq) * D, j->qscale, D, (int32_t *)q + hq * qp_stride(D));
-    for (int hq = 0; !vnni && hq < H; hq++) {
+    for (int hq = j->h_lo * G; !vnni && hq < j->h_hi * G; hq++) {
         const float *src = j->q + ((int64_t)b * H + hq) * D;
         float sum = 0.f;
         for (int i = 0; i < np; i++) {
@@ -164,7 +164,7 @@ static inline __attribute__((always_inline)) void chunk_impl(const job *j, int b
                 const char *next = (const char *)(pass ? j->v : j->k) + table[p + PD_PF] * bs * ss;
                 for (int64_t o = 0; o < bs * ss; o += 64) _mm_prefetch(next + o, _MM_HINT_T1);
             }
-            for (int h = 0; h < j->Hkv; h++) {
+            for (int h = j->h_lo; h < j->h_hi; h++) {
                 const uint8_t *rows = (pass ? j->v : j->k) + base + h * j->head_stride;
                 for (int t0 = 0; t0 < ntok; t0 += BLOCK) {
                     const int n = ntok - t0 < BLOCK ? ntok - t0 : BLOCK, off = (int)(p - p0) * bs + t0;
@@ -217,7 +217,7 @@ static inline __attribute__((always_inline)) void chunk_impl(const job *j, int b
             }
         }
         if (pass) break;
-        for (int hq = 0; hq < H; hq++) {  /* softmax of the chunk, unnormalized */
+        for (int hq = j->h_lo * G; hq < j->h_hi * G; hq++) {  /* softmax of the chunk, unnormalized */
             float *sh = sc + hq * ct;
             __m512 mv = _mm512_set1_ps(-INFINITY), lv = _mm512_setzero_ps();
             for (int t = 0; t < T; t += BLOCK)
@@ -237,7 +237,7 @@ static inline __attribute__((always_inline)) void chunk_impl(const job *j, int b
         }
     }
     const int alone = !merged_apart(j, b, 1);  /* then merge()'s arithmetic is done here */
-    for (int hq = 0; hq < H; hq++) {
+    for (int hq = j->h_lo * G; hq < j->h_hi * G; hq++) {
         float *pr = partial(j, b, c, hq);
         const float z = fmt == KV_INT4 ? _mm512_reduce_add_ps(_mm512_load_ps(zacc + hq * BLOCK)) : 0.f;
         if (!alone) {

@@ -130,7 +130,7 @@ VNNI_FN static inline __attribute__((always_inline)) void kv4_scores_impl(const 
             const char *next = (const char *)j->k + table[p + PD_PF] * bs * ss;
             for (int64_t o = 0; o < bs * ss; o += 64) _mm_prefetch(next + o, _MM_HINT_T1);
         }
-        for (int h = 0; h < j->Hkv; h++) {
+        for (int h = j->h_lo; h < j->h_hi; h++) {
             const uint8_t *rows = j->k + base + h * j->head_stride;
             for (int t0 = 0; t0 < ntok; t0 += BLOCK) {
                 const int n = ntok - t0 < BLOCK ? ntok - t0 : BLOCK, off = (int)(p - p0) * bs + t0;
