@@ -4,6 +4,9 @@ every thread making each call. Each kernel must compute there what its own
 eager call computes, bit for bit, on every path that splits work between
 threads, and a failing call must stop the team without a hang."""
 import gc
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -152,6 +155,27 @@ def test_the_greedy_argmax_in_a_team_is_torchs_on_every_row(two_threads, vocab):
     sg.replay()
     assert out.tolist() == rows.argmax(-1).tolist()
     assert torch.equal(elementwise.argmax(rows), rows.argmax(-1))  # and its eager call
+
+
+def test_a_team_region_that_gets_fewer_threads_than_asked_still_meets():
+    # OMP_THREAD_LIMIT=1: the plan asks for a team of 2 and its region gets 1
+    # thread; the barrier between calls counts the threads the region has
+    # (counting 2 waited forever for a thread that does not exist)
+    code = """
+import torch
+torch.set_num_threads(2)
+from qoqserve.kernels.cpu import elementwise, graph
+x, w = torch.randn(3, 5000), torch.ones(5000)
+sg = graph.StepGraph()
+top, y = sg.capture(lambda: (elementwise.argmax(x), elementwise.rms_norm(x, w, 1e-5)))
+assert sg._plan is not None and sg._plan.team_size == 2
+sg.replay()
+assert torch.equal(top, x.argmax(-1))
+print("done")
+"""
+    env = {**os.environ, "OMP_THREAD_LIMIT": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "done", out.stderr
 
 
 def test_a_failing_call_stops_the_team_at_it(two_threads):

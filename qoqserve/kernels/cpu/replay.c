@@ -115,7 +115,7 @@ static int run_team(const plan_t *p, int first, int end) {
     int failed_at = 0;  /* 1 + the first failed call */
     pthread_mutex_lock(&team_lock);
     #pragma omp parallel num_threads(p->team_size)
-    for (int i = first; i < end; i++) {
+    for (int i = first, team = omp_get_num_threads(); i < end; i++) {  /* the threads the region got */
         ffi_arg rc = 0;
         if (p->calls[i].team == 't' || omp_get_thread_num() == 0)
             ffi_call((ffi_cif *)&p->calls[i].cif, p->calls[i].fn, &rc, p->calls[i].values);
@@ -123,7 +123,7 @@ static int run_team(const plan_t *p, int first, int end) {
             #pragma omp critical(replay_failed)
             if (!failed_at || i + 1 < failed_at) failed_at = i + 1;
         }
-        team_barrier(p->team_size);
+        team_barrier(team);
         int seen;
         #pragma omp atomic read
         seen = failed_at;
