@@ -11,7 +11,7 @@
  * weight multiply, ...), so the torch path and this one agree to rounding.
  * Built with -ffp-contract=off: products and sums round one at a time, as
  * torch's elementwise ops do; the key transform's rotation, a dense product,
- * uses explicit fused multiply-adds (vec_mat_any).
+ * uses explicit fused multiply-adds (key_rotation.h).
  */
 #include <math.h>
 #include <stdint.h>
@@ -24,6 +24,7 @@
 #include "silu_mul_row.h"
 #include "norm_row.h"
 #include "thread_scratch.h"
+#include "key_rotation.h"
 
 enum { MAX_ROW = 16384 };
 
@@ -76,66 +77,6 @@ void silu_mul(const void *gu, void *y, int64_t T, int64_t I, int bf16, int threa
             store_row(g, n, y, bf16, t * I + i0);
         }
     });
-}
-
-/* x[0:D] = y[0:D] @ R (the key transform's rotation): each output summed over
- * e in order, one fused multiply-add per term, so every path (and any D)
- * gives the same bits. It is the one dense product among these ops (D^2
- * multiply-adds a head and token) and most of what qkv_rope costs; rotate_heads
- * runs it on a group of heads at once (docs/runtime.md). */
-static inline void vec_mat_any(const float *y, const float *R, float *x, int D) {
-    for (int d = 0; d < D; d++) x[d] = 0.f;
-    for (int e = 0; e < D; e++)
-        for (int d = 0; d < D; d++) x[d] = fmaf(y[e], R[e * D + d], x[d]);
-}
-
-/* heads rotated at once: as many independent chains of multiply-adds, so
- * the loop is not held up by one chain's latency */
-enum { ROT_GROUP = 4 };
-
-#ifdef __AVX512F__
-#include <immintrin.h>
-/* vec_mat_any of nh rows y[j] at once for D = 16 n (nh * n <= 16): the same
- * fused multiply-adds in the same order per output, each row of R loaded once
- * for all nh */
-static inline __attribute__((always_inline)) void vec_mat16(float (*y)[512], const float *R, float (*x)[512],
-                                                            const int nh, const int n) {
-    __m512 acc[ROT_GROUP][8];
-    for (int j = 0; j < nh; j++)
-        for (int u = 0; u < n; u++) acc[j][u] = _mm512_setzero_ps();
-    for (int e = 0; e < 16 * n; e++) {
-        __m512 r[8];
-        for (int u = 0; u < n; u++) r[u] = _mm512_loadu_ps(R + e * 16 * n + 16 * u);
-        for (int j = 0; j < nh; j++) {
-            const __m512 ye = _mm512_set1_ps(y[j][e]);
-            for (int u = 0; u < n; u++) acc[j][u] = _mm512_fmadd_ps(ye, r[u], acc[j][u]);
-        }
-    }
-    for (int j = 0; j < nh; j++)
-        for (int u = 0; u < n; u++) _mm512_storeu_ps(x[j] + 16 * u, acc[j][u]);
-}
-#endif
-
-/* x[j] = y[j] @ R for the nh <= ROT_GROUP rows of one group of heads */
-static void rotate_heads(float (*y)[512], const float *R, float (*x)[512], int nh, int D) {
-#ifdef __AVX512F__
-    if (D == 64) {
-        switch (nh) {  /* constants, so the accumulators stay in registers */
-        case 4: vec_mat16(y, R, x, 4, 4); return;
-        case 3: vec_mat16(y, R, x, 3, 4); return;
-        case 2: vec_mat16(y, R, x, 2, 4); return;
-        default: vec_mat16(y, R, x, 1, 4); return;
-        }
-    }
-    if (D == 128) {
-        for (int j = 0; j < nh; j += 2) {
-            if (nh - j >= 2) vec_mat16(y + j, R, x + j, 2, 8);
-            else vec_mat16(y + j, R, x + j, 1, 8);
-        }
-        return;
-    }
-#endif
-    for (int j = 0; j < nh; j++) vec_mat_any(y[j], R, x[j], D);
 }
 
 /* token t of qkv_rope (below) */
