@@ -152,13 +152,9 @@ class CapturedDecode:
         return g
 
     def _logits_and_greedy(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The head's logits and, where they are fp32 CPU rows the C argmax
-        takes, each row's argmax."""
+        """The head's logits and, where the C argmax takes them, each row's argmax."""
         logits = self.model.compute_logits(hidden)
-        greedy = None
-        if logits.dtype == torch.float32 and logits.device.type == "cpu" and elementwise.available():
-            greedy = elementwise.argmax(logits)
-        return logits, greedy
+        return logits, elementwise.argmax(logits) if elementwise.argmax_takes(logits) else None
 
     def _no_head(self, why: Exception) -> None:
         log.info("the LM head runs op by op after each captured decode step: %s", why)

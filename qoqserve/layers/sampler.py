@@ -53,7 +53,7 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """Greedy tokens of fp32 logits [B, V]: the C kernel's on CPU (torch's index, faster)."""
-    if logits.device.type == "cpu" and logits.stride(-1) == 1 and elementwise.available():
+    if elementwise.argmax_takes(logits):
         return elementwise.argmax(logits)
     return logits.argmax(dim=-1)
 

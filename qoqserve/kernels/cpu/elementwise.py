@@ -128,16 +128,21 @@ def qkv_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
     return q, k, v
 
 
+def argmax_takes(logits: torch.Tensor) -> bool:
+    """Whether argmax() runs on these logits: fp32 CPU rows [B, V], V > 0,
+    each row contiguous, and the library built here."""
+    return (logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1] > 0
+            and logits.stride(1) == 1 and logits.device.type == "cpu" and available())
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(dim=-1) of fp32 CPU rows [B, V] (int64 [B]): the same
     index (first maximum, first NaN), in one vectorized pass per row, the
     rows over the threads; recorded in a captured step, each row's columns
     split between the team's threads as the LM head splits them."""
-    if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1 or logits.device.type != "cpu":
-        raise ValueError("argmax takes fp32 CPU rows [B, V] with contiguous rows")
+    if not argmax_takes(logits):
+        raise ValueError("argmax takes fp32 CPU rows [B, V] (V > 0) with contiguous rows")
     b, v = logits.shape
-    if v == 0:
-        raise ValueError("argmax of an empty row")
     out = graph.empty(b, dtype=torch.int64)
     graph.launch(load().argmax_rows, logits.data_ptr(), logits.stride(0), b, v, out.data_ptr(),
                  torch.get_num_threads())
