@@ -5,6 +5,7 @@ between minutes, so only steps taken side by side compare.
 
     python scripts/team_ab.py team [B [P]]   # one team per step (replay.c) or a fork and join per call
     python scripts/team_ab.py head [B [P]]   # the LM head captured with the step, or run op by op after it
+    python scripts/team_ab.py prefetch [B [P]]  # threads waiting at the team's barrier fetch the next weights, or not
     python scripts/team_ab.py tree DIR [B [P]]  # the step's kernels built from this tree or from DIR's sources
 
 `tree` compares kernel sources: DIR is another checkout (a git worktree of
@@ -78,6 +79,12 @@ def ways(what: str, captured, arg: str = "") -> dict:
                     (captured.steps if kind == "step" else captured.graphs)[b]._plan = plan
             return put
         return {"this tree": plans(mine), os.path.basename(arg.rstrip("/")): plans(theirs)}
+    if what == "prefetch":
+        flag = ctypes.c_int.in_dll(replay.load(), "replay_prefetch")
+
+        def fetch(on):
+            return lambda: setattr(flag, "value", on)
+        return {"fetch waiting": fetch(1), "plain barrier": fetch(0)}
     if what == "head":
         if not captured.with_head:
             sys.exit("the LM head is not captured here")

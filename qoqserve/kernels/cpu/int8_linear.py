@@ -26,7 +26,17 @@ DTYPES = (torch.float32, torch.bfloat16)  # of the input and output
 def load():
     # no FMA contraction: the reference rounds each product and sum on its own
     lib = load_library("int8_linear", ["-ffp-contract=off"], _SIGNATURES, team_aware=("int8_linear",))
-    return lib if lib is not None and lib.int8_linear_available() else None
+    if lib is None or not lib.int8_linear_available():
+        return None
+    lib.int8_linear.streams = _weight_spans
+    return lib
+
+
+def _weight_spans(a: list[int]) -> list[tuple[int, int]]:
+    """The bytes an int8_linear call (its argument values a) streams: its
+    weights, N rounded up to blocks of 16 by K rounded up to 4."""
+    K, w, N = a[3], a[4], a[5]
+    return [(w, -(-N // 16) * 16 * (-(-K // 4) * 4))]
 
 
 def available() -> bool:

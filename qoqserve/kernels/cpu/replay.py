@@ -9,7 +9,11 @@ build.load_library) run in one OpenMP region with a barrier between calls
 instead of a fork and join per call: every thread makes a team-aware call
 (kernels/cpu/team.h), thread 0 alone a serial one. The team-aware calls'
 thread count (their last argument) must agree; where it does not, or it is
-1, every call runs on its own as before."""
+1, every call runs on its own as before.
+
+A kernel whose calls stream weights from memory names them (`fn.streams`:
+the call's argument values -> [(address, bytes)]); a thread waiting at the
+team's barrier fetches its share of the next ones into its L2 meanwhile."""
 from __future__ import annotations
 
 import ctypes
@@ -20,6 +24,8 @@ from qoqserve.kernels.cpu.build import load_library
 _P, _I = ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {"plan_new": (_P, [_I, _P, ctypes.c_char_p, _P, ctypes.c_char_p, ctypes.c_char_p, _I, _P]),
                "plan_run": (_I, [_P]),
+               "plan_stream": (_I, [_P, _I, _P, ctypes.c_int64]),
+               "plan_fetch_walk": (_I, [_P, _I, _I, ctypes.c_int64, _P, _P, _I, _P, _I]),
                "plan_free": (None, [_P])}
 _CODES = {ctypes.c_void_p: "p", ctypes.c_char_p: "p", ctypes.c_int: "i", ctypes.c_int64: "l",
           ctypes.c_float: "f", ctypes.c_double: "d"}
@@ -34,6 +40,10 @@ def arg_code(t) -> str | None:
     if t in _CODES:
         return _CODES[t]
     return "p" if isinstance(t, type) and issubclass(t, ctypes._Pointer) else None
+
+
+def _codes(fn) -> list[str | None]:
+    return [arg_code(t) for t in fn.argtypes]
 
 
 def _bits(code: str, a) -> int | None:
@@ -90,6 +100,25 @@ class NativePlan:
                                   "".join(team).encode(), self.team_size, bit_arr)
         if not self._plan:
             raise MemoryError("replay plan: out of memory")
+        self.spans = []  # (call, address, bytes) of the weights each call streams (fn.streams)
+        for i, (fn, args) in enumerate(ops):
+            spans = getattr(fn, "streams", None)
+            for ptr, nbytes in spans([_bits(c, a) for c, a in zip(_codes(fn), args)]) if spans else ():
+                if ptr and lib.plan_stream(self._plan, i, ptr, nbytes):
+                    raise ValueError(f"{fn.__name__}: more weight spans than replay.c keeps")
+                self.spans.append((i, ptr, nbytes))
+
+    def fetched_lines(self, thread: int, threads: int, budget: int, waits: list[tuple[int, int]],
+                      limit: int = 1 << 16) -> list[int]:
+        """The addresses of the lines thread `thread` of `threads` fetches into
+        its L2 (replay.c, `budget` bytes ahead) when it waits after each call
+        `after` of waits [(after, lines)] in turn, the team meeting after at
+        most `lines` there."""
+        after = (ctypes.c_int * max(len(waits), 1))(*[a for a, _ in waits])
+        lines = (ctypes.c_int * max(len(waits), 1))(*[w for _, w in waits])
+        out = (ctypes.c_void_p * limit)()
+        n = self._lib.plan_fetch_walk(self._plan, thread, threads, budget, after, lines, len(waits), out, limit)
+        return [out[k] for k in range(n)]
 
     def run(self) -> None:
         rc = self._lib.plan_run(self._plan)

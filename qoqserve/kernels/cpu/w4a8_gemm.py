@@ -61,11 +61,22 @@ class NormInput(NamedTuple):
                                        and delta.is_contiguous())))
 
 
+def _weight_spans(a: list[int]) -> list[tuple[int, int]]:
+    """The bytes a w4a8_gemm call (its argument values a) streams: the codes
+    and the group bytes (layout in w4a8_gemm.c)."""
+    K, w, gp, group, N = a[7], a[8], a[9], a[10], a[11]
+    kp, blocks = -(-K // OCTET_K) * OCTET_K, -(-N // BLOCK_N)
+    return [(w, blocks * kp * OCTET_K)] + ([(gp, blocks * BLOCK_N * (kp // group))] if gp and group else [])
+
+
 def load():
     # no FMA contraction: the reference rounds each product and sum on its own;
     # the AVX-512 functions are chosen at run time (runtime_dispatch_flags)
-    return load_library("w4a8_gemm", ["-ffp-contract=off", *runtime_dispatch_flags()], _SIGNATURES,
-                        team_aware=("w4a8_gemm",))
+    lib = load_library("w4a8_gemm", ["-ffp-contract=off", *runtime_dispatch_flags()], _SIGNATURES,
+                       team_aware=("w4a8_gemm",))
+    if lib is not None:
+        lib.w4a8_gemm.streams = _weight_spans
+    return lib
 
 
 def available() -> bool:
