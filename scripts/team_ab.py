@@ -59,6 +59,7 @@ def _other_tree(tree: str, captured) -> dict:
             libs[name] = ctypes.CDLL(build._build(source, _flags[f"{name}.c"]))
         f = getattr(libs[name], fn_name)
         f.restype, f.argtypes, f.team = fn.restype, fn.argtypes, fn.team
+        f.streams = getattr(fn, "streams", None)
         return f
     for kind, graphs in (("step", captured.steps), ("graph", captured.graphs)):
         for b, g in graphs.items():
