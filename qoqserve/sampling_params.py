@@ -192,6 +192,12 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def plain_greedy(self) -> bool:
+        """The argmax of the model's logits is the token, and nothing else of
+        them is wanted (no penalties, no logprobs)."""
+        return self.greedy and not self.has_penalties and not self.logprobs
+
+    @property
     def has_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0 or bool(self.logit_bias))

@@ -143,6 +143,17 @@ class BlockManager:
         if len(seq) > len(seq.block_table) * bs:
             seq.block_table.append(self._take_free().block_id)
 
+    def reserve(self, seqs: list[Sequence], ahead: int) -> bool:
+        """The pages of each seq's next `ahead` slots after its newest token's
+        (a decode burst), if the pool has all of them; else none are taken."""
+        bs = self.block_size
+        need = [max(0, -(-(len(s) + ahead) // bs) - len(s.block_table)) for s in seqs]
+        if sum(need) > self.num_free_blocks:
+            return False
+        for seq, n in zip(seqs, need):
+            seq.block_table.extend(self._take_free().block_id for _ in range(n))
+        return True
+
     def on_tokens_computed(self, seq: Sequence) -> None:
         """Register, for reuse, every full block whose tokens are all computed now."""
         bs = self.block_size

@@ -23,6 +23,10 @@ greedy token (the argmax of its logits) is computed in the step by the
 threads that wrote each share of the logits: the sampler reading all of a
 row after the step finds it cold in the other core's cache.
 
+A decode burst (engine/burst.py) replays a row count's step and then
+decode_advance, which feeds each row's greedy token back as its next input,
+several times in one call; the tokens come back from a history buffer.
+
 Anything the forward runs that is not a replayable C kernel makes the
 capture fail (graph.CaptureError); the engine then runs op by op and says
 so once. `enforce_eager` never captures.
@@ -36,7 +40,7 @@ import time
 import torch
 
 from qoqserve.engine.sequence import Sequence
-from qoqserve.kernels.cpu import elementwise, graph
+from qoqserve.kernels.cpu import decode_advance, elementwise, graph
 from qoqserve.layers.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -73,8 +77,9 @@ def pad_decode_rows(bufs: dict, lo: int, hi: int, pad_slot: int) -> None:
 
 class CapturedDecode:
     def __init__(self, model, kv_caches: list[torch.Tensor], capture_sizes: list[int],
-                 max_blocks_per_seq: int, block_size: int, pad_slot: int):
-        """pad_slot: a KV slot outside every page the block manager hands out."""
+                 max_blocks_per_seq: int, block_size: int, pad_slot: int, max_burst: int = 1):
+        """pad_slot: a KV slot outside every page the block manager hands out;
+        max_burst: the most steps of one burst."""
         self.model, self.kv_caches = model, kv_caches
         self.sizes = sorted(set(capture_sizes))
         self.block_size, self.pad_slot = block_size, pad_slot
@@ -91,6 +96,11 @@ class CapturedDecode:
         self.graphs: dict[int, graph.StepGraph] = {}
         self.heads: dict[int, graph.StepGraph] = {}  # per row count (module docstring)
         self.steps: dict[int, graph.StepGraph] = {}  # per row count: its decode graph, then its head
+        self.bursts: dict[int, graph.StepGraph] = {}  # per row count: its step, then decode_advance
+        self.max_burst = max(1, max_burst)
+        self._history = torch.zeros(self.max_burst * n, dtype=torch.long)  # [steps, rows] of a burst's tokens
+        self._burst_step = torch.zeros(1, dtype=torch.long)
+        self.step_seconds: dict[int, float] = {}  # per row count: its last step's replay (a burst's: per step)
         self.with_head = True  # False: the head could not be captured
         self.disabled: str | None = None
         self.capture_seconds = 0.0
@@ -161,6 +171,7 @@ class CapturedDecode:
         self.with_head = False
         self.heads.clear()
         self.steps.clear()
+        self.bursts.clear()
 
     def _check_kernels(self) -> None:
         """Recording ran no kernel: replay the smallest graph once (padding rows
@@ -206,10 +217,43 @@ class CapturedDecode:
         head = self._head(b)
         if head is None:
             return self.model.compute_logits(g.replay()[:b]), None
+        start = time.perf_counter()
+        out = self._step(b, g, head).replay()
+        self.step_seconds[b] = time.perf_counter() - start
+        return out
+
+    def _step(self, b: int, g: graph.StepGraph, head: graph.StepGraph) -> graph.StepGraph:
         step = self.steps.get(b)
         if step is None:
             step = self.steps[b] = g.then(head)
-        return step.replay()
+        return step
+
+    def burst(self, decodes: list[Sequence], n: int) -> list[list[int]] | None:
+        """n greedy decode steps of these sequences, replayed back to back from
+        C: the tokens [n][len(decodes)], or None when this batch cannot burst
+        (not captured, no greedy token in the step, n past max_burst). Every
+        sequence must have the slots of its next n - 1 positions."""
+        b = len(decodes)
+        size = self.bucket(b)
+        g = self._graph(size) if size is not None and 1 <= n <= self.max_burst else None
+        head = self._head(b) if g is not None else None
+        if head is None or head.output[1] is None or not decode_advance.available():
+            return None
+        burst = self.bursts.get(b)
+        if burst is None:
+            history, advance = self._history[:self.max_burst * b].view(self.max_burst, b), graph.StepGraph()
+            advance.capture(decode_advance.advance, head.output[1], self.ids, self.positions, self.context_lens,
+                            self.slots, self.block_tables, self.block_size, self.pad_slot, history,
+                            self._burst_step)
+            burst = self.bursts[b] = self._step(b, g, head).then(advance)
+        self._write_inputs(decodes)
+        if size > b:
+            self._reset_rows(b, size)
+        self._burst_step[0] = 0
+        start = time.perf_counter()
+        burst.replay(n)
+        self.step_seconds[b] = (time.perf_counter() - start) / n
+        return self._history[:n * b].view(n, b).tolist()
 
     def _write_inputs(self, decodes: list[Sequence]) -> None:
         np, bs = self._np, self.block_size

@@ -8,11 +8,12 @@ import torch
 from qoqserve.config import EngineConfig
 from qoqserve.engine.admission import Admission, PreparedRequest
 from qoqserve.engine.block_manager import BlockManager
+from qoqserve.engine.burst import burst_length
 from qoqserve.engine.executor import TensorParallelExecutor
 from qoqserve.engine.isolation import StepIsolation
 from qoqserve.engine.model_runner import ModelRunner, context_len
 from qoqserve.engine.output import OutputTracker, RequestOutput
-from qoqserve.engine.scheduler import Scheduler
+from qoqserve.engine.scheduler import ScheduledBatch, Scheduler
 from qoqserve.engine.sequence import Sequence
 from qoqserve.engine.structured import GrammarCompiler, GrammarConstraint
 from qoqserve.errors import InvalidRequestError
@@ -69,6 +70,7 @@ class LLMEngine:
         self.last_engine_fault: str | None = None
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.num_bursts = 0  # decode bursts run (engine/burst.py)
         self._runner_stats = self.runner.stats()  # fixed after load; stats() is called every step
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -104,11 +106,15 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        """One step. A failure in it ends only the requests that caused it
-        (finish_reason "error"; engine/isolation.py); the rest go on."""
+        """One step (or a burst of decode steps: engine/burst.py). A failure in
+        it ends only the requests that caused it (finish_reason "error";
+        engine/isolation.py); the rest go on."""
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        outputs = self._burst(batch)
+        if outputs is not None:
+            return outputs
         res = self.isolation.run(batch)
         outputs = [self._fail(rid, err) for rid, err in res.failed.items()]
         if res.failed:
@@ -122,23 +128,60 @@ class LLMEngine:
         self.num_prompt_tokens += sum(n for _, n in batch.prefills)
         self.num_generation_tokens += len(res.tokens)
         for i, seq in enumerate(self.scheduler.postprocess(batch, res.tokens, res.logprobs, res.top)):
-            tracker = self.trackers[seq.request_id]
-            try:
-                if seq.constraint is not None:
-                    seq.constraint.accept(res.tokens[i])
-                reason = tracker.on_token(res.tokens[i])
-                if reason is None and seq.constraint is not None and seq.constraint.is_terminated:
-                    reason = "stop"  # the grammar ended (its stop token, even with ignore_eos)
-            except Exception as e:  # matching, detokenizing or stop matching broke on this request alone
-                log.exception("output processing failed for request %s", seq.request_id)
-                self.num_request_faults += 1
-                outputs.append(self._fail(seq.request_id, e))
-                continue
-            if reason is not None:
-                self._finish(seq, reason)
-                del self.trackers[seq.request_id]
-            outputs.append(tracker.make_output())
+            ended = self._take(seq, res.tokens[i])
+            outputs.append(ended if ended is not None else self.trackers[seq.request_id].make_output())
         return outputs
+
+    def _burst(self, batch: ScheduledBatch) -> list[RequestOutput] | None:
+        """The batch's decodes as a burst of steps, their tokens taken one step
+        after the other; None where it runs as a single step instead."""
+        rows = len(batch.decodes)
+        n = burst_length(batch, bool(self.scheduler.waiting), self.config.scheduler.num_scheduler_steps,
+                         self.max_model_len, self.runner.step_seconds(rows))
+        if n < 2 or not self.block_manager.reserve(batch.decodes, n - 1):
+            return None
+        try:
+            tokens = self.runner.run_burst(batch, n)
+        except RuntimeError:  # a kernel refused: the step runs again on its own, isolated as ever
+            log.exception("a decode burst failed; running the step alone")
+            return None
+        if tokens is None:
+            return None
+        self.num_bursts += 1
+        outputs, alive = [], list(range(rows))
+        for step_tokens in tokens:
+            seqs = self.scheduler.postprocess(ScheduledBatch([batch.decodes[i] for i in alive]),
+                                              [step_tokens[i] for i in alive], None, None)
+            self.num_generation_tokens += len(alive)
+            going = []
+            for i, seq in zip(alive, seqs):
+                ended = self._take(seq, step_tokens[i])
+                if ended is None:
+                    going.append(i)
+                else:
+                    outputs.append(ended)
+            alive = going
+        return outputs + [self.trackers[batch.decodes[i].request_id].make_output() for i in alive]
+
+    def _take(self, seq: Sequence, token: int) -> RequestOutput | None:
+        """seq's newest token through its grammar and output tracker: the
+        request's last output if that ended it, else None."""
+        tracker = self.trackers[seq.request_id]
+        try:
+            if seq.constraint is not None:
+                seq.constraint.accept(token)
+            reason = tracker.on_token(token)
+            if reason is None and seq.constraint is not None and seq.constraint.is_terminated:
+                reason = "stop"  # the grammar ended (its stop token, even with ignore_eos)
+        except Exception as e:  # matching, detokenizing or stop matching broke on this request alone
+            log.exception("output processing failed for request %s", seq.request_id)
+            self.num_request_faults += 1
+            return self._fail(seq.request_id, e)
+        if reason is None:
+            return None
+        self._finish(seq, reason)
+        del self.trackers[seq.request_id]
+        return tracker.make_output()
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent)."""

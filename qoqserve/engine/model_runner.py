@@ -7,17 +7,17 @@ from dataclasses import dataclass
 
 import torch
 
-from qoqserve.config import CacheConfig, EngineConfig
+from qoqserve.config import EngineConfig
 from qoqserve.engine.backends import select_backends
 from qoqserve.engine.captured_mixed import CapturedMixed
 from qoqserve.engine.captured_step import CapturedDecode, default_capture_sizes
+from qoqserve.engine.kv_budget import num_blocks_for_budget
 from qoqserve.engine.parallel_world import ParallelWorld
 from qoqserve.engine.scheduler import ScheduledBatch
 from qoqserve.engine.staging import HostStaging
 from qoqserve.kernels.cpu import prebuild
 from qoqserve.kernels.cpu.one_shot import OneShotSteps
 from qoqserve.layers.attention import AttentionMetadata
-from qoqserve.layers.kv_cache import KVCacheLayout
 from qoqserve.layers.linear import Linear
 from qoqserve.layers.parallel import SINGLE
 from qoqserve.layers.quantization import QuantizationConfig, UnquantizedConfig
@@ -26,37 +26,6 @@ from qoqserve.models.arch import ModelArchConfig
 from qoqserve.models.llama import LlamaForCausalLM, next_token_logprobs
 
 log = logging.getLogger(__name__)
-
-_CPU_DEFAULT_KV_BYTES = 2 * 2**30
-
-
-def available_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
-
-
-def num_blocks_for_budget(cache: CacheConfig, layout: KVCacheLayout, num_layers: int,
-                          device: torch.device) -> int:
-    if cache.num_blocks is not None:
-        return cache.num_blocks
-    if cache.kv_cache_gb is not None:
-        budget = cache.kv_cache_gb * 2**30
-    else:
-        budget = cache.kv_cache_fraction * available_memory_bytes(device)
-        if device.type == "cpu":
-            budget = min(budget, _CPU_DEFAULT_KV_BYTES)
-    per_block = layout.bytes_per_token() * cache.block_size * num_layers
-    blocks = int(budget // per_block)
-    if blocks < 1:
-        raise ValueError(f"KV-cache budget of {budget / 2**20:.1f} MiB holds no page "
-                         f"({per_block / 2**20:.2f} MiB each)")
-    return blocks
-
 
 def resident_bytes(module: torch.nn.Module) -> int:
     """Bytes of every tensor the module keeps alive: its parameters and buffers
@@ -152,7 +121,8 @@ class ModelRunner:
             sizes = config.capture_size_list() or default_capture_sizes(config.scheduler.max_num_seqs)
             width = -(-max_positions // self.block_size)
             self.captured = CapturedDecode(self.model, self.kv_caches, sizes, width, self.block_size,
-                                           pad_slot=self.num_blocks * self.block_size)
+                                           pad_slot=self.num_blocks * self.block_size,
+                                           max_burst=config.scheduler.num_scheduler_steps)
             self.captured.capture_all()
             if self.captured.disabled:
                 self.captured = None
@@ -271,6 +241,17 @@ class ModelRunner:
         if not step.rows:
             return [], None, None
         return self.sampler(self.model.compute_logits(hidden), batch.sampled)
+
+    def run_burst(self, batch: ScheduledBatch, n: int) -> list[list[int]] | None:
+        """n greedy decode steps of batch's decodes at once (engine/burst.py):
+        their tokens [n][rows], or None where the batch cannot run so."""
+        if self.captured is None or batch.prefills:
+            return None
+        return self.captured.burst(batch.decodes, n)
+
+    def step_seconds(self, rows: int) -> float | None:
+        """The last captured decode step of this many rows took (None: none yet)."""
+        return self.captured.step_seconds.get(rows) if self.captured is not None else None
 
     def rollback(self) -> None:
         """The last run() failed: undo what its sampling drew."""

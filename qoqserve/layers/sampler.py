@@ -160,8 +160,7 @@ class Sampler:
         captured step's); not used once a constraint has masked a row."""
         params = [r.params for r in requests]
         constraints = [r.constraint for r in requests]
-        if greedy is not None and all(p.greedy and not p.has_penalties and not p.logprobs for p in params) \
-                and all(c is None for c in constraints):
+        if greedy is not None and all(p.plain_greedy for p in params) and all(c is None for c in constraints):
             return greedy.tolist(), None, None  # the step's argmax is every row's token: nothing else to do
         logits = logits.float()
         dead = self.masks.apply(logits, constraints)

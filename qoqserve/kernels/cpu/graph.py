@@ -158,11 +158,14 @@ class StepGraph:
         g._native()
         return g
 
-    def replay(self):
+    def replay(self, times: int = 1):
+        """Every recorded call, `times` times over (a graph whose last calls
+        feed its outputs back as its inputs runs that many steps)."""
         if self._plan is not None:
-            self._plan.run()
+            self._plan.run(times)
             return self.output
-        for fn, args in self.ops:
-            if fn(*args):  # every kernel returns 0 (or nothing) on success
-                raise RuntimeError(f"CPU kernel {fn.__name__} failed during a replayed step")
+        for _ in range(times):
+            for fn, args in self.ops:
+                if fn(*args):  # every kernel returns 0 (or nothing) on success
+                    raise RuntimeError(f"CPU kernel {fn.__name__} failed during a replayed step")
         return self.output

@@ -280,3 +280,13 @@ int plan_run(const plan_t *p) {
     }
     return 0;
 }
+
+/* The plan n times in a row (a decode burst: the plan ends by feeding its
+ * tokens back as its inputs). Returns 0, or what the first failed run did. */
+int plan_run_times(const plan_t *p, int n) {
+    for (int k = 0; k < n; k++) {
+        const int rc = plan_run(p);
+        if (rc) return rc;
+    }
+    return 0;
+}

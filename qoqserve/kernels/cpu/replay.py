@@ -24,6 +24,7 @@ from qoqserve.kernels.cpu.build import load_library
 _P, _I = ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {"plan_new": (_P, [_I, _P, ctypes.c_char_p, _P, ctypes.c_char_p, ctypes.c_char_p, _I, _P]),
                "plan_run": (_I, [_P]),
+               "plan_run_times": (_I, [_P, _I]),
                "plan_stream": (_I, [_P, _I, _P, ctypes.c_int64]),
                "plan_fetch_walk": (_I, [_P, _I, _I, ctypes.c_int64, _P, _P, _I, _P, _I]),
                "plan_free": (None, [_P])}
@@ -120,8 +121,9 @@ class NativePlan:
         n = self._lib.plan_fetch_walk(self._plan, thread, threads, budget, after, lines, len(waits), out, limit)
         return [out[k] for k in range(n)]
 
-    def run(self) -> None:
-        rc = self._lib.plan_run(self._plan)
+    def run(self, times: int = 1) -> None:
+        """The whole plan, `times` times in a row (one ctypes call)."""
+        rc = self._lib.plan_run(self._plan) if times == 1 else self._lib.plan_run_times(self._plan, times)
         if rc:
             raise RuntimeError(f"CPU kernel {self.names[rc - 1]} failed during a replayed step")
 

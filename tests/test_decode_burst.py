@@ -1,0 +1,135 @@
+"""Decode bursts (engine/burst.py): several captured greedy decode steps run
+back to back from C give every request the tokens single steps give it,
+end each request where single steps end it, and hand every page back."""
+import gc
+
+import pytest
+import torch
+from test_captured_step import needs_c
+
+from qoqserve.engine import burst
+from qoqserve.engine.block_manager import BlockManager
+from qoqserve.engine.scheduler import ScheduledBatch
+from qoqserve.engine.sequence import Sequence
+from qoqserve.kernels.cpu import decode_advance
+from qoqserve.llm import LLM
+from qoqserve.sampling_params import SamplingParams
+
+pytestmark = needs_c
+
+
+def test_advance_feeds_each_rows_token_back_as_its_next_input():
+    g = torch.Generator().manual_seed(0)
+    rows, width, bs, pad, steps = 5, 4, 16, 9999, 3
+    tables = torch.randint(0, 100, (rows + 2, width), generator=g)  # more rows than advanced
+    positions = torch.tensor([0, 14, 15, 47, 63, 7, 7])  # the last row's next position is past its table
+    ids, lens = torch.randint(0, 50, (rows + 2,), generator=g), positions + 1
+    slots = torch.full((rows + 2,), -1)
+    history, step = torch.full((steps, rows), -1), torch.tensor([1])
+    chosen = torch.randint(0, 50, (rows,), generator=g)
+    before = (ids.clone(), positions.clone(), lens.clone(), slots.clone())
+    decode_advance.advance(chosen, ids, positions, lens, slots, tables, bs, pad, history, step)
+    want_pos = before[1][:rows] + 1
+    assert torch.equal(ids[:rows], chosen) and torch.equal(history[1], chosen)
+    assert (history[0] == -1).all() and (history[2] == -1).all() and step.item() == 2
+    assert torch.equal(positions[:rows], want_pos) and torch.equal(lens[:rows], want_pos + 1)
+    want_slots = [int(tables[i, p // bs]) * bs + p % bs if p // bs < width else pad
+                  for i, p in enumerate(want_pos.tolist())]
+    assert slots[:rows].tolist() == want_slots and want_slots[-1] == pad
+    for got, was in zip((ids, positions, lens, slots), before):
+        assert torch.equal(got[rows:], was[rows:])  # rows past len(chosen) untouched
+    step.fill_(steps)
+    with pytest.raises(RuntimeError, match="history is full"):
+        decode_advance.advance(chosen, ids, positions, lens, slots, tables, bs, pad, history, step)
+
+
+def _seq(n_prompt, **params):
+    return Sequence("r", list(range(n_prompt)), SamplingParams(temperature=0.0, **params))
+
+
+def test_a_burst_runs_only_where_it_cannot_change_a_request():
+    seqs = [_seq(10, max_tokens=50), _seq(30, max_tokens=50)]
+    decodes = ScheduledBatch(seqs)
+    assert burst.burst_length(decodes, False, 8, 1000, 0.001) == 8
+    assert burst.burst_length(decodes, False, 8, 1000, 0.004) == int(burst.BURST_SECONDS / 0.004)
+    assert burst.burst_length(decodes, False, 8, 1000, None) == 1  # no step timed yet
+    assert burst.burst_length(decodes, True, 8, 1000, 0.001) == 1  # a request waits
+    assert burst.burst_length(decodes, False, 1, 1000, 0.001) == 1
+    assert burst.burst_length(ScheduledBatch(seqs[:1], [(seqs[1], 5)]), False, 8, 1000, 0.001) == 1
+    assert burst.burst_length(decodes, False, 8, 33, 0.001) == 3  # the context window: 30 + 3 tokens
+    seqs[0].token_ids += [1] * 47  # 47 of 50 tokens out
+    assert burst.burst_length(decodes, False, 8, 1000, 0.001) == 3
+    for other in (dict(temperature=0.7), dict(logprobs=True), dict(presence_penalty=0.5)):
+        mixed = ScheduledBatch([seqs[1], Sequence("x", [1, 2], SamplingParams(**{"temperature": 0.0, **other}))])
+        assert burst.burst_length(mixed, False, 8, 1000, 0.001) == 1, other
+
+
+def test_the_pages_of_a_burst_are_taken_all_or_none():
+    bm = BlockManager(num_blocks=5, block_size=4, enable_prefix_caching=False)
+    a, b = _seq(6), _seq(3)
+    bm.allocate(a), bm.allocate(b)  # 2 + 1 pages
+    assert bm.num_free_blocks == 2
+    # 6 ahead: a's slots up to 11 (1 more page), b's up to 8 (2 more): 3 > 2
+    assert not bm.reserve([a, b], 6)
+    assert bm.num_free_blocks == 2 and len(a.block_table) == 2 and len(b.block_table) == 1
+    assert bm.reserve([a, b], 2)  # slots up to 7 (a has them) and 4: one page for b
+    assert len(a.block_table) == 2 and len(b.block_table) == 2 and bm.num_free_blocks == 1
+    assert bm.reserve([a, b], 5)  # up to 10 and 7: one more for a
+    assert len(a.block_table) == 3 and len(b.block_table) == 2 and bm.num_free_blocks == 0
+
+
+def _generate(model, prompts, params, steps, **kw):
+    llm = LLM(model, kv_cache_gb=0.1, dtype="float32", num_scheduler_steps=steps, **kw)
+    outs = llm.generate(prompts, params)
+    engine = llm.engine
+    result = [(o.token_ids, o.text, o.finish_reason) for o in outs], engine.num_bursts
+    free = engine.block_manager.num_free_blocks == engine.runner.num_blocks
+    del llm, engine
+    gc.collect()
+    return result, free
+
+
+@pytest.fixture
+def long_bursts(monkeypatch):
+    monkeypatch.setattr(burst, "BURST_SECONDS", 60.0)  # the step's time never caps a burst here
+
+
+def test_bursts_give_each_request_the_tokens_single_steps_give_it(qoq_tiny, long_bursts):
+    prompts = [[(3 + 5 * i + j) % 250 + 3 for j in range(9 + 13 * i)] for i in range(5)]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (1, 5, 8, 19, 40)]
+    single, free = _generate(qoq_tiny, prompts, params, 1)
+    assert free and single[1] == 0
+    (outs, bursts), free = _generate(qoq_tiny, prompts, params, 8)
+    assert outs == single[0] and bursts > 0 and free
+    # a stop token the single steps met in the middle of a burst, and a
+    # stop string, end the request at the same token
+    tokens, text, _ = single[0][4]
+    stops = [SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[tokens[13]]),
+             SamplingParams(temperature=0.0, max_tokens=40, stop=[text[len(text) // 2:][:3]])]
+    single, _ = _generate(qoq_tiny, [prompts[4]] * 2, stops, 1)
+    (outs, bursts), free = _generate(qoq_tiny, [prompts[4]] * 2, stops, 8)
+    assert [o[2] for o in single[0]] == ["stop", "stop"] and len(single[0][0][0]) == 14
+    assert outs == single[0] and bursts > 0 and free
+
+
+def test_a_request_that_wants_more_than_the_argmax_gets_single_steps(qoq_tiny, long_bursts):
+    prompts = [[7, 8, 9, 10], [11, 12, 13]]
+    params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=True)]
+    single, _ = _generate(qoq_tiny, prompts, params, 1)
+    (outs, bursts), _ = _generate(qoq_tiny, prompts, params, 8)
+    assert outs == single[0]
+    assert bursts > 0  # only once the logprobs request has ended
+    (_, bursts), _ = _generate(qoq_tiny, prompts[1:], params[1:], 8)
+    assert bursts == 0
+
+
+def test_a_burst_that_fails_runs_as_a_single_step(qoq_tiny, long_bursts, monkeypatch):
+    prompts, params = [[7, 8, 9, 10, 11]], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    single, _ = _generate(qoq_tiny, prompts, params, 1)
+
+    def fails(self, batch, n):
+        raise RuntimeError("CPU kernel decode_advance failed during a replayed step")
+    monkeypatch.setattr("qoqserve.engine.model_runner.ModelRunner.run_burst", fails)
+    (outs, bursts), free = _generate(qoq_tiny, prompts, params, 8)
+    assert outs == single[0] and bursts == 0 and free
