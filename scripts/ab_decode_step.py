@@ -28,6 +28,7 @@ from qoqserve.llm import LLM
 from qoqserve.sampling_params import SamplingParams
 batch, prompt, steps = (int(a) for a in sys.argv[1:4])
 engine = LLM("qoq").engine
+engine.config.scheduler.num_scheduler_steps = 1  # single steps, each timed (no decode bursts)
 params = SamplingParams(temperature=0.0, max_tokens=steps + 16, ignore_eos=True)
 for i, p in enumerate(make_prompts(batch, prompt, engine.arch.vocab_size, seed=1)):
     engine.add_request(f"r{i}", p, params)

@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=8)
     args = ap.parse_args()
-    engine = LLM("qoq").engine
+    engine = LLM("qoq", num_scheduler_steps=1).engine  # single steps (no decode bursts)
     params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
     for i, prompt in enumerate(make_prompts(args.batch, 64, engine.arch.vocab_size, seed=1)):
         engine.add_request(f"r{i}", prompt, params)

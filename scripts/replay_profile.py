@@ -25,7 +25,7 @@ REPLAYS = 50
 def main() -> None:
     batch = int(sys.argv[1]) if len(sys.argv) > 1 else 1
     prompt_len = int(sys.argv[2]) if len(sys.argv) > 2 else 64
-    engine = LLM("qoq").engine
+    engine = LLM("qoq", num_scheduler_steps=1).engine  # single steps (no decode bursts)
     params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
     for i, prompt in enumerate(make_prompts(batch, prompt_len, engine.arch.vocab_size, seed=1)):
         engine.add_request(f"r{i}", prompt, params)

@@ -121,7 +121,7 @@ def main() -> None:
     batch = int(args[0]) if args else 1
     prompt_len = int(args[1]) if len(args) > 1 else 64
     _record_flags()
-    engine = LLM("qoq").engine
+    engine = LLM("qoq", num_scheduler_steps=1).engine  # single steps, each timed (no decode bursts)
     if engine.runner.captured is None:
         sys.exit("decode steps are not captured here (see the engine's log)")
     if what == "tree":  # the joined step plans exist from each row count's first step on

@@ -64,7 +64,7 @@ def run_batch(llm, batch: int, input_len: int, output_len: int, seed: int | None
             prefill += dt
         else:
             decode += dt
-            decoded += len(outs)
+            decoded += sum(len(o.delta_token_ids) for o in outs)  # a burst gives several a step
     return prefill, decode, decoded
 
 
