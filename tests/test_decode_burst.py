@@ -3,8 +3,10 @@ back to back from C give every request the tokens single steps give it,
 end each request where single steps end it, and hand every page back."""
 import gc
 
+import httpx
 import pytest
 import torch
+from conftest import in_process_server
 from test_captured_step import needs_c
 
 from qoqserve.engine import burst
@@ -82,7 +84,7 @@ def _generate(model, prompts, params, steps, **kw):
     llm = LLM(model, kv_cache_gb=0.1, dtype="float32", num_scheduler_steps=steps, **kw)
     outs = llm.generate(prompts, params)
     engine = llm.engine
-    result = [(o.token_ids, o.text, o.finish_reason) for o in outs], engine.num_bursts
+    result = [(o.token_ids, o.text, o.finish_reason) for o in outs], engine.stats()["decode_bursts"]
     free = engine.block_manager.num_free_blocks == engine.runner.num_blocks
     del llm, engine
     gc.collect()
@@ -133,3 +135,25 @@ def test_a_burst_that_fails_runs_as_a_single_step(qoq_tiny, long_bursts, monkeyp
     monkeypatch.setattr("qoqserve.engine.model_runner.ModelRunner.run_burst", fails)
     (outs, bursts), free = _generate(qoq_tiny, prompts, params, 8)
     assert outs == single[0] and bursts == 0 and free
+
+
+def test_a_stream_served_in_bursts_is_the_answer_of_single_steps(qoq_tiny, long_bursts):
+    body = {"prompt": [5, 6, 7, 8, 9], "max_tokens": 30, "temperature": 0, "ignore_eos": True}
+    llm = LLM(qoq_tiny, kv_cache_gb=0.1, dtype="float32", num_scheduler_steps=1)
+    want = llm.generate([body["prompt"]], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))[0]
+    del llm
+    gc.collect()
+    llm = LLM(qoq_tiny, kv_cache_gb=0.1, dtype="float32", num_scheduler_steps=8)
+    with in_process_server(llm.engine) as (base, _):
+        full = httpx.post(base + "/v1/completions", json=body, timeout=60).json()
+        chunks = []
+        with httpx.stream("POST", base + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(httpx.Response(200, content=line[6:]).json())
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert full["choices"][0]["text"] == text == want.text
+    assert full["usage"]["completion_tokens"] == len(want.token_ids) == 30
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    assert llm.engine.stats()["decode_bursts"] >= 2
+    assert len([c for c in chunks if c["choices"]]) < 30  # tokens arrived several to a chunk

@@ -247,5 +247,5 @@ class LLMEngine:
             "prefix_cache_queries": bm.prefix_queries, "prefix_cache_hits": bm.prefix_hits,
             "prompt_tokens": self.num_prompt_tokens, "generation_tokens": self.num_generation_tokens,
             "request_faults": self.num_request_faults, "engine_faults": self.num_engine_faults,
-            "last_engine_fault": self.last_engine_fault,
+            "last_engine_fault": self.last_engine_fault, "decode_bursts": self.num_bursts,
         }

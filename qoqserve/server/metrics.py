@@ -37,6 +37,7 @@ _COUNTERS = [
     ("vllm:num_preemptions", "num_preemptions", "Cumulative number of preemptions."),
     ("vllm:prefix_cache_queries", "prefix_cache_queries", "Prefix-cache queries, in tokens."),
     ("vllm:prefix_cache_hits", "prefix_cache_hits", "Prefix-cache hits, in tokens."),
+    ("qoqserve:decode_bursts", "decode_bursts", "Decode bursts run (several greedy decode steps at once)."),
 ]
 
 
