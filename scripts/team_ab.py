@@ -5,7 +5,8 @@ between minutes, so only steps taken side by side compare.
 
     python scripts/team_ab.py team [B [P]]   # one team per step (replay.c) or a fork and join per call
     python scripts/team_ab.py head [B [P]]   # the LM head captured with the step, or run op by op after it
-    python scripts/team_ab.py prefetch [B [P]]  # threads waiting at the team's barrier fetch the next weights, or not
+    python scripts/team_ab.py prefetch [B [P]]  # threads waiting at the team's barrier fetch the next weights
+                                                # and attention's pages, the weights only, or nothing
     python scripts/team_ab.py tree DIR [B [P]]  # the step's kernels built from this tree or from DIR's sources
 
 `tree` compares kernel sources: DIR is another checkout (a git worktree of
@@ -60,6 +61,9 @@ def _other_tree(tree: str, captured) -> dict:
         f = getattr(libs[name], fn_name)
         f.restype, f.argtypes, f.team = fn.restype, fn.argtypes, fn.team
         f.streams = getattr(fn, "streams", None)
+        fetcher = getattr(fn, "fetcher", None)
+        if fetcher is not None and hasattr(libs[name], fetcher.__name__):  # the other tree's, where it has one
+            f.fetcher = getattr(libs[name], fetcher.__name__)
         return f
     for kind, graphs in (("step", captured.steps), ("graph", captured.graphs)):
         for b, g in graphs.items():
@@ -85,7 +89,7 @@ def ways(what: str, captured, arg: str = "") -> dict:
 
         def fetch(on):
             return lambda: setattr(flag, "value", on)
-        return {"fetch waiting": fetch(1), "plain barrier": fetch(0)}
+        return {"weights and pages": fetch(1), "weights only": fetch(2), "plain barrier": fetch(0)}
     if what == "head":
         if not captured.with_head:
             sys.exit("the LM head is not captured here")

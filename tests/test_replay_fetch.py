@@ -102,3 +102,35 @@ def test_a_waiting_thread_fetches_its_share_of_the_next_weights_within_its_budge
     for _, ptr, nbytes in plan.spans:
         lines = {a for mine in everything for a in mine if ptr <= a < ptr + nbytes}
         assert lines >= set(range(ptr, ptr + nbytes, 64))
+
+
+def test_a_waiting_thread_runs_attentions_fetcher_in_a_batch_1_step(qoq_tiny):
+    # batch 1: thread 1 waits through the serial RoPE before every layer's
+    # attention and fetches its pages meanwhile (paged_decode_fetch); the
+    # tokens are those of the op-by-op steps (the fetch only moves lines)
+    import ctypes
+    import gc
+
+    from qoqserve.kernels.cpu import replay
+    from qoqserve.llm import LLM
+    from qoqserve.sampling_params import SamplingParams
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        eager = LLM(qoq_tiny, kv_cache_gb=0.1, dtype="float32", enforce_eager=True)
+        want = eager.generate([[5, 6, 7]], params)[0].token_ids
+        del eager
+        gc.collect()
+        llm = LLM(qoq_tiny, kv_cache_gb=0.1, dtype="float32", num_scheduler_steps=1)
+        captured = llm.engine.runner.captured
+        plan = captured.graphs[1]._plan
+        attention = [i for i, (fn, _) in enumerate(captured.graphs[1].ops) if fn.__name__ == "paged_decode_attention"]
+        assert attention and plan.fetchers == attention and plan.team_size == 2
+        ran = ctypes.c_long.in_dll(replay.load(), "replay_fetchers_run")
+        start = ran.value
+        assert llm.generate([[5, 6, 7]], params)[0].token_ids == want
+        assert ran.value - start >= len(attention)  # at least once a step of the five replayed
+    finally:
+        torch.set_num_threads(before)

@@ -259,3 +259,26 @@ int paged_decode_attention(const float *q, const uint8_t *k, const uint8_t *v, i
              if (decode_part(&j, vec, merges, tm, &next)) team_fail(&failed));
     return failed ? -1 : 0;
 }
+
+/* What a thread of a running team that waits before this call can fetch into
+ * its L2 (replay.c calls it with the call's own arguments, from inside the
+ * team): with one sequence (batch 1: a short context, cold after the step's
+ * weight stream went through the caches) its K and V pages, up to
+ * FETCH_PAGE_BYTES; nothing for larger batches, whose tasks the threads take
+ * in an order not known here. Returns 0. */
+enum { FETCH_PAGE_BYTES = 128 << 10 };
+int paged_decode_fetch(const float *q, const uint8_t *k, const uint8_t *v, int64_t slot_stride,
+                       int64_t head_stride, int fmt, const int64_t *tables, const int64_t *lens,
+                       float *out, int B, int H, int Hkv, int D, int bs, int width,
+                       float sm_scale, int threads) {
+    (void)q, (void)head_stride, (void)fmt, (void)out, (void)H, (void)Hkv, (void)D, (void)sm_scale, (void)threads;
+    if (B != 1 || lens[0] <= 0) return 0;
+    const int64_t bytes = bs * slot_stride, pages = (lens[0] + bs - 1) / bs;
+    const int64_t n = pages < width ? pages : width, most = FETCH_PAGE_BYTES / (2 * bytes);
+    for (int64_t p = n > most ? n - most : 0; p < n; p++)  /* the newest pages, if not all */
+        for (int64_t o = 0; o < bytes; o += 64) {
+            __builtin_prefetch(k + tables[p] * bytes + o, 0, 2);
+            __builtin_prefetch(v + tables[p] * bytes + o, 0, 2);
+        }
+    return 0;
+}

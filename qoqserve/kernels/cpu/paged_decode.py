@@ -24,12 +24,16 @@ _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _SIGNATURES = {"paged_decode_attention": (
     _I, [_P, _P, _P, _L, _L, _I, _P, _P, _P] + [_I] * 6 + [ctypes.c_float, _I]),
     "paged_decode_isa": (_I, [])}
+_SIGNATURES["paged_decode_fetch"] = _SIGNATURES["paged_decode_attention"]
 # page formats, as the C enum numbers them (row sizes: qoq_ref.kv_row_bytes)
 FORMATS = {"int4": 0, "int8": 1, "float16": 2, "bfloat16": 3, "float32": 4}
 
 
 def load():
-    return load_library("paged_decode", _FLAGS, _SIGNATURES, team_aware=("paged_decode_attention",))
+    lib = load_library("paged_decode", _FLAGS, _SIGNATURES, team_aware=("paged_decode_attention",))
+    if lib is not None:  # what a waiting thread of a replayed step fetches before a call (replay.py)
+        lib.paged_decode_attention.fetcher = lib.paged_decode_fetch
+    return lib
 
 
 def available() -> bool:

@@ -16,12 +16,8 @@
  * regions, as before. The team meets at team.h's barrier, as the kernels'
  * parts do.
  *
- * A call that streams its weights from memory says which bytes (plan_stream:
- * the GEMMs, through their kernel's `streams` in Python). While a thread
- * waits at a barrier (the serial calls run on thread 0 alone; a team call's
- * threads rarely finish together) it fetches its share of the next such
- * calls' weights into its L2, up to half of it: the memory would otherwise
- * sit idle then, and the GEMM finds those lines in L2.
+ * A thread waiting at that barrier fetches what the next calls will read
+ * (replay_fetch.h): its share of the next GEMMs' weights, attention's pages.
  */
 #include <ffi.h>
 #include <omp.h>
@@ -46,6 +42,7 @@ typedef struct {
     char team;  /* 't': every thread of a running team makes it (team.h), 's': thread 0 of it, 0: no team */
     int nspans;
     span_t spans[MAX_SPANS];  /* the weights it streams from memory (plan_stream) */
+    void (*fetcher)(void);  /* called with its arguments by a thread waiting before it (plan_fetcher) */
 } call_t;
 
 typedef struct {
@@ -57,8 +54,10 @@ typedef struct {
     int64_t *streamed;  /* [n + 1]: the span bytes of the calls before each */
 } plan_t;
 
-/* 0: the waits fetch nothing (scripts/team_ab.py prefetch compares both) */
+/* 1: waiting threads fetch (spans and fetchers); 2: spans only; 0: nothing
+ * (scripts/team_ab.py prefetch compares the three) */
 int replay_prefetch = 1;
+long replay_fetchers_run;  /* fetchers called so far (the tests look) */
 
 static ffi_type *type_of(char code) {
     switch (code) {
@@ -128,102 +127,7 @@ plan_t *plan_new(int n, void **fns, const char *codes, const int *nargs, const c
     return p;
 }
 
-/* Call i reads `bytes` at ptr once (its weights): a thread of the team that
- * waits at a barrier before it fetches its share of them into its L2 in the
- * meantime. Returns 0, or -1 (call out of range, or MAX_SPANS already). */
-int plan_stream(plan_t *p, int i, const void *ptr, int64_t bytes) {
-    if (i < 0 || i >= p->n || p->calls[i].nspans == MAX_SPANS || bytes <= 0) return -1;
-    p->calls[i].spans[p->calls[i].nspans++] = (span_t){ptr, bytes};
-    for (int k = i - 1; k >= 0 && p->next_stream[k] > i; k--) p->next_stream[k] = i;
-    for (int k = i + 1; k <= p->n; k++) p->streamed[k] += bytes;
-    return 0;
-}
-
-/* What a thread fetches while it waits: its share of the spans of the stream
- * calls ahead, one call after the other, as long as what it has fetched for
- * calls still to run stays under half its L2 (a stream call reads the lines
- * again, and more ahead would evict them before that). */
-typedef struct {
-    int call, n, s;  /* the call whose share it is fetching, its spans, the span at */
-    const char *from[MAX_SPANS], *at[MAX_SPANS], *end[MAX_SPANS];
-    int64_t left;  /* the bytes it may still fetch */
-} fetch_t;
-
-static int64_t fetch_budget(void) {
-    static int64_t budget;  /* the same from every thread: a race only writes it twice */
-    if (!budget) {
-        const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
-        budget = (l2 > 0 ? l2 : 1 << 20) / 2;
-    }
-    return budget;
-}
-
-static void fetch_call(fetch_t *f, const plan_t *p, int j, int t, int T) {
-    f->call = j, f->s = 0;
-    f->n = j < p->n ? p->calls[j].nspans : 0;
-    for (int s = 0; s < f->n; s++) {
-        const span_t sp = p->calls[j].spans[s];
-        f->from[s] = f->at[s] = sp.p + (sp.bytes * t / T & ~(int64_t)63);
-        f->end[s] = sp.p + sp.bytes * (t + 1) / T;
-    }
-}
-
-/* after call i: go on with the call being fetched if it is still to run,
- * else start on the next stream call; the budget counts from there */
-static void fetch_after(fetch_t *f, const plan_t *p, int i, int t, int T, int64_t budget) {
-    if (f->call <= i) fetch_call(f, p, p->next_stream[i], t, T);
-    f->left = budget - (p->streamed[f->call] - p->streamed[p->next_stream[i]]) / T;
-    for (int s = 0; s < f->n; s++) f->left -= f->at[s] - f->from[s];
-}
-
-/* the next line to fetch, or NULL: none left within the budget */
-static const char *fetch_next(fetch_t *f, const plan_t *p, int t, int T) {
-    for (;;) {
-        while (f->s < f->n && f->at[f->s] >= f->end[f->s]) f->s++;
-        if (f->left <= 0) return NULL;
-        if (f->s < f->n) {
-            const char *line = f->at[f->s];
-            f->at[f->s] += 64;
-            f->left -= 64;
-            return line;
-        }
-        if (f->call >= p->n || p->next_stream[f->call] >= p->n) return NULL;
-        fetch_call(f, p, p->next_stream[f->call], t, T);
-    }
-}
-
-/* team_barrier, the wait spent fetching lines (fetch_next) while any are left */
-static void barrier_fetching(const plan_t *p, int t, int T, fetch_t *f) {
-    const int gen = __atomic_load_n(&team_bar.gen, __ATOMIC_ACQUIRE);
-    if (__atomic_add_fetch(&team_bar.count, 1, __ATOMIC_ACQ_REL) == T) {
-        __atomic_store_n(&team_bar.count, 0, __ATOMIC_RELAXED);
-        __atomic_store_n(&team_bar.gen, gen + 1, __ATOMIC_RELEASE);
-        return;
-    }
-    int more = 1;
-    for (int spins = 0; __atomic_load_n(&team_bar.gen, __ATOMIC_ACQUIRE) == gen;) {
-        const char *line = more ? fetch_next(f, p, t, T) : NULL;
-        if (line) __builtin_prefetch(line, 0, 2);
-        else if (more = 0, spins++ < TEAM_SPINS) TEAM_PAUSE();
-        else sched_yield();
-    }
-}
-
-/* What thread t of T fetches, with `budget` bytes, when it waits after each
- * of the calls after[0..steps-1] in turn and the team meets after at most
- * waits[k] lines there: the lines in order into out (up to max), their
- * number returned. The barrier's own walk, for the tests. */
-int plan_fetch_walk(const plan_t *p, int t, int T, int64_t budget, const int *after, const int *waits, int steps,
-                    const char **out, int max) {
-    fetch_t f = {.call = -1};
-    int n = 0;
-    for (int k = 0; k < steps; k++) {
-        fetch_after(&f, p, after[k], t, T, budget);
-        const char *line;
-        for (int w = 0; w < waits[k] && n < max && (line = fetch_next(&f, p, t, T)); w++) out[n++] = line;
-    }
-    return n;
-}
+#include "replay_fetch.h"
 
 static int failed(const call_t *c, ffi_arg rc) { return c->returns_int && (int32_t)rc != 0; }
 
@@ -240,6 +144,7 @@ static int run_team(const plan_t *p, int first, int end) {
     {
     fetch_t f = {.call = -1};
     const int64_t budget = replay_prefetch ? fetch_budget() : 0;
+    int fetched = -1;  /* the last call whose fetcher this thread ran */
     for (int i = first, team = omp_get_num_threads(); i < end; i++) {  /* the threads the region got */
         ffi_arg rc = 0;
         if (p->calls[i].team == 't' || omp_get_thread_num() == 0)
@@ -249,7 +154,8 @@ static int run_team(const plan_t *p, int first, int end) {
             if (!failed_at || i + 1 < failed_at) failed_at = i + 1;
         }
         fetch_after(&f, p, i, omp_get_thread_num(), team, budget);
-        barrier_fetching(p, omp_get_thread_num(), team, &f);
+        const int fetch = replay_prefetch == 1 ? next_fetcher(p, i, end, fetched) : -1;
+        if (barrier_fetching(p, omp_get_thread_num(), team, &f, fetch)) fetched = fetch;
         int seen;
         #pragma omp atomic read
         seen = failed_at;

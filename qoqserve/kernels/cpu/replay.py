@@ -13,7 +13,10 @@ thread count (their last argument) must agree; where it does not, or it is
 
 A kernel whose calls stream weights from memory names them (`fn.streams`:
 the call's argument values -> [(address, bytes)]); a thread waiting at the
-team's barrier fetches its share of the next ones into its L2 meanwhile."""
+team's barrier fetches its share of the next ones into its L2 meanwhile. A
+kernel whose reads only its arguments' current values say (attention's
+pages) may name a `fn.fetcher` of the same signature, which a thread waiting
+shortly before the call runs once."""
 from __future__ import annotations
 
 import ctypes
@@ -26,6 +29,7 @@ _SIGNATURES = {"plan_new": (_P, [_I, _P, ctypes.c_char_p, _P, ctypes.c_char_p, c
                "plan_run": (_I, [_P]),
                "plan_run_times": (_I, [_P, _I]),
                "plan_stream": (_I, [_P, _I, _P, ctypes.c_int64]),
+               "plan_fetcher": (_I, [_P, _I, _P]),
                "plan_fetch_walk": (_I, [_P, _I, _I, ctypes.c_int64, _P, _P, _I, _P, _I]),
                "plan_free": (None, [_P])}
 _CODES = {ctypes.c_void_p: "p", ctypes.c_char_p: "p", ctypes.c_int: "i", ctypes.c_int64: "l",
@@ -102,12 +106,17 @@ class NativePlan:
         if not self._plan:
             raise MemoryError("replay plan: out of memory")
         self.spans = []  # (call, address, bytes) of the weights each call streams (fn.streams)
+        self.fetchers = []  # the calls with a fetcher (fn.fetcher)
         for i, (fn, args) in enumerate(ops):
             spans = getattr(fn, "streams", None)
             for ptr, nbytes in spans([_bits(c, a) for c, a in zip(_codes(fn), args)]) if spans else ():
                 if ptr and lib.plan_stream(self._plan, i, ptr, nbytes):
                     raise ValueError(f"{fn.__name__}: more weight spans than replay.c keeps")
                 self.spans.append((i, ptr, nbytes))
+            fetcher = getattr(fn, "fetcher", None)
+            if fetcher is not None:
+                lib.plan_fetcher(self._plan, i, ctypes.cast(fetcher, ctypes.c_void_p).value)
+                self.fetchers.append(i)
 
     def fetched_lines(self, thread: int, threads: int, budget: int, waits: list[tuple[int, int]],
                       limit: int = 1 << 16) -> list[int]:
