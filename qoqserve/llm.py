@@ -6,6 +6,7 @@ import itertools
 from tqdm import tqdm
 
 from qoqserve.config import EngineConfig
+from qoqserve.engine.burst import OFFLINE_BURST_SECONDS
 from qoqserve.engine.llm_engine import LLMEngine
 from qoqserve.engine.output import RequestOutput
 from qoqserve.quant.default_checkpoint import resolve_model
@@ -28,6 +29,8 @@ class LLM:
 
     def _init(self, config: EngineConfig) -> None:
         self.engine = LLMEngine(config)
+        # no stream waits on a burst's tokens here: longer bursts (engine/burst.py)
+        self.engine.burst_seconds = OFFLINE_BURST_SECONDS
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

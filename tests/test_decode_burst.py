@@ -9,8 +9,10 @@ import torch
 from conftest import in_process_server
 from test_captured_step import needs_c
 
+from qoqserve.config import EngineConfig
 from qoqserve.engine import burst
 from qoqserve.engine.block_manager import BlockManager
+from qoqserve.engine.llm_engine import LLMEngine
 from qoqserve.engine.scheduler import ScheduledBatch
 from qoqserve.engine.sequence import Sequence
 from qoqserve.kernels.cpu import decode_advance
@@ -55,6 +57,9 @@ def test_a_burst_runs_only_where_it_cannot_change_a_request():
     assert burst.burst_length(decodes, False, 8, 1000, 0.001) == 8
     assert burst.burst_length(decodes, False, 8, 1000, 0.004) == int(burst.BURST_SECONDS / 0.004)
     assert burst.burst_length(decodes, False, 8, 1000, None) == 1  # no step timed yet
+    # a 13 ms step (batch 32 here): single steps for streams, bursts offline
+    assert burst.burst_length(decodes, False, 8, 1000, 0.013) == 1
+    assert burst.burst_length(decodes, False, 8, 1000, 0.013, burst.OFFLINE_BURST_SECONDS) == 8
     assert burst.burst_length(decodes, True, 8, 1000, 0.001) == 1  # a request waits
     assert burst.burst_length(decodes, False, 1, 1000, 0.001) == 1
     assert burst.burst_length(ScheduledBatch(seqs[:1], [(seqs[1], 5)]), False, 8, 1000, 0.001) == 1
@@ -82,6 +87,7 @@ def test_the_pages_of_a_burst_are_taken_all_or_none():
 
 def _generate(model, prompts, params, steps, **kw):
     llm = LLM(model, kv_cache_gb=0.1, dtype="float32", num_scheduler_steps=steps, **kw)
+    assert llm.engine.burst_seconds == burst.OFFLINE_BURST_SECONDS  # no stream waits on its tokens
     outs = llm.generate(prompts, params)
     engine = llm.engine
     result = [(o.token_ids, o.text, o.finish_reason) for o in outs], engine.stats()["decode_bursts"]
@@ -143,8 +149,10 @@ def test_a_stream_served_in_bursts_is_the_answer_of_single_steps(qoq_tiny, long_
     want = llm.generate([body["prompt"]], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))[0]
     del llm
     gc.collect()
-    llm = LLM(qoq_tiny, kv_cache_gb=0.1, dtype="float32", num_scheduler_steps=8)
-    with in_process_server(llm.engine) as (base, _):
+    engine = LLMEngine(EngineConfig.from_kwargs(qoq_tiny, kv_cache_gb=0.1, dtype="float32",
+                                                num_scheduler_steps=8))  # as `serve` makes it
+    assert engine.burst_seconds == burst.BURST_SECONDS  # the streaming budget (patched long here)
+    with in_process_server(engine) as (base, _):
         full = httpx.post(base + "/v1/completions", json=body, timeout=60).json()
         chunks = []
         with httpx.stream("POST", base + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
@@ -155,5 +163,5 @@ def test_a_stream_served_in_bursts_is_the_answer_of_single_steps(qoq_tiny, long_
     assert full["choices"][0]["text"] == text == want.text
     assert full["usage"]["completion_tokens"] == len(want.token_ids) == 30
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
-    assert llm.engine.stats()["decode_bursts"] >= 2
+    assert engine.stats()["decode_bursts"] >= 2
     assert len([c for c in chunks if c["choices"]]) < 30  # tokens arrived several to a chunk

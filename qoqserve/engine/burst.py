@@ -22,24 +22,27 @@ A burst runs only when it cannot change what a request gets:
   that stops (EOS, a stop token or string) inside it ends at that token, and
   what the burst computed for it after that is dropped;
 - the pool has the pages of every sequence's next positions up front.
-It is capped at BURST_SECONDS of steps (the last captured step's time at
-this row count), so streamed tokens arrive at least ~60 times a second and
-a request arriving during a burst waits at most that long: at 32 streams a
-step takes ~13 ms here, so large batches run single steps.
+It is capped at a time budget of steps (`LLMEngine.burst_seconds`, by the
+last captured step's time at this row count): BURST_SECONDS by default, so
+streamed tokens arrive at least ~60 times a second and a request arriving
+during a burst waits at most that long (at 32 streams a step takes ~13 ms
+here, so large batches run single steps); OFFLINE_BURST_SECONDS for the
+offline `LLM` API, whose caller waits for whole requests.
 """
 from __future__ import annotations
 
 from qoqserve.engine.scheduler import ScheduledBatch
 
 BURST_SECONDS = 0.016
+OFFLINE_BURST_SECONDS = 0.25
 
 
 def burst_length(batch: ScheduledBatch, waiting: bool, max_steps: int, max_model_len: int,
-                 step_seconds: float | None) -> int:
+                 step_seconds: float | None, budget_seconds: float = BURST_SECONDS) -> int:
     """How many decode steps this batch may run at once (1: a single step)."""
     if max_steps < 2 or waiting or batch.prefills or not batch.decodes or not step_seconds:
         return 1
-    n = min(max_steps, int(BURST_SECONDS / step_seconds))
+    n = min(max_steps, int(budget_seconds / step_seconds))
     for seq in batch.decodes:
         if not seq.params.plain_greedy or seq.constraint is not None:
             return 1

@@ -6,9 +6,9 @@ import logging
 import torch
 
 from qoqserve.config import EngineConfig
+from qoqserve.engine import burst
 from qoqserve.engine.admission import Admission, PreparedRequest
 from qoqserve.engine.block_manager import BlockManager
-from qoqserve.engine.burst import burst_length
 from qoqserve.engine.executor import TensorParallelExecutor
 from qoqserve.engine.isolation import StepIsolation
 from qoqserve.engine.model_runner import ModelRunner, context_len
@@ -71,6 +71,7 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.num_bursts = 0  # decode bursts run (engine/burst.py)
+        self.burst_seconds = burst.BURST_SECONDS  # most time one burst may take
         self._runner_stats = self.runner.stats()  # fixed after load; stats() is called every step
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -136,8 +137,8 @@ class LLMEngine:
         """The batch's decodes as a burst of steps, their tokens taken one step
         after the other; None where it runs as a single step instead."""
         rows = len(batch.decodes)
-        n = burst_length(batch, bool(self.scheduler.waiting), self.config.scheduler.num_scheduler_steps,
-                         self.max_model_len, self.runner.step_seconds(rows))
+        n = burst.burst_length(batch, bool(self.scheduler.waiting), self.config.scheduler.num_scheduler_steps,
+                               self.max_model_len, self.runner.step_seconds(rows), self.burst_seconds)
         if n < 2 or not self.block_manager.reserve(batch.decodes, n - 1):
             return None
         try:
