@@ -22,8 +22,14 @@ SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_tokens=12, igno
 
 @pytest.fixture(scope="module")
 def llm(reference_llm):
-    """The session's offline engine (each test leaves it idle, its hooks undone)."""
+    """The session's offline engine (each test leaves it idle, its hooks undone),
+    one step at a time: the faults here are injected into the runner's run and
+    the sampler, which a decode burst does not call (a burst that fails runs
+    its step again alone: tests/test_decode_burst.py)."""
+    sched = reference_llm.engine.config.scheduler
+    steps, sched.num_scheduler_steps = sched.num_scheduler_steps, 1
     yield reference_llm
+    sched.num_scheduler_steps = steps
     for rid in list(reference_llm.engine.trackers):  # a failed test must not leave work behind
         reference_llm.engine.abort(rid)
 

@@ -28,9 +28,13 @@ N = 12
 @pytest.fixture(scope="module")
 def live(reference_llm, alone):
     """(base url, engine); the engine is the server thread's until teardown, so
-    `alone` runs first."""
+    `alone` runs first. One step at a time: the faults are injected into the
+    runner's run and the sampler, which a decode burst does not call."""
+    sched = reference_llm.engine.config.scheduler
+    steps, sched.num_scheduler_steps = sched.num_scheduler_steps, 1
     with in_process_server(reference_llm.engine) as (base, _):
         yield base, reference_llm.engine
+    sched.num_scheduler_steps = steps
 
 
 @pytest.fixture(scope="module")

@@ -143,7 +143,7 @@ class LLMEngine:
             return None
         try:
             tokens = self.runner.run_burst(batch, n)
-        except RuntimeError:  # a kernel refused: the step runs again on its own, isolated as ever
+        except Exception:  # a kernel refused, memory ran out: the step runs again alone, isolated as ever
             log.exception("a decode burst failed; running the step alone")
             return None
         if tokens is None:
