@@ -68,11 +68,18 @@ static void fetch_call(fetch_t *f, const plan_t *p, int j, int t, int T) {
     }
 }
 
+/* the first stream call after call i (i = -1: before the first call), or n */
+static int stream_after(const plan_t *p, int i) {
+    if (i >= 0) return p->next_stream[i];
+    return p->n && !p->calls[0].nspans ? p->next_stream[0] : 0;
+}
+
 /* after call i: go on with the call being fetched if it is still to run,
  * else start on the next stream call; the budget counts from there */
 static void fetch_after(fetch_t *f, const plan_t *p, int i, int t, int T, int64_t budget) {
-    if (f->call <= i) fetch_call(f, p, p->next_stream[i], t, T);
-    f->left = budget - (p->streamed[f->call] - p->streamed[p->next_stream[i]]) / T;
+    const int first = stream_after(p, i);
+    if (f->call <= i) fetch_call(f, p, first, t, T);
+    f->left = budget - (p->streamed[f->call] - p->streamed[first]) / T;
     for (int s = 0; s < f->n; s++) f->left -= f->at[s] - f->from[s];
 }
 
@@ -118,7 +125,7 @@ static int barrier_fetching(const plan_t *p, int t, int T, fetch_t *f, int fetch
 }
 
 /* What thread t of T fetches, with `budget` bytes, when it waits after each
- * of the calls after[0..steps-1] in turn and the team meets after at most
+ * of the calls after[0..steps-1] (-1: before the first) in turn and the team meets after at most
  * waits[k] lines there: the lines in order into out (up to max), their
  * number returned. The barrier's own walk, for the tests. */
 int plan_fetch_walk(const plan_t *p, int t, int T, int64_t budget, const int *after, const int *waits, int steps,
