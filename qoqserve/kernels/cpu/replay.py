@@ -47,10 +47,6 @@ def arg_code(t) -> str | None:
     return "p" if isinstance(t, type) and issubclass(t, ctypes._Pointer) else None
 
 
-def _codes(fn) -> list[str | None]:
-    return [arg_code(t) for t in fn.argtypes]
-
-
 def _bits(code: str, a) -> int | None:
     """The 8-byte slot of one argument (None: not encodable)."""
     v = a.value if isinstance(a, ctypes._SimpleCData) else a
@@ -80,7 +76,7 @@ class NativePlan:
         self._lib = lib = load()
         if lib is None:
             raise ValueError("replay.c does not build here (libffi)")
-        fns, codes, nargs, returns, bits = [], [], [], [], []
+        fns, codes, nargs, returns, call_bits = [], [], [], [], []
         for fn, args in ops:
             types = getattr(fn, "argtypes", None)
             ret = {ctypes.c_int: "i", None: "v"}.get(getattr(fn, "restype", "?"), None)
@@ -94,12 +90,13 @@ class NativePlan:
             codes += arg_codes
             nargs.append(len(args))
             returns.append(ret)
-            bits += arg_bits
+            call_bits.append(arg_bits)
         self.names = [fn.__name__ for fn, _ in ops]
         team = [getattr(fn, "team", None) or "-" for fn, _ in ops]
         self.team_size = team_size([_bits("i", args[-1]) for (fn, args), t in zip(ops, team) if t == "t"])
         fn_arr = (ctypes.c_void_p * max(len(fns), 1))(*fns)
         n_arr = (ctypes.c_int * max(len(nargs), 1))(*nargs)
+        bits = [b for arg_bits in call_bits for b in arg_bits]
         bit_arr = (ctypes.c_uint64 * max(len(bits), 1))(*bits)
         self._plan = lib.plan_new(len(fns), fn_arr, "".join(codes).encode(), n_arr, "".join(returns).encode(),
                                   "".join(team).encode(), self.team_size, bit_arr)
@@ -107,9 +104,9 @@ class NativePlan:
             raise MemoryError("replay plan: out of memory")
         self.spans = []  # (call, address, bytes) of the weights each call streams (fn.streams)
         self.fetchers = []  # the calls with a fetcher (fn.fetcher)
-        for i, (fn, args) in enumerate(ops):
+        for i, ((fn, _), arg_bits) in enumerate(zip(ops, call_bits)):
             spans = getattr(fn, "streams", None)
-            for ptr, nbytes in spans([_bits(c, a) for c, a in zip(_codes(fn), args)]) if spans else ():
+            for ptr, nbytes in spans(arg_bits) if spans else ():
                 if ptr and lib.plan_stream(self._plan, i, ptr, nbytes):
                     raise ValueError(f"{fn.__name__}: more weight spans than replay.c keeps")
                 self.spans.append((i, ptr, nbytes))
