@@ -34,9 +34,9 @@ def load():
 
 def _weight_spans(a: list[int]) -> list[tuple[int, int]]:
     """The bytes an int8_linear call (its argument values a) streams: its
-    weights, N rounded up to blocks of 16 by K rounded up to 4."""
+    weights as pack_weight lays them out, N and K rounded up to whole blocks."""
     K, w, N = a[3], a[4], a[5]
-    return [(w, -(-N // 16) * 16 * (-(-K // 4) * 4))]
+    return [(w, -(-N // BLOCK_N) * BLOCK_N * (-(-K // QUAD_K) * QUAD_K))]
 
 
 def available() -> bool:
