@@ -133,21 +133,23 @@ class BlockManager:
             self.used_ids.discard(block_id)
             self.free_ids.append(block_id)
 
+    def _missing(self, seq: Sequence, ahead: int = 0) -> int:
+        """Pages seq lacks for the slots up to `ahead` past its newest token's."""
+        return max(0, -(-(len(seq) + ahead) // self.block_size) - len(seq.block_table))
+
     def can_append(self, seq: Sequence) -> bool:
         """Room for the slot of seq's newest token (appended, not yet computed)."""
-        needs_block = len(seq) > len(seq.block_table) * self.block_size
-        return self.num_free_blocks >= int(needs_block)
+        return self.num_free_blocks >= self._missing(seq)
 
     def may_append(self, seq: Sequence) -> None:
-        bs = self.block_size
-        if len(seq) > len(seq.block_table) * bs:
+        for _ in range(self._missing(seq)):
             seq.block_table.append(self._take_free().block_id)
 
     def reserve(self, seqs: list[Sequence], ahead: int) -> bool:
         """The pages of each seq's next `ahead` slots after its newest token's
-        (a decode burst), if the pool has all of them; else none are taken."""
-        bs = self.block_size
-        need = [max(0, -(-(len(s) + ahead) // bs) - len(s.block_table)) for s in seqs]
+        (a decode burst; 0: the newest token's own), if the pool has all of
+        them; else none are taken."""
+        need = [self._missing(s, ahead) for s in seqs]
         if sum(need) > self.num_free_blocks:
             return False
         for seq, n in zip(seqs, need):
