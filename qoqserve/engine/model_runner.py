@@ -18,6 +18,7 @@ from qoqserve.engine.staging import HostStaging
 from qoqserve.kernels.cpu import prebuild
 from qoqserve.kernels.cpu.one_shot import OneShotSteps
 from qoqserve.layers.attention import AttentionMetadata
+from qoqserve.layers.key_transform import share_equal_rotations
 from qoqserve.layers.linear import Linear
 from qoqserve.layers.parallel import SINGLE
 from qoqserve.layers.quantization import QuantizationConfig, UnquantizedConfig
@@ -104,6 +105,7 @@ class ModelRunner:
                                           logits_head=self.backends.logits_head,
                                           token_ops=self.backends.token_ops, tp=tp)
         self.model.load_weights(tensors)
+        share_equal_rotations(self.model)  # not in load_weights: the quantizer fills each layer's R in place
         self.model.eval()
         self.num_blocks = num_blocks_for_budget(config.cache, self.layout, arch.num_layers, self.device)
         if world is not None:  # one block manager for all: the pool every rank can hold

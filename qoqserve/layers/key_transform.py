@@ -35,3 +35,24 @@ class KeyTransform(nn.Module):
         """q [T, H, D], k [T, Hkv, D] -> the transformed pair, same shapes and dtypes."""
         r = self.rotation
         return q @ r, (k - self.shift) @ r
+
+
+def share_equal_rotations(model: nn.Module) -> int:
+    """Point the KeyTransforms whose R are equal at one tensor; returns how
+    many distinct R are left. The shipped checkpoints give every layer the
+    same signed Hadamard: shared, a decode step reads one R (D*D floats) that
+    stays in cache instead of one cold copy a layer, each on the path from
+    the qkv projection to attention. For a model whose weights are final:
+    an R changed in place afterwards changes every layer that shares it."""
+    kept: list[nn.Parameter] = []
+    for module in model.modules():
+        if not isinstance(module, KeyTransform):
+            continue
+        r = module.rotation
+        same = next((k for k in kept if k.shape == r.shape and k.dtype == r.dtype and torch.equal(k, r)), None)
+        if same is None:
+            kept.append(r)
+        else:
+            module.rotation = same
+    return len(kept)
+
