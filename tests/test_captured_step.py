@@ -169,6 +169,33 @@ def test_captured_decode_equals_eager_bit_for_bit(qoq_tiny):
 
 
 @needs_c
+def test_decode_graphs_place_their_buffers_in_one_arena(qoq_tiny):
+    # every pointer a captured call gets into a buffer the recording made lands
+    # in the shared arena, except into a graph's outputs; buffers not in use at
+    # once share bytes, so the arena is far smaller than the buffers it replaces
+    from qoqserve.kernels.cpu.buffer_plan import output_storages, storage_spans
+    from qoqserve.kernels.cpu.replay import _bits, arg_code
+
+    llm = LLM(qoq_tiny, kv_cache_gb=0.05, dtype="float32", capture_sizes="1,8")
+    llm.generate([[5, 6, 7, 8]], GREEDY)  # eager and captured paths equal elsewhere (bit_for_bit)
+    cap = llm.engine.runner.captured
+    lo = cap.arena.block.data_ptr()
+    hi = lo + cap.arena.block.numel()
+    for g in [*cap.graphs.values(), *cap.heads.values()]:
+        kept = output_storages(g.output)
+        spans = [s for s in storage_spans(g.buffers) if s[0] not in kept]
+        if any(g is d for d in cap.graphs.values()):  # two layers here: a layer's buffers are free in the next
+            assert cap.arena.block.numel() * 2 < sum(n for _, n in spans)
+        for fn, args in g.ops:
+            for t, a in zip(fn.argtypes, args):
+                v = _bits("p", a) if arg_code(t) == "p" else 0
+                assert not any(s <= v < s + n for s, n in spans), fn.__name__  # nothing left in a recorded buffer
+    for g in cap.graphs.values():
+        moved = [_bits("p", a) for fn, args in g.ops for t, a in zip(fn.argtypes, args) if arg_code(t) == "p"]
+        assert sum(lo <= v < hi for v in moved) > len(g.ops)  # each call reads or writes the arena
+
+
+@needs_c
 def test_captured_full_precision_fp32_equals_eager(tmp_path):
     # fp32 linears run the C dense kernel and dense pages the C row copy: captured too
     from test_quant_pipeline import tiny_source

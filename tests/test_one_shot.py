@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from qoqserve.kernels.cpu import elementwise, graph
-from qoqserve.kernels.cpu.one_shot import OneShotSteps, plan
+from qoqserve.kernels.cpu.buffer_plan import plan
+from qoqserve.kernels.cpu.one_shot import OneShotSteps
 from qoqserve.llm import LLM
 from qoqserve.sampling_params import SamplingParams
 

@@ -11,7 +11,7 @@ holding the t_b - t padding rows, every step of the same (d_b, t_b, s_b)
 makes the same kernel calls; only the inputs change, and they
 are read from buffers owned here. A shape is recorded (graph.StepGraph's
 rules: no torch op may compute) the second time it is seen, its buffers are
-placed in one arena shared by every mixed graph (one_shot.relocate: only one
+placed in one arena shared by every mixed graph (buffer_plan.relocate: only one
 runs at a time), and later steps of that shape write their inputs and replay
 the calls from C.
 
@@ -37,7 +37,8 @@ import torch
 from qoqserve.engine.captured_step import pad_decode_rows, write_decode_row
 from qoqserve.engine.scheduler import ScheduledBatch
 from qoqserve.kernels.cpu import graph
-from qoqserve.kernels.cpu.one_shot import MIN_ROWS, Arena, relocate, storage_spans
+from qoqserve.kernels.cpu.buffer_plan import Arena, relocate, storage_spans
+from qoqserve.kernels.cpu.one_shot import MIN_ROWS
 from qoqserve.kernels.cpu.replay import NativePlan, arg_code
 from qoqserve.layers.attention import AttentionMetadata
 

@@ -27,6 +27,11 @@ A decode burst (engine/burst.py) replays a row count's step and then
 decode_advance, which feeds each row's greedy token back as its next input,
 several times in one call; the tokens come back from a history buffer.
 
+Every graph's intermediate buffers are placed in one arena (buffer_plan.py:
+buffers not in use at once share memory), so a step writes a few buffers
+that stay in cache from layer to layer, not a fresh one per layer and call;
+each graph's outputs keep their own.
+
 Anything the forward runs that is not a replayable C kernel makes the
 capture fail (graph.CaptureError); the engine then runs op by op and says
 so once. `enforce_eager` never captures.
@@ -41,6 +46,7 @@ import torch
 
 from qoqserve.engine.sequence import Sequence
 from qoqserve.kernels.cpu import decode_advance, elementwise, graph
+from qoqserve.kernels.cpu.buffer_plan import Arena
 from qoqserve.layers.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -94,6 +100,7 @@ class CapturedDecode:
                     ("ids", "positions", "slots", "context_lens", "block_tables")}
         self._rows: list[tuple | None] = [None] * n  # (request, preemptions, blocks written) per row
         self.graphs: dict[int, graph.StepGraph] = {}
+        self.arena = Arena()  # every graph's intermediate buffers (they replay one at a time)
         self.heads: dict[int, graph.StepGraph] = {}  # per row count (module docstring)
         self.steps: dict[int, graph.StepGraph] = {}  # per row count: its decode graph, then its head
         self.bursts: dict[int, graph.StepGraph] = {}  # per row count: its step, then decode_advance
@@ -137,7 +144,8 @@ class CapturedDecode:
         g = graph.StepGraph(self.graphs.get(self.max_size))
         self._reset_rows(0, self.max_size)
         try:
-            g.capture(self.model, self.ids[:size], self.positions[:size], self._meta(size), self.kv_caches)
+            g.capture(self.model, self.ids[:size], self.positions[:size], self._meta(size), self.kv_caches,
+                      arena=self.arena)
         except graph.CaptureError as e:
             self.disabled = str(e)
             log.warning("decode steps run op by op (not captured): %s", e)
@@ -154,7 +162,7 @@ class CapturedDecode:
             return g
         g = graph.StepGraph(self.heads.get(self.max_size))
         try:
-            g.capture(self._logits_and_greedy, self.graphs[self.bucket(rows)].output[:rows])
+            g.capture(self._logits_and_greedy, self.graphs[self.bucket(rows)].output[:rows], arena=self.arena)
         except graph.CaptureError as e:
             self._no_head(e)
             return None

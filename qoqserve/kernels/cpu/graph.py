@@ -14,9 +14,11 @@ run once at capture would be frozen into the graph, so `StepGraph.capture`
 rejects any aten op that is not a view or an allocation (CaptureError), and
 the caller falls back to running op by op.
 
-A graph for a smaller batch can share the buffers of a larger one (`arena`):
+A graph for a smaller batch can share the buffers of a larger one (`shares`):
 a decode step makes the same calls in the same order at every batch size, so
-allocation i of the small graph fits in allocation i of the large one.
+allocation i of the small graph fits in allocation i of the large one. Its
+calls can then also be moved into one planned block (`capture(arena=...)`,
+buffer_plan.py), where buffers not in use at once share memory.
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ import math
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from qoqserve.kernels.cpu.buffer_plan import Arena, relocate
 
 _recording: "StepGraph | None" = None
 
@@ -85,11 +89,11 @@ class _OnlyViews(TorchDispatchMode):
 
 
 class StepGraph:
-    def __init__(self, arena: "StepGraph | None" = None):
+    def __init__(self, shares: "StepGraph | None" = None):
         self.ops: list[tuple] = []
         self.buffers: list[torch.Tensor] = []
         self.kept: list | None = None  # a list: every tensor the recording makes is kept in it
-        self._arena = arena.buffers if arena is not None else []
+        self._shared = shares.buffers if shares is not None else []
         self.output = None
         self._plan = None
 
@@ -98,17 +102,22 @@ class StepGraph:
         # past the recording guard: a fresh buffer or a view computes nothing, and
         # the guard's Python dispatch per op is most of what a recording costs
         with torch._C._DisableTorchDispatch():
-            if i < len(self._arena) and self._arena[i].dtype == dtype and self._arena[i].numel() >= numel:
-                t = self._arena[i].view(-1)[:numel].view(*shape)
+            if i < len(self._shared) and self._shared[i].dtype == dtype and self._shared[i].numel() >= numel:
+                t = self._shared[i].view(-1)[:numel].view(*shape)
             else:
                 t = torch.empty(*shape, dtype=dtype)
         self.buffers.append(t)
         return t
 
-    def capture(self, fn, *args):
+    def capture(self, fn, *args, arena: Arena | None = None):
         """Trace fn(*args) once, recording its kernel calls without running
-        them; returns its output buffer, which each replay writes in place."""
+        them; returns its output buffer, which each replay writes in place.
+        arena: where its intermediate buffers are placed (buffer_plan.py),
+        shared with other graphs that run one at a time; its outputs stay put."""
         self.record(fn, *args)
+        if arena is not None:
+            self.ops = relocate(self, self.output, arena)
+            self._block = arena.block  # the calls hold addresses in it
         self._freeze()
         self._native()
         return self.output
