@@ -82,9 +82,12 @@ def relocate(g, out, arena: Arena) -> list[tuple]:
     except into the outputs' (a tensor or a tuple of them), which stay put.
     The calls hold raw addresses: the caller keeps `arena.block` alive as
     long as it keeps them."""
-    bases = sorted(storage_spans(g.buffers))
-    starts = [s for s, _ in bases]
     kept = output_storages(out)
+    # each buffer's own bytes, not its storage's: a graph recorded into the
+    # buffers of a larger one (graph.StepGraph's `shares`) uses their first bytes
+    bases = sorted({(t.data_ptr(), t.numel() * t.element_size()) for t in g.buffers
+                    if t.numel() and t.untyped_storage().data_ptr() not in kept})
+    starts = [s for s, _ in bases]
     first, last = [len(g.ops)] * len(bases), [-1] * len(bases)
     where = []  # per call: [(arg index, buffer, offset into it)]
     for c, (fn, args) in enumerate(g.ops):
@@ -94,7 +97,7 @@ def relocate(g, out, arena: Arena) -> list[tuple]:
             if not ((t is None or arg_code(t) == "p") and isinstance(v, int)):
                 continue
             i = bisect.bisect_right(starts, v) - 1
-            if i >= 0 and v < bases[i][0] + bases[i][1] and bases[i][0] not in kept:
+            if i >= 0 and v < bases[i][0] + bases[i][1]:
                 moved.append((a, i, v - bases[i][0]))
                 first[i], last[i] = min(first[i], c), max(last[i], c)
         where.append(moved)
