@@ -196,6 +196,45 @@ def test_decode_graphs_place_their_buffers_in_one_arena(qoq_tiny):
 
 
 @needs_c
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_float_linear_takes_bf16_rows_as_their_fp32_values(out_dtype):
+    # bf16 rows are widened inside the kernel (no torch op around it), the
+    # same sums as for their fp32 values, rounded to bf16 as torch rounds them
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(150, 333, generator=g).bfloat16()  # N, K off the tiles and lanes
+    b = torch.randn(150, generator=g)
+    have = int(float_linear.load().float_linear_simd())
+    for m in (1, 2, 5, 37, 130):
+        x = torch.randn(m, 333, generator=g).bfloat16()
+        for path in range(have + 1):
+            want = float_linear.float_linear(x.float(), w, b, use_simd=path).to(out_dtype)
+            assert torch.equal(float_linear.float_linear(x, w, b, use_simd=path, out_dtype=out_dtype), want)
+    with pytest.raises(ValueError, match="fp32 outputs"):
+        float_linear.float_linear(torch.randn(2, 333), w, out_dtype=torch.bfloat16)
+
+
+@needs_c
+def test_a_bf16_model_on_the_c_linears_captures_and_equals_eager(tmp_path, monkeypatch):
+    # where torch has no fast bf16 GEMM (below AVX-512; forced here) a bf16
+    # model's linears run the C kernel, its queries the bf16 attention entry:
+    # every call of the step is a C kernel, so it captures, head included
+    from test_quant_pipeline import tiny_source
+
+    from qoqserve.layers.quantization import fp
+    monkeypatch.setattr(fp, "torch_has_fast_bf16_gemm", lambda: False)
+    tiny_source("llama", tmp_path)  # saved as an HF dir
+    path = str(tmp_path / "llama")
+    prompts = [[5 + i * 7 + j for j in range(9 + 11 * i)] for i in range(5)]
+    eager, s_eager = _outputs(path, prompts, dtype="bfloat16", enforce_eager=True)
+    captured, s_cap = _outputs(path, prompts, dtype="bfloat16", capture_sizes="1,8")
+    assert s_eager["captured_decode_sizes"] == [] and s_cap["captured_decode_sizes"] == [1, 8]
+    assert "c-dense" in s_cap["linear_paths"] and s_cap["lm_head_kernel"] == "c"
+    assert captured == eager  # tokens and logprobs, exactly
+    alone = _outputs(path, prompts[:1], dtype="bfloat16", capture_sizes="1,8")[0]
+    assert alone == captured[:1]  # size 1 alone = padded in size 8
+
+
+@needs_c
 def test_captured_full_precision_fp32_equals_eager(tmp_path):
     # fp32 linears run the C dense kernel and dense pages the C row copy: captured too
     from test_quant_pipeline import tiny_source

@@ -51,12 +51,17 @@ def test_c_decode_attention_of_a_sequence_does_not_depend_on_its_batch(fmt):
         assert torch.equal(alone[0], batched[i])
 
 
-def test_bf16_queries_come_back_in_bf16():
-    layout, c_layout = _pages("int4", 2, 64)
-    _, cache, tables, ctx = make_pages(4, 2, 64, [10, 20], layout=layout)
-    q = torch.randn(2, 4, 64).bfloat16()
+@pytest.mark.parametrize("fmt", ["int4", "bfloat16"])
+@pytest.mark.parametrize("lens", [[300], [10, 20, 280]])
+def test_bf16_queries_are_their_fp32_values_and_come_back_rounded(fmt, lens):
+    # widened and rounded inside the kernel call (a captured bf16 step replays
+    # it), with one sequence split over the threads and with several
+    layout, c_layout = _pages(fmt, 2, 64)
+    _, cache, tables, ctx = make_pages(4, 2, 64, lens, layout=layout)
+    q = torch.randn(len(lens), 4, 64).bfloat16()
     out = c_layout.decode(q, cache, tables, ctx, 0.125)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    assert torch.equal(out, c_layout.decode(q.float(), cache, tables, ctx, 0.125).bfloat16())
 
 
 def test_c_decode_attention_refuses_rows_of_another_format():

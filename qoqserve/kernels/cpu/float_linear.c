@@ -1,5 +1,6 @@
 /* y[M, N] (fp32) = x[M, K] (fp32) . W[N, K]^T, W in fp32, bf16 or fp16: the LM head
- * (and any dense linear that must not depend on its batch).
+ * (and any dense linear that must not depend on its batch); float_linear_bf16
+ * takes bf16 rows and gives bf16 (or fp32) outputs, the same sums.
  *
  * Batch-invariant by construction: every output is one dot product summed in
  * one fixed order, whatever M, the tiling or the thread count: 16 lanes, lane
@@ -268,22 +269,36 @@ static void rows_avx2(const float *x, int64_t M, int64_t K, const void *w, int w
 /* The vector path this CPU runs: 2 AVX-512, 1 AVX2, 0 none */
 int float_linear_simd(void) { return simd_supported() ? 2 : avx2_supported() ? 1 : 0; }
 
-/* Thread tm.t of tm.T: its share of the output column chunks (of 64, a
- * multiple of NR: the chunking never changes a result, only who computes
- * it). Nonzero when its panel could not be had. */
+enum { CHUNK = 64 };  /* output columns a thread takes at a time: a multiple of NR */
+
+static __thread void *tl_rows, *tl_out;  /* bf16 calls: the rows widened, a chunk's fp32 outputs */
+static __thread size_t tl_rows_size, tl_out_size;
+
+/* Thread tm.t of tm.T: its share of the output column chunks (the chunking
+ * never changes a result, only who computes it). With y_bf16 each chunk's
+ * sums go to a per-thread buffer (row stride CHUNK), get the bias and are
+ * rounded to bf16 into y, as torch rounds the fp32 result. Nonzero when its
+ * buffers could not be had. */
 static int float_part(const float *x, int64_t M, int64_t K, const void *w, int w_kind, int64_t N,
-                      const float *bias, float *y, int simd, int use_panel, int64_t kp, team_t tm) {
-    const int64_t chunk = 64, chunks = (N + chunk - 1) / chunk;
+                      const float *bias, void *y, int y_bf16, int simd, int use_panel, int64_t kp, team_t tm) {
+    const int64_t chunks = (N + CHUNK - 1) / CHUNK;
     float *panel = use_panel ? malloc((size_t)(PANEL_ROWS * kp) * sizeof(float)) : NULL;
-    if (use_panel && !panel) return 1;
+    float *out = y_bf16 ? grow_scratch(&tl_out, &tl_out_size, sizeof(float) * (size_t)(M * CHUNK)) : NULL;
+    if ((use_panel && !panel) || (y_bf16 && !out)) {
+        free(panel);
+        return 1;
+    }
     for (int64_t c = chunks * tm.t / tm.T; c < chunks * (tm.t + 1) / tm.T; c++) {
-        const int64_t lo = c * chunk, hi = lo + chunk < N ? lo + chunk : N;
-        if (simd == 2) rows_simd(x, M, K, w, w_kind, lo, hi, N, y, panel);
-        else if (simd == 1) rows_avx2(x, M, K, w, w_kind, lo, hi, N, y);
-        else rows_scalar(x, M, K, w, w_kind, lo, hi, N, y);
+        const int64_t lo = c * CHUNK, hi = lo + CHUNK < N ? lo + CHUNK : N, ys = y_bf16 ? CHUNK : N;
+        float *yc = y_bf16 ? out - lo : (float *)y;  /* column n of row m at yc[m * ys + n] */
+        if (simd == 2) rows_simd(x, M, K, w, w_kind, lo, hi, ys, yc, panel);
+        else if (simd == 1) rows_avx2(x, M, K, w, w_kind, lo, hi, ys, yc);
+        else rows_scalar(x, M, K, w, w_kind, lo, hi, ys, yc);
         if (bias)
             for (int64_t m = 0; m < M; m++)
-                for (int64_t n = lo; n < hi; n++) y[m * N + n] += bias[n];
+                for (int64_t n = lo; n < hi; n++) yc[m * ys + n] += bias[n];
+        for (int64_t m = 0; y_bf16 && m < M; m++)
+            for (int64_t n = lo; n < hi; n++) ((uint16_t *)y)[m * N + n] = float_to_bf16(yc[m * ys + n]);
     }
     free(panel);
     return 0;
@@ -301,7 +316,36 @@ int float_linear(const float *x, int64_t M, int64_t K, const void *w, int w_kind
     const int use_panel = simd == 2 && w_kind != W_FP32 && M > 8;
     const int64_t kp = (K + LANES - 1) / LANES * LANES;
     int failed = 0;
-    TEAM_RUN(threads, M * N * K > (1 << 16), if (float_part(x, M, K, w, w_kind, N, bias, y, simd, use_panel, kp, tm))
-                                                   team_fail(&failed));
+    TEAM_RUN(threads, M * N * K > (1 << 16),
+             if (float_part(x, M, K, w, w_kind, N, bias, y, 0, simd, use_panel, kp, tm)) team_fail(&failed));
+    return failed ? -3 : 0;
+}
+
+static void *volatile team_rows;  /* thread 0's widened rows, in a running team (team.h) */
+
+/* float_linear of bf16 rows x [M, K], widened exactly to fp32 first (each
+ * thread its share, then the team meets): the same sums as for those fp32
+ * rows. y [M, N] is bf16 (y_bf16: each output rounded to nearest even after
+ * the bias, as torch's .to(bfloat16) of the fp32 result) or fp32. What a bf16
+ * model's linears and LM head call, so that no conversion runs outside the
+ * kernel (a captured step replays kernels only). Returns as float_linear. */
+int float_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const void *w, int w_kind, int64_t N,
+                      const float *bias, void *y, int y_bf16, int simd, int threads) {
+    if (simd > float_linear_simd()) return -2;
+    if (M <= 0 || N <= 0) return 0;
+    const int use_panel = simd == 2 && w_kind != W_FP32 && M > 8;
+    const int64_t kp = (K + LANES - 1) / LANES * LANES;
+    const size_t row_bytes = sizeof(float) * (size_t)(M * K);
+    /* in a running team thread 0 makes the rows buffer inside the part */
+    float *made = team_joined() ? NULL : grow_scratch(&tl_rows, &tl_rows_size, row_bytes);
+    if (!team_joined() && !made) return -3;
+    int failed = 0;
+    TEAM_RUN(threads, M * N * K > (1 << 16), {
+        float *xf = team_buffer(tm, made, &team_rows, &tl_rows, &tl_rows_size, row_bytes);
+        for (int64_t i = M * K * tm.t / tm.T; xf && i < M * K * (tm.t + 1) / tm.T; i++) xf[i] = bf16_to_float(x[i]);
+        TEAM_SYNC(tm);
+        if (!xf || float_part(xf, M, K, w, w_kind, N, bias, y, y_bf16, simd, use_panel, kp, tm))
+            team_fail(&failed);
+    });
     return failed ? -3 : 0;
 }

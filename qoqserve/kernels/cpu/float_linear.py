@@ -13,7 +13,8 @@ from qoqserve.kernels.cpu.build import load_library, runtime_dispatch_flags
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _SIGNATURES = {"float_linear_simd": (_I, []),
-               "float_linear": (_I, [_P, _L, _L, _P, _I, _L, _P, _P, _I, _I])}
+               "float_linear": (_I, [_P, _L, _L, _P, _I, _L, _P, _P, _I, _I]),
+               "float_linear_bf16": (_I, [_P, _L, _L, _P, _I, _L, _P, _P, _I, _I, _I])}
 WEIGHT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C kind codes
 
 
@@ -21,7 +22,7 @@ def load():
     # no FMA contraction beyond the explicit fmaf/fmadd: the scalar path must
     # round exactly as the vector one
     return load_library("float_linear", ["-ffp-contract=off", *runtime_dispatch_flags()], _SIGNATURES,
-                        team_aware=("float_linear",))
+                        team_aware=("float_linear", "float_linear_bf16"))
 
 
 def available() -> bool:
@@ -43,43 +44,55 @@ def simd() -> int:
 
 
 @torch.library.custom_op("qoqserve::float_linear", mutates_args=())
-def float_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def float_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    out_bf16: bool = False) -> torch.Tensor:
     """float_linear as one opaque op of a captured graph."""
-    return _float_linear(x, weight, bias, None)
+    return _float_linear(x, weight, bias, None, torch.bfloat16 if out_bf16 else torch.float32)
 
 
 @float_linear_op.register_fake
-def _(x, weight, bias=None):
-    return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+def _(x, weight, bias=None, out_bf16=False):
+    return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16 if out_bf16 else torch.float32)
 
 
 def float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 use_simd: bool | int | None = None) -> torch.Tensor:
+                 use_simd: bool | int | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """x [M, K] (any float dtype, computed in fp32) @ weight[N, K].T (+ bias,
-    fp32) -> fp32 [M, N]. use_simd: a PATHS index (False: scalar), None: simd()."""
+    fp32) -> [M, N] in out_dtype: fp32, or bf16 for bf16 x (each output
+    rounded as torch's .to(bfloat16) of the fp32 one). bf16 rows are widened
+    inside the kernel, so a bf16 model's call runs no torch op (a captured
+    step records it). use_simd: a PATHS index (False: scalar), None: simd()."""
     if torch.compiler.is_compiling():
-        return float_linear_op(x, weight, bias)
-    return _float_linear(x, weight, bias, use_simd)
+        return float_linear_op(x, weight, bias, out_dtype == torch.bfloat16)
+    return _float_linear(x, weight, bias, use_simd, out_dtype)
 
 
 def _float_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  use_simd: bool | None) -> torch.Tensor:
+                  use_simd: bool | None, out_dtype: torch.dtype) -> torch.Tensor:
     if weight.dtype not in WEIGHT_DTYPES or not weight.is_contiguous() or weight.device.type != "cpu":
         raise ValueError(f"float_linear: weight must be a contiguous CPU fp32/bf16/fp16 tensor, "
                          f"got {weight.dtype} on {weight.device}")
-    x = x.float().contiguous()
+    bf16_rows = x.dtype == torch.bfloat16
+    if out_dtype not in (torch.float32, torch.bfloat16) or (out_dtype == torch.bfloat16 and not bf16_rows):
+        raise ValueError(f"float_linear: {x.dtype} rows give fp32 outputs (bf16 rows: fp32 or bf16), not {out_dtype}")
+    x = x.contiguous() if bf16_rows else x.float().contiguous()
     m, k = x.shape
     n = weight.shape[0]
     if weight.shape[1] != k:
         raise ValueError(f"float_linear: x [{m}, {k}] does not match weight {tuple(weight.shape)}")
     if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()):
         raise ValueError("float_linear: bias must be a contiguous fp32 [N] tensor")
-    y = graph.empty(m, n, dtype=torch.float32)
-    rc = graph.launch(load().float_linear, x.data_ptr(), m, k, weight.data_ptr(), WEIGHT_DTYPES[weight.dtype],
-                      n, None if bias is None else bias.data_ptr(), y.data_ptr(),
-                      int(simd() if use_simd is None else use_simd), torch.get_num_threads())
+    y = graph.empty(m, n, dtype=out_dtype)
+    path = int(simd() if use_simd is None else use_simd)
+    args = (x.data_ptr(), m, k, weight.data_ptr(), WEIGHT_DTYPES[weight.dtype], n,
+            None if bias is None else bias.data_ptr(), y.data_ptr())
+    if bf16_rows:
+        rc = graph.launch(load().float_linear_bf16, *args, int(out_dtype == torch.bfloat16), path,
+                          torch.get_num_threads())
+    else:
+        rc = graph.launch(load().float_linear, *args, path, torch.get_num_threads())
     if rc == -3:
-        raise MemoryError("float_linear: could not allocate the per-thread weight panel")
+        raise MemoryError("float_linear: could not allocate its per-thread buffers")
     if rc != 0:
-        raise RuntimeError(f"float_linear: this CPU lacks the {PATHS[int(use_simd)]} path")
+        raise RuntimeError(f"float_linear: this CPU lacks the {PATHS[path]} path")
     return y

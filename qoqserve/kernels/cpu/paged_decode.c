@@ -282,3 +282,5 @@ int paged_decode_fetch(const float *q, const uint8_t *k, const uint8_t *v, int64
         }
     return 0;
 }
+
+#include "paged_decode_bf16.h"

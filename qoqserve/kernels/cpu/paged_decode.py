@@ -25,14 +25,17 @@ _SIGNATURES = {"paged_decode_attention": (
     _I, [_P, _P, _P, _L, _L, _I, _P, _P, _P] + [_I] * 6 + [ctypes.c_float, _I]),
     "paged_decode_isa": (_I, [])}
 _SIGNATURES["paged_decode_fetch"] = _SIGNATURES["paged_decode_attention"]
+_SIGNATURES["paged_decode_attention_bf16"] = _SIGNATURES["paged_decode_attention"]  # bf16 q and out
 # page formats, as the C enum numbers them (row sizes: qoq_ref.kv_row_bytes)
 FORMATS = {"int4": 0, "int8": 1, "float16": 2, "bfloat16": 3, "float32": 4}
 
 
 def load():
-    lib = load_library("paged_decode", _FLAGS, _SIGNATURES, team_aware=("paged_decode_attention",))
+    lib = load_library("paged_decode", _FLAGS, _SIGNATURES,
+                       team_aware=("paged_decode_attention", "paged_decode_attention_bf16"))
     if lib is not None:  # what a waiting thread of a replayed step fetches before a call (replay.py)
         lib.paged_decode_attention.fetcher = lib.paged_decode_fetch
+        lib.paged_decode_attention_bf16.fetcher = lib.paged_decode_fetch
     return lib
 
 
@@ -105,14 +108,19 @@ def _paged_decode(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, f
     b, h, d = q.shape
     hkv = check_pages(q, k_rows, v_rows, fmt)
     size = k_rows.element_size()
-    qf = q.float().contiguous()
+    # bf16 queries (a bf16 model) are widened and the outputs rounded inside
+    # the kernel: no torch op runs around it, so a captured step records it
+    bf16 = q.dtype == torch.bfloat16
+    qf = q.contiguous() if bf16 else q.float().contiguous()
     tables = block_tables.to(torch.int64).contiguous()
     lens = context_lens.to(torch.int64).contiguous()
     out = graph.empty(*qf.shape, dtype=qf.dtype)
+    lib = load()
     rc = graph.launch(
-        load().paged_decode_attention, qf.data_ptr(), k_rows.data_ptr(), v_rows.data_ptr(), k_rows.stride(0) * size,
-        k_rows.stride(1) * size, FORMATS[fmt], tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
-        b, h, hkv, d, block_size, tables.shape[1], float(sm_scale), torch.get_num_threads())
+        lib.paged_decode_attention_bf16 if bf16 else lib.paged_decode_attention, qf.data_ptr(), k_rows.data_ptr(),
+        v_rows.data_ptr(), k_rows.stride(0) * size, k_rows.stride(1) * size, FORMATS[fmt], tables.data_ptr(),
+        lens.data_ptr(), out.data_ptr(), b, h, hkv, d, block_size, tables.shape[1], float(sm_scale),
+        torch.get_num_threads())
     if rc != 0:
         raise MemoryError("paged decode kernel could not allocate its scratch buffers")
     return out.to(q.dtype)

@@ -22,8 +22,9 @@ class CpuDenseLinearMethod(UnquantizedLinearMethod):
     decode sizes and within ~0.7-0.95x of it on prompt-sized batches
     (docs/runtime.md), and a call a captured step replays. bf16 activations
     use MKL's bf16 GEMM where torch has a fast one, else the same C kernel over
-    the bf16 weights (fp32 sums, the output rounded to bf16 as torch's is);
-    other dtypes take the torch path."""
+    the bf16 weights (fp32 sums, the output rounded to bf16 as torch's is,
+    inside the kernel: no torch op, so such a step captures); other dtypes
+    take the torch path."""
     name = "c-dense"
 
     def __init__(self, bf16_on_c: bool | None = None):
@@ -41,8 +42,7 @@ class CpuDenseLinearMethod(UnquantizedLinearMethod):
         if (x.dtype != layer.weight.dtype or not self._runs_on_c(x.dtype) or x.dim() != 2
                 or x.device.type != "cpu"):
             return super().apply(layer, x)
-        y = float_linear.float_linear(x, layer.weight, layer.bias_fp32)
-        return y if x.dtype == torch.float32 else y.to(x.dtype)  # no aten op in an fp32 captured step
+        return float_linear.float_linear(x, layer.weight, layer.bias_fp32, out_dtype=x.dtype)
 
 
 class UnquantizedConfig(QuantizationConfig):
