@@ -235,6 +235,33 @@ def test_a_bf16_model_on_the_c_linears_captures_and_equals_eager(tmp_path, monke
 
 
 @needs_c
+def test_where_torchs_bf16_gemm_is_fast_bf16_decodes_of_two_rows_capture(tmp_path, monkeypatch):
+    # AVX-512 hosts (forced here): calls of up to BF16_C_MAX_ROWS rows take the
+    # C kernel, so decode steps of up to that batch capture; larger ones and
+    # prefills run oneDNN op by op, in the eager and the captured engine alike
+    from test_quant_pipeline import tiny_source
+
+    from qoqserve.layers.linear import Linear
+    from qoqserve.layers.quantization import fp
+    monkeypatch.setattr(fp, "torch_has_fast_bf16_gemm", lambda: True)
+    method = fp.CpuDenseLinearMethod()
+    assert method.capture_rows(torch.bfloat16) == fp.BF16_C_MAX_ROWS == 2 and method.capture_rows(torch.float32) is None
+    layer = Linear(64, [48], False, method, torch.bfloat16)
+    torch.nn.init.normal_(layer.weight)
+    method.process_weights_after_loading(layer)
+    x = torch.randn(3, 64).bfloat16()
+    assert torch.equal(layer(x[:2]), float_linear.float_linear(x[:2], layer.weight, out_dtype=torch.bfloat16))
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight))
+    tiny_source("llama", tmp_path)
+    path = str(tmp_path / "llama")
+    prompts = [[5 + i * 7 + j for j in range(9 + 11 * i)] for i in range(3)]
+    for batch in (prompts[:1], prompts[:2], prompts):
+        eager, _ = _outputs(path, batch, dtype="bfloat16", enforce_eager=True)
+        captured, stats = _outputs(path, batch, dtype="bfloat16", capture_sizes="1,2,8")
+        assert stats["captured_decode_sizes"] == [1, 2] and captured == eager
+
+
+@needs_c
 def test_captured_full_precision_fp32_equals_eager(tmp_path):
     # fp32 linears run the C dense kernel and dense pages the C row copy: captured too
     from test_quant_pipeline import tiny_source

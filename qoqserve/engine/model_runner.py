@@ -118,9 +118,8 @@ class ModelRunner:
         self.staging = HostStaging(self.device)
         self._log_load()
         self.captured: CapturedDecode | None = None
-        # a captured step replays C kernels only; the all-reduces are not among them
-        if self.device.type == "cpu" and not config.enforce_eager and world is None:
-            sizes = config.capture_size_list() or default_capture_sizes(config.scheduler.max_num_seqs)
+        sizes = self._capture_sizes(config, world)
+        if sizes:
             width = -(-max_positions // self.block_size)
             self.captured = CapturedDecode(self.model, self.kv_caches, sizes, width, self.block_size,
                                            pad_slot=self.num_blocks * self.block_size,
@@ -134,6 +133,17 @@ class ModelRunner:
                       if self.captured is not None else None)
         # eager steps (prefills, mixed batches) of the same kernels: planned and run back to back
         self.one_shot = OneShotSteps() if self.captured is not None else None
+
+    def _capture_sizes(self, config: EngineConfig, world) -> list[int]:
+        """The decode batch sizes captured: none on GPU, with --enforce-eager or
+        tensor parallelism (a captured step replays C kernels only; the
+        all-reduces are not among them), none past what the linears allow."""
+        if self.device.type != "cpu" or config.enforce_eager or world is not None:
+            return []
+        sizes = config.capture_size_list() or default_capture_sizes(config.scheduler.max_num_seqs)
+        limits = [m.method.capture_rows(self.dtype) for m in self.model.modules() if isinstance(m, Linear)]
+        most = min((n for n in limits if n is not None), default=None)  # larger batches run op by op
+        return [s for s in sizes if most is None or s <= most]
 
     def _log_load(self) -> None:
         paths: dict[str, int] = {}

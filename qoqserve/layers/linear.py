@@ -53,6 +53,12 @@ class LinearMethod(ABC):
         """Kernel path used by this layer, for the load-time log and stats."""
         return self.name
 
+    def capture_rows(self, dtype: torch.dtype) -> int | None:
+        """The most rows a call on `dtype` activations may have and still be
+        a kernel a captured step replays (None: any): the engine captures
+        decode steps only up to that batch."""
+        return None
+
     def input_from_norm(self, norm: nn.Module, h: torch.Tensor, delta: torch.Tensor | None = None):
         """(this layer's input when it is norm(h + delta), h + delta): the
         residual stream after the add (h itself when delta is None)."""
