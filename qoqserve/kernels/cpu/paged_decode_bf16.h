@@ -8,23 +8,23 @@
 #ifndef QOQSERVE_PAGED_DECODE_BF16_H
 #define QOQSERVE_PAGED_DECODE_BF16_H
 
-static __thread void *tl_q32, *tl_out32;
-static __thread size_t tl_q32_size, tl_out32_size;
-static void *volatile team_q32, *team_out32;  /* thread 0's, in a running team (team.h) */
+static __thread void *tl_f32;  /* q, then the outputs, in fp32: 2 * B * H * D floats */
+static __thread size_t tl_f32_size;
+static void *volatile team_f32;  /* thread 0's, in a running team (team.h) */
 
 int paged_decode_attention_bf16(const uint16_t *q, const uint8_t *k, const uint8_t *v, int64_t slot_stride,
                                 int64_t head_stride, int fmt, const int64_t *tables, const int64_t *lens,
                                 uint16_t *out, int B, int H, int Hkv, int D, int bs, int width,
                                 float sm_scale, int threads) {
     const int64_t n = (int64_t)B * H * D;
-    const size_t bytes = sizeof(float) * (size_t)(n > 0 ? n : 1);
+    const size_t bytes = sizeof(float) * (size_t)(n > 0 ? 2 * n : 1);
     team_t tm = {0, 1, 0};
 #ifdef _OPENMP
     if (team_joined()) tm = (team_t){omp_get_thread_num(), omp_get_num_threads(), 1};
 #endif
-    float *q32 = team_share(tm, &team_q32, tm.t == 0 ? grow_scratch(&tl_q32, &tl_q32_size, bytes) : NULL);
-    float *out32 = team_share(tm, &team_out32, tm.t == 0 ? grow_scratch(&tl_out32, &tl_out32_size, bytes) : NULL);
-    if (!q32 || !out32) return -1;  /* every thread sees the same pointers */
+    float *q32 = team_share(tm, &team_f32, tm.t == 0 ? grow_scratch(&tl_f32, &tl_f32_size, bytes) : NULL);
+    if (!q32) return -1;  /* every thread sees the same pointer */
+    float *out32 = q32 + n;
     for (int64_t i = n * tm.t / tm.T; i < n * (tm.t + 1) / tm.T; i++) q32[i] = bf16_to_float(q[i]);
     TEAM_SYNC(tm);
     const int rc = paged_decode_attention(q32, k, v, slot_stride, head_stride, fmt, tables, lens, out32, B, H, Hkv,
