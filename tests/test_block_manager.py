@@ -152,3 +152,28 @@ def test_long_prefill_threshold_caps_one_prompt_per_step():
     sched.add(a)
     sched.add(b)
     assert sched.schedule().prefills == [(a, 5), (b, 5)]
+
+
+def test_a_prompts_last_token_is_prefilled_even_when_it_is_all_that_is_left():
+    # computed as a decode it would take the decode attention kernel, not the
+    # prefill one a whole prompt takes: another sum order (docs/runtime.md)
+    bm = BlockManager(num_blocks=10, block_size=4, enable_prefix_caching=True)
+    first = seq("a", range(9))
+    bm.allocate(first)
+    computed(bm, first)
+    again = seq("b", range(9))  # its first 8 tokens hit: only the last is left
+    bm.allocate(again)
+    assert again.num_computed_tokens == 8 and again.is_prefilling
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), bm, 64)
+    sched.running.append(again)
+    again.status = SequenceStatus.RUNNING
+    batch = sched.schedule()
+    assert not batch.decodes and batch.prefills == [(again, 1)] and batch.sampled == [again]
+    again.num_computed_tokens = 9
+    again.token_ids.append(42)  # sampled: from now on one decode a step
+    assert not again.is_prefilling
+    again.num_computed_tokens = 0  # preempted: recomputed up to its newest token, which decodes
+    again.token_ids.append(43)
+    assert again.is_prefilling
+    again.num_computed_tokens = 10
+    assert not again.is_prefilling

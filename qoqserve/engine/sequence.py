@@ -25,7 +25,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0     # prefix tokens found in the page cache at allocation
     # tokens whose K/V are in the pages (cached ones included); a prompt is
-    # prefilled in chunks until all but none are, then each step adds one
+    # prefilled in chunks until all are, then each step adds one
     num_computed_tokens: int = 0
     num_hashed_blocks: int = 0     # leading full blocks registered in the prefix cache
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
@@ -60,9 +60,12 @@ class Sequence:
 
     @property
     def is_prefilling(self) -> bool:
-        """Tokens beyond the newest one are still to be computed (a prompt, or a
-        preempted sequence being recomputed)."""
-        return self.num_computed_tokens < len(self.token_ids) - 1
+        """Tokens beyond the newest one are still to be computed (a preempted
+        sequence being recomputed), or any of the prompt's: a prompt's last
+        token is computed in a prefill chunk even when it is all that is left
+        (chunking, or a prefix-cache hit up to it), as when the prompt runs
+        whole, never as a decode (another attention kernel, another sum order)."""
+        return self.num_computed_tokens < max(self.num_prompt_tokens, len(self.token_ids) - 1)
 
     @property
     def is_finished(self) -> bool:
