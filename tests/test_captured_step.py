@@ -35,6 +35,10 @@ def test_float_linear_is_batch_invariant_and_isa_independent(wdtype, n):
         assert torch.equal(y, float_linear.float_linear(x, w, use_simd=path)), float_linear.PATHS[path]
     for rows in (slice(0, 1), slice(3, 5), slice(10, 33)):
         assert torch.equal(float_linear.float_linear(x[rows], w), y[rows])  # nothing depends on M
+    long = torch.randn(600, 77, generator=g)  # a call of several row blocks
+    y_long = float_linear.float_linear(long, w)
+    for rows in (slice(250, 260), slice(599, 600)):
+        assert torch.equal(float_linear.float_linear(long[rows], w), y_long[rows])
     ref = x.double() @ w.double().T
     assert (y.double() - ref).abs().max() < 1e-5 * ref.abs().max()
 
@@ -207,16 +211,20 @@ def test_float_linear_takes_bf16_rows_as_their_fp32_values(out_dtype):
     for m in (1, 2, 5, 37, 130):
         x = torch.randn(m, 333, generator=g).bfloat16()
         for path in range(have + 1):
-            want = float_linear.float_linear(x.float(), w, b, use_simd=path).to(out_dtype)
-            assert torch.equal(float_linear.float_linear(x, w, b, use_simd=path, out_dtype=out_dtype), want)
+            # the avx512-bf16 path sums bf16 x bf16 in its own order
+            # (tests/test_float_linear_dot.py); over fp32 weights it widens too
+            for wt in (w, w.float()) if path < 3 else (w.float(),):
+                want = float_linear.float_linear(x.float(), wt, b, use_simd=path).to(out_dtype)
+                assert torch.equal(float_linear.float_linear(x, wt, b, use_simd=path, out_dtype=out_dtype), want)
     with pytest.raises(ValueError, match="fp32 outputs"):
         float_linear.float_linear(torch.randn(2, 333), w, out_dtype=torch.bfloat16)
 
 
 @needs_c
 def test_a_bf16_model_on_the_c_linears_captures_and_equals_eager(tmp_path, monkeypatch):
-    # where torch has no fast bf16 GEMM (below AVX-512; forced here) a bf16
-    # model's linears run the C kernel, its queries the bf16 attention entry:
+    # where torch has no fast bf16 GEMM (below AVX-512; forced here), or the C
+    # kernel has bf16 dot products, a bf16 model's linears run the C kernel,
+    # its queries the bf16 attention entry:
     # every call of the step is a C kernel, so it captures, head included
     from test_quant_pipeline import tiny_source
 
@@ -236,14 +244,17 @@ def test_a_bf16_model_on_the_c_linears_captures_and_equals_eager(tmp_path, monke
 
 @needs_c
 def test_where_torchs_bf16_gemm_is_fast_bf16_decodes_of_two_rows_capture(tmp_path, monkeypatch):
-    # AVX-512 hosts (forced here): calls of up to BF16_C_MAX_ROWS rows take the
-    # C kernel, so decode steps of up to that batch capture; larger ones and
-    # prefills run oneDNN op by op, in the eager and the captured engine alike
+    # AVX-512 hosts without BF16 dot products (forced here): calls of up to
+    # BF16_C_MAX_ROWS rows take the C kernel, so decode steps of up to that
+    # batch capture; larger ones and prefills run oneDNN op by op, in the eager
+    # and the captured engine alike
     from test_quant_pipeline import tiny_source
 
     from qoqserve.layers.linear import Linear
     from qoqserve.layers.quantization import fp
     monkeypatch.setattr(fp, "torch_has_fast_bf16_gemm", lambda: True)
+    if float_linear.load().float_linear_simd() >= 3:
+        monkeypatch.setenv("QOQSERVE_CPU_ISA", "avx512")
     method = fp.CpuDenseLinearMethod()
     assert method.capture_rows(torch.bfloat16) == fp.BF16_C_MAX_ROWS == 2 and method.capture_rows(torch.float32) is None
     layer = Linear(64, [48], False, method, torch.bfloat16)

@@ -8,9 +8,11 @@
  * multiply-adds (K zero-padded to a multiple of 16 in effect), then the lanes
  * are added pairwise l + 8, l + 4, l + 2, l + 1. The AVX-512 path and the
  * AVX2 one (each 16-lane sum as two 8-lane halves: l + 8 is the halves' add)
- * and the scalar one compute exactly that, so they agree bit for bit.
+ * and the scalar one compute exactly that, so they agree bit for bit. bf16
+ * rows times bf16 weights on CPUs with AVX512-BF16 take the dot-product path
+ * instead (float_linear_dot.h): another fixed order, as batch-invariant.
  *
- * The AVX-512 (F/BW/VL) and AVX2 (+FMA, F16C) code is compiled by target
+ * The AVX-512 (F/BW/VL, BF16) and AVX2 (+FMA, F16C) code is compiled by target
  * attributes and chosen at run time; the library is built for a baseline
  * x86-64 CPU.
  */
@@ -92,6 +94,22 @@ SIMD static inline __m512 reduce16(const __m512 *v) {
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), f);
 }
 
+/* float_to_bf16 of n values, 16 at a time: the same integer rounding (to
+ * nearest even; a NaN kept NaN, its quiet bit set), not vcvtneps2bf16, which
+ * reads denormals as zero */
+SIMD static void to_bf16_simd(const float *src, uint16_t *dst, int64_t n) {
+    for (int64_t i = 0; i < n; i += LANES) {
+        const __mmask16 mask = lane_mask(n - i);
+        const __m512i bits = _mm512_maskz_loadu_epi32(mask, src + i);
+        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+        const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
+                                                      _mm512_set1_epi32(0x7f800000));
+        r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+        _mm256_mask_storeu_epi16(dst + i, mask, _mm512_cvtepi32_epi16(r));
+    }
+}
+
 enum { MR = 4, NR = PANEL_ROWS, NR_WIDE = 8 };  /* MR x NR, or 1-2 rows x NR_WIDE: at most 16 sums */
 
 /* an mr x nr tile (mr * nr <= 16); inlined with constant sizes, its
@@ -164,93 +182,8 @@ SIMD static void rows_simd(const float *x, int64_t M, int64_t K, const void *w, 
     }
 }
 
-/* ---------------------------------------------------------------- AVX2 */
-#define AVX2 __attribute__((target("avx2,fma,f16c")))
-
-static int avx2_supported(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-}
-
-/* elements k..k+7 of row r as fp32 (n valid, the rest 0) */
-AVX2 static inline __m256 load8(const void *w, int w_kind, int64_t i, int64_t n) {
-    if (n < 8) {
-        float tmp[8] = {0};
-        for (int64_t e = 0; e < n; e++) tmp[e] = weight(w, w_kind, i + e);
-        return _mm256_loadu_ps(tmp);
-    }
-    if (w_kind == W_BF16) {
-        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + i));
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    }
-    if (w_kind == W_FP16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + i)));
-    return _mm256_loadu_ps((const float *)w + i);
-}
-
-/* lane_tree of the 16 lanes (lo = 0..7, hi = 8..15): l + 8, l + 4, l + 2, l + 1 */
-AVX2 static inline float tree16(__m256 lo, __m256 hi) {
-    const __m256 s8 = _mm256_add_ps(lo, hi);
-    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
-}
-
-enum { MR2 = 2, NR2 = 3 };  /* 2 x 3 sums of two halves: 12 of the 16 ymm */
-
-AVX2 static inline __attribute__((always_inline)) void tile2(const float *x, int64_t K, const void *w, int w_kind,
-                                                             int64_t m0, int mr, int64_t n0, int nr, int64_t N,
-                                                             float *y) {
-    __m256 lo[MR2 * NR2], hi[MR2 * NR2];
-    for (int i = 0; i < MR2 * NR2; i++) lo[i] = hi[i] = _mm256_setzero_ps();
-    const float *xr = x + m0 * K;
-    int64_t k = 0;
-    for (; k + LANES <= K; k += LANES) {  /* whole 16-lane steps: plain loads */
-        __m256 xl[MR2], xh[MR2];
-        for (int i = 0; i < mr; i++) {
-            xl[i] = _mm256_loadu_ps(xr + i * K + k);
-            xh[i] = _mm256_loadu_ps(xr + i * K + k + 8);
-        }
-        for (int j = 0; j < nr; j++) {
-            const __m256 wl = load8(w, w_kind, (n0 + j) * K + k, 8), wh = load8(w, w_kind, (n0 + j) * K + k + 8, 8);
-            for (int i = 0; i < mr; i++) {
-                lo[i * NR2 + j] = _mm256_fmadd_ps(xl[i], wl, lo[i * NR2 + j]);
-                hi[i * NR2 + j] = _mm256_fmadd_ps(xh[i], wh, hi[i * NR2 + j]);
-            }
-        }
-    }
-    if (k < K) {  /* the ragged last step, zero-padded as the other paths */
-        for (int j = 0; j < nr; j++) {
-            const __m256 wl = load8(w, w_kind, (n0 + j) * K + k, K - k);
-            const __m256 wh = load8(w, w_kind, (n0 + j) * K + k + 8, K - k - 8);
-            for (int i = 0; i < mr; i++) {
-                lo[i * NR2 + j] = _mm256_fmadd_ps(load8(xr, W_FP32, i * K + k, K - k), wl, lo[i * NR2 + j]);
-                hi[i * NR2 + j] = _mm256_fmadd_ps(load8(xr, W_FP32, i * K + k + 8, K - k - 8), wh, hi[i * NR2 + j]);
-            }
-        }
-    }
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nr; j++) y[(m0 + i) * N + n0 + j] = tree16(lo[i * NR2 + j], hi[i * NR2 + j]);
-}
-
-#define TILE2(a, b) tile2(x, K, w, w_kind, m0, a, n0, b, N, y)
-
-AVX2 static void rows_avx2(const float *x, int64_t M, int64_t K, const void *w, int w_kind,
-                           int64_t n_lo, int64_t n_hi, int64_t N, float *y) {
-    for (int64_t n0 = n_lo; n0 < n_hi; n0 += NR2) {
-        const int nr = n_hi - n0 < NR2 ? (int)(n_hi - n0) : NR2;
-        for (int64_t m0 = 0; m0 < M; m0 += MR2) {
-            const int mr = M - m0 < MR2 ? (int)(M - m0) : MR2;
-            switch (mr * 4 + nr) {
-            case 11: TILE2(2, 3); break;
-            case 10: TILE2(2, 2); break;
-            case 9: TILE2(2, 1); break;
-            case 7: TILE2(1, 3); break;
-            case 6: TILE2(1, 2); break;
-            default: TILE2(1, 1);
-            }
-        }
-    }
-}
+#include "float_linear_dot.h"
+#include "float_linear_avx2.h"
 #else
 #define HAVE_SIMD 0
 static int simd_supported(void) { return 0; }
@@ -264,22 +197,33 @@ static void rows_avx2(const float *x, int64_t M, int64_t K, const void *w, int w
                       int64_t n_lo, int64_t n_hi, int64_t N, float *y) {
     rows_scalar(x, M, K, w, w_kind, n_lo, n_hi, N, y);
 }
+static void to_bf16_simd(const float *src, uint16_t *dst, int64_t n) {
+    for (int64_t i = 0; i < n; i++) dst[i] = float_to_bf16(src[i]);
+}
+static int dot_supported(void) { return 0; }
+static void rows_dot(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, int64_t n_lo, int64_t n_hi,
+                     int64_t N, float *y) {  /* never called: float_linear_simd() is below 3 here */
+    (void)x, (void)M, (void)K, (void)w, (void)n_lo, (void)n_hi, (void)N, (void)y;
+}
 #endif
 
-/* The vector path this CPU runs: 2 AVX-512, 1 AVX2, 0 none */
-int float_linear_simd(void) { return simd_supported() ? 2 : avx2_supported() ? 1 : 0; }
+/* The vector path this CPU runs: 3 AVX-512 with the bf16 dot products (for
+ * bf16 rows times bf16 weights; otherwise as 2), 2 AVX-512, 1 AVX2, 0 none */
+int float_linear_simd(void) { return dot_supported() ? 3 : simd_supported() ? 2 : avx2_supported() ? 1 : 0; }
 
 enum { CHUNK = 64 };  /* output columns a thread takes at a time: a multiple of NR */
+enum { ROW_BLOCK = 256 };  /* rows of one task of a long call */
 
 static __thread void *tl_rows, *tl_out;  /* bf16 calls: the rows widened, a chunk's fp32 outputs */
 static __thread size_t tl_rows_size, tl_out_size;
 
 /* Thread tm.t of tm.T: its share of the output column chunks (the chunking
- * never changes a result, only who computes it). With y_bf16 each chunk's
+ * never changes a result, only who computes it). x: fp32 rows, or with
+ * `dot` bf16 rows for the dot-product path (bf16 weights). With y_bf16 each chunk's
  * sums go to a per-thread buffer (row stride CHUNK), get the bias and are
  * rounded to bf16 into y, as torch rounds the fp32 result. Nonzero when its
  * buffers could not be had. */
-static int float_part(const float *x, int64_t M, int64_t K, const void *w, int w_kind, int64_t N,
+static int float_part(const void *x, int dot, int64_t M, int64_t K, const void *w, int w_kind, int64_t N,
                       const float *bias, void *y, int y_bf16, int simd, int use_panel, int64_t kp, team_t tm) {
     const int64_t chunks = (N + CHUNK - 1) / CHUNK;
     float *panel = use_panel ? malloc((size_t)(PANEL_ROWS * kp) * sizeof(float)) : NULL;
@@ -288,17 +232,31 @@ static int float_part(const float *x, int64_t M, int64_t K, const void *w, int w
         free(panel);
         return 1;
     }
-    for (int64_t c = chunks * tm.t / tm.T; c < chunks * (tm.t + 1) / tm.T; c++) {
+    /* tasks: column chunks, each cut into row blocks of long calls, so that
+     * prompt-sized calls of few chunks split evenly; consecutive tasks share
+     * a chunk, whose weights then stay in L2 */
+    const int64_t blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK, tasks = chunks * blocks;
+    const size_t x_row = (size_t)K * (dot ? sizeof(uint16_t) : sizeof(float));
+    for (int64_t task = tasks * tm.t / tm.T; task < tasks * (tm.t + 1) / tm.T; task++) {
+        const int64_t c = task / blocks, m0 = task % blocks * ROW_BLOCK;
+        const int64_t rows = M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK;
         const int64_t lo = c * CHUNK, hi = lo + CHUNK < N ? lo + CHUNK : N, ys = y_bf16 ? CHUNK : N;
-        float *yc = y_bf16 ? out - lo : (float *)y;  /* column n of row m at yc[m * ys + n] */
-        if (simd == 2) rows_simd(x, M, K, w, w_kind, lo, hi, ys, yc, panel);
-        else if (simd == 1) rows_avx2(x, M, K, w, w_kind, lo, hi, ys, yc);
-        else rows_scalar(x, M, K, w, w_kind, lo, hi, ys, yc);
+        /* column n of row m (from m0) at yc[m * ys + n] */
+        float *yc = (y_bf16 ? out - lo : (float *)y) + m0 * ys;
+        const void *xb = (const char *)x + (size_t)m0 * x_row;
+        if (dot) rows_dot(xb, rows, K, w, lo, hi, ys, yc);
+        else if (simd >= 2) rows_simd(xb, rows, K, w, w_kind, lo, hi, ys, yc, panel);
+        else if (simd == 1) rows_avx2(xb, rows, K, w, w_kind, lo, hi, ys, yc);
+        else rows_scalar(xb, rows, K, w, w_kind, lo, hi, ys, yc);
         if (bias)
-            for (int64_t m = 0; m < M; m++)
+            for (int64_t m = 0; m < rows; m++)
                 for (int64_t n = lo; n < hi; n++) yc[m * ys + n] += bias[n];
-        for (int64_t m = 0; y_bf16 && m < M; m++)
-            for (int64_t n = lo; n < hi; n++) ((uint16_t *)y)[m * N + n] = float_to_bf16(yc[m * ys + n]);
+        for (int64_t m = 0; y_bf16 && m < rows; m++) {
+            uint16_t *row = (uint16_t *)y + (m0 + m) * N;
+            if (simd >= 2) to_bf16_simd(yc + m * ys + lo, row + lo, hi - lo);
+            else
+                for (int64_t n = lo; n < hi; n++) row[n] = float_to_bf16(yc[m * ys + n]);
+        }
     }
     free(panel);
     return 0;
@@ -313,11 +271,11 @@ int float_linear(const float *x, int64_t M, int64_t K, const void *w, int w_kind
     if (M <= 0 || N <= 0) return 0;
     /* bf16/fp16 weights read by more than two row tiles are converted once per
      * NR rows into a per-thread fp32 panel instead of once per row tile */
-    const int use_panel = simd == 2 && w_kind != W_FP32 && M > 8;
+    const int use_panel = simd >= 2 && w_kind != W_FP32 && M > 8;
     const int64_t kp = (K + LANES - 1) / LANES * LANES;
     int failed = 0;
     TEAM_RUN(threads, M * N * K > (1 << 16),
-             if (float_part(x, M, K, w, w_kind, N, bias, y, 0, simd, use_panel, kp, tm)) team_fail(&failed));
+             if (float_part(x, 0, M, K, w, w_kind, N, bias, y, 0, simd, use_panel, kp, tm)) team_fail(&failed));
     return failed ? -3 : 0;
 }
 
@@ -325,7 +283,8 @@ static void *volatile team_rows;  /* thread 0's widened rows, in a running team 
 
 /* float_linear of bf16 rows x [M, K], widened exactly to fp32 first (each
  * thread its share, then the team meets): the same sums as for those fp32
- * rows. y [M, N] is bf16 (y_bf16: each output rounded to nearest even after
+ * rows; on path 3 with bf16 weights, the dot-product path's sums of the rows
+ * as they are (float_linear_dot.h). y [M, N] is bf16 (y_bf16: each output rounded to nearest even after
  * the bias, as torch's .to(bfloat16) of the fp32 result) or fp32. What a bf16
  * model's linears and LM head call, so that no conversion runs outside the
  * kernel (a captured step replays kernels only). Returns as float_linear. */
@@ -333,18 +292,23 @@ int float_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const void *w, in
                       const float *bias, void *y, int y_bf16, int simd, int threads) {
     if (simd > float_linear_simd()) return -2;
     if (M <= 0 || N <= 0) return 0;
-    const int use_panel = simd == 2 && w_kind != W_FP32 && M > 8;
+    int failed = 0;
+    if (simd == 3 && w_kind == W_BF16) {
+        TEAM_RUN(threads, M * N * K > (1 << 16),
+                 if (float_part(x, 1, M, K, w, w_kind, N, bias, y, y_bf16, simd, 0, 0, tm)) team_fail(&failed));
+        return failed ? -3 : 0;
+    }
+    const int use_panel = simd >= 2 && w_kind != W_FP32 && M > 8;
     const int64_t kp = (K + LANES - 1) / LANES * LANES;
     const size_t row_bytes = sizeof(float) * (size_t)(M * K);
     /* in a running team thread 0 makes the rows buffer inside the part */
     float *made = team_joined() ? NULL : grow_scratch(&tl_rows, &tl_rows_size, row_bytes);
     if (!team_joined() && !made) return -3;
-    int failed = 0;
     TEAM_RUN(threads, M * N * K > (1 << 16), {
         float *xf = team_buffer(tm, made, &team_rows, &tl_rows, &tl_rows_size, row_bytes);
         for (int64_t i = M * K * tm.t / tm.T; xf && i < M * K * (tm.t + 1) / tm.T; i++) xf[i] = bf16_to_float(x[i]);
         TEAM_SYNC(tm);
-        if (!xf || float_part(xf, M, K, w, w_kind, N, bias, y, y_bf16, simd, use_panel, kp, tm))
+        if (!xf || float_part(xf, 0, M, K, w, w_kind, N, bias, y, y_bf16, simd, use_panel, kp, tm))
             team_fail(&failed);
     });
     return failed ? -3 : 0;

@@ -1,7 +1,9 @@
-"""The batch-invariant dense linear (float_linear.c), via ctypes: fp32 inputs
-times fp32, bf16 or fp16 weights, fp32 out, each output summed in one fixed order
-whatever the batch. The AVX-512 or AVX2 path is chosen at run time, capped by
-QOQSERVE_CPU_ISA (kernels/cpu/isa.py); every path gives the same bits."""
+"""The batch-invariant dense linear (float_linear.c), via ctypes: fp32 (or
+bf16) inputs times fp32, bf16 or fp16 weights, each output summed in one fixed
+order whatever the batch. The AVX-512 or AVX2 path is chosen at run time,
+capped by QOQSERVE_CPU_ISA (kernels/cpu/isa.py); every path gives the same
+bits, except that bf16 rows times bf16 weights on the avx512-bf16 path take
+vdpbf16ps's pair order (float_linear_dot.h), on every row count alike."""
 from __future__ import annotations
 
 import ctypes
@@ -29,13 +31,20 @@ def available() -> bool:
     return load() is not None
 
 
-PATHS = ("scalar", "avx2", "avx512")  # by the kernel's simd argument 0, 1, 2
+PATHS = ("scalar", "avx2", "avx512", "avx512-bf16")  # by the kernel's simd argument 0..3
+# the QOQSERVE_CPU_ISA level a path needs: the bf16 dot products come with VNNI
+_LEVEL = {"avx512-bf16": "avx512-vnni"}
 
 
 def path() -> str:
     """The loops calls take: the CPU's best, capped by QOQSERVE_CPU_ISA."""
     have = int(load().float_linear_simd())
-    return next(p for p in reversed(PATHS[:have + 1]) if isa.allows(p))
+    return next(p for p in reversed(PATHS[:have + 1]) if isa.allows(_LEVEL.get(p, p)))
+
+
+def bf16_dot() -> bool:
+    """Whether bf16 rows times bf16 weights take the dot-product path here."""
+    return available() and path() == "avx512-bf16"
 
 
 def simd() -> int:

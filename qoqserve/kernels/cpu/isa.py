@@ -10,7 +10,8 @@ import torch
 
 ENV = "QOQSERVE_CPU_ISA"
 # scalar: the portable loops; avx2: AVX2 + FMA, no AVX-512; avx512: F/BW/VL/DQ
-# without VNNI; avx512-vnni: no AMX; amx: everything (as unset or "auto")
+# without VNNI or BF16 dot products; avx512-vnni: those, no AMX; amx:
+# everything (as unset or "auto")
 LEVELS = ("scalar", "avx2", "avx512", "avx512-vnni", "amx")
 
 

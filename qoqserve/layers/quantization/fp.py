@@ -16,11 +16,20 @@ def torch_has_fast_bf16_gemm() -> bool:
     return isa.torch_has_avx512_kernels()
 
 
-# Where torch's bf16 GEMM is fast (AVX-512), bf16 calls of up to this many
-# rows still run the C kernel, so that decode steps of up to this batch can be
-# captured: there the captured step is faster than oneDNN op by op, above it
-# slower (docs/runtime.md). Longer calls (larger batches, prefills) keep oneDNN.
+# Where torch's bf16 GEMM is fast (AVX-512) and the C kernel has no bf16 dot
+# products, bf16 calls of up to this many rows still run the C kernel, so that
+# decode steps of up to this batch can be captured: there the captured step is
+# faster than oneDNN op by op, above it slower (docs/runtime.md). Longer calls
+# (larger batches, prefills) keep oneDNN.
 BF16_C_MAX_ROWS = 2
+
+
+def bf16_all_on_c() -> bool:
+    """Whether every bf16 call runs the C kernel: where torch's bf16 GEMM is
+    slow (below AVX-512), and where the C kernel has AVX512-BF16 dot products
+    (faster than oneDNN up to ~256 rows, ~0.85x at prompt sizes; one sum
+    order at every row count, so bf16 is batch-invariant: docs/runtime.md)."""
+    return not torch_has_fast_bf16_gemm() or float_linear.bf16_dot()
 
 
 class CpuDenseLinearMethod(UnquantizedLinearMethod):
@@ -30,13 +39,13 @@ class CpuDenseLinearMethod(UnquantizedLinearMethod):
     (docs/runtime.md), and a call a captured step replays. bf16 activations
     run the same C kernel over the bf16 weights (fp32 sums, the output rounded
     to bf16 as torch's is, inside the kernel: no torch op, so such a step
-    captures) where torch has no fast bf16 GEMM, and for calls of up to
-    BF16_C_MAX_ROWS rows where it has; longer calls run MKL's bf16 GEMM.
-    Other dtypes take the torch path."""
+    captures) where bf16_all_on_c(), else for calls of up to BF16_C_MAX_ROWS
+    rows; longer calls there run MKL's bf16 GEMM. Other dtypes take the torch
+    path."""
     name = "c-dense"
 
     def __init__(self, bf16_on_c: bool | None = None):
-        self.bf16_on_c = not torch_has_fast_bf16_gemm() if bf16_on_c is None else bf16_on_c
+        self.bf16_on_c = bf16_all_on_c() if bf16_on_c is None else bf16_on_c
 
     def _runs_on_c(self, dtype: torch.dtype, rows: int) -> bool:
         return dtype == torch.float32 or (dtype == torch.bfloat16 and (self.bf16_on_c or rows <= BF16_C_MAX_ROWS))

@@ -1,0 +1,73 @@
+"""float_linear's bf16 dot-product path (AVX512-BF16): the bits of the order
+float_linear_dot.h states, at every row count, thread count and call shape."""
+import pytest
+import torch
+
+from qoqserve.kernels.cpu import float_linear
+
+needs_dot = pytest.mark.skipif(not float_linear.bf16_dot(), reason="this CPU has no AVX512-BF16 dot products")
+
+
+def pair_order(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T summed as the path says: lane l of 16 adds, for each 32
+    elements in turn, the product of elements 2l + 1, then of 2l (each
+    product of bf16 values exact in fp32, each add rounded), K zero-padded;
+    then lanes l + 8, l + 4, l + 2, l + 1."""
+    m, k = x.shape
+    kp = (k + 31) // 32 * 32
+    xs = torch.nn.functional.pad(x.float(), (0, kp - k)).view(m, 1, kp // 32, 16, 2)
+    ws = torch.nn.functional.pad(w.float(), (0, kp - k)).view(1, w.shape[0], kp // 32, 16, 2)
+    s = torch.zeros(m, w.shape[0], 16)
+    for j in range(kp // 32):
+        s = s + xs[:, :, j, :, 1] * ws[:, :, j, :, 1]
+        s = s + xs[:, :, j, :, 0] * ws[:, :, j, :, 0]
+    for h in (8, 4, 2, 1):
+        s = s[..., :h] + s[..., h:2 * h]
+    return s[..., 0]
+
+
+@needs_dot
+@pytest.mark.parametrize("k", [32, 70, 333, 576])
+def test_the_dot_path_sums_in_its_stated_order_at_every_row_count(k):
+    g = torch.Generator().manual_seed(k)
+    w = torch.randn(150, k, generator=g).bfloat16()  # N off the tiles and column chunks
+    b = torch.randn(150, generator=g)
+    x = torch.randn(70, k, generator=g).bfloat16()
+    want = pair_order(x, w)
+    y = float_linear.float_linear(x, w)
+    assert float_linear.path() == "avx512-bf16" and torch.equal(y, want)
+    exact = x.double() @ w.double().T
+    assert (y.double() - exact).abs().max() < 1e-5 * exact.abs().max()
+    for rows in (slice(0, 1), slice(1, 3), slice(3, 6), slice(6, 15), slice(15, 70)):
+        assert torch.equal(float_linear.float_linear(x[rows], w), want[rows])  # the GEMV and the row tiles alike
+    # the bias added after the sum, bf16 outputs rounded as torch rounds the fp32 ones
+    assert torch.equal(float_linear.float_linear(x, w, b, out_dtype=torch.bfloat16), (want + b).bfloat16())
+
+
+@needs_dot
+def test_the_dot_path_does_not_depend_on_the_threads_or_the_row_blocks():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(200, 576, generator=g).bfloat16()
+    x = torch.randn(600, 576, generator=g).bfloat16()  # long calls split into blocks of 256 rows
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = float_linear.float_linear(x, w)
+        torch.set_num_threads(max(2, threads))
+        assert torch.equal(float_linear.float_linear(x, w), one)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, pair_order(x, w))
+    for rows in (slice(250, 260), slice(511, 513), slice(599, 600)):
+        assert torch.equal(float_linear.float_linear(x[rows], w), one[rows])
+
+
+@needs_dot
+def test_the_isa_cap_below_vnni_turns_the_dot_path_off(monkeypatch):
+    monkeypatch.setenv("QOQSERVE_CPU_ISA", "avx512")
+    assert float_linear.path() == "avx512" and not float_linear.bf16_dot()
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(5, 100, generator=g).bfloat16(), torch.randn(20, 100, generator=g).bfloat16()
+    assert torch.equal(float_linear.float_linear(x, w), float_linear.float_linear(x.float(), w))  # widened
+    monkeypatch.setenv("QOQSERVE_CPU_ISA", "avx512-vnni")
+    assert float_linear.bf16_dot()
