@@ -3,8 +3,10 @@
 the embedded model (batch 1 and batch 32, 1024-token contexts) and of a
 1024-token prefill, against this machine's limits measured in the same run:
 read bandwidth (torch.sum over 512 MB), INT8 peak (torch._int_mm at
-2048x4096x4096, or the issue rate of vpdpbusd if higher) and fp32 peak
-(torch.mm at 2048^3, or the issue rate of vfmadd).
+2048x4096x4096, or the issue rate of vpdpbusd if higher), fp32 peak
+(torch.mm at 2048^3, or the issue rate of vfmadd) and, for a bf16 model's
+linears on CPUs with AVX512-BF16, bf16 peak (torch's bf16 mm at 2048^3, or
+the issue rate of vdpbf16ps).
 
 Per kernel call: time (the fastest of --repeats single calls), the bytes it must move (weights, pages,
 activations in and out), the operations it must do, achieved GB/s and
@@ -93,6 +95,17 @@ def attention_rows(b: int, ctx: int):
                    kv_bytes // 2 + 8 * ctx * HEADS * HEAD_DIM, 4 * (ctx * (ctx + 1) // 2) * HEADS * HEAD_DIM, "fp32")
 
 
+def bf16_rows(m: int, g: torch.Generator):
+    """A bf16 model's linears (float_linear.c: the dot-product path where the
+    CPU has AVX512-BF16), bf16 rows and outputs."""
+    for name, (k, n) in LINEARS.items():
+        ws = [torch.randn(n, k, generator=g).bfloat16() for _ in range(LAYERS)]
+        x = torch.randn(m, k, generator=g).bfloat16()
+        yield (f"bf16 linear {name} {n}x{k} (float_linear.c, {float_linear.path()})", m,
+               cycling([lambda w=w, x=x: float_linear.float_linear(x, w, out_dtype=torch.bfloat16) for w in ws]),
+               2 * (n * k + m * (k + n)), 2 * m * n * k, "bf16")
+
+
 def elementwise_rows(m: int):
     h, d, w = torch.randn(m, HIDDEN), torch.randn(m, HIDDEN), torch.ones(HIDDEN)
     yield ("add + RMSNorm (elementwise.c)", m, lambda: elementwise.add_rms_norm(h, d, w, 1e-5),
@@ -139,12 +152,31 @@ __attribute__((target("avx512f"))) double fma_flops(long iters, int threads) {
     }
     return (double)threads * iters * 12 * 32 / (omp_get_wtime() - t);
 }
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) static double dot_bf16(long iters, int threads) {
+    double t = omp_get_wtime();
+    #pragma omp parallel num_threads(threads)
+    {
+        CHAINS(DECLF)
+        const __m512bh b = (__m512bh)_mm512_set1_epi16(0x3f80), c = (__m512bh)_mm512_set1_epi16(0x3800);
+        for (long it = 0; it < iters; it++) {
+#define STEPB(i) f##i = _mm512_dpbf16_ps(f##i, b, c); __asm__ volatile("" : "+v"(f##i));
+            CHAINS(STEPB)
+        }
+        CHAINS(SINKF)
+    }
+    return (double)threads * iters * 12 * 64 / (omp_get_wtime() - t);
+}
+double bf16_flops(long iters, int threads) {  /* 0 without AVX512-BF16 */
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") ? dot_bf16(iters, threads) : 0;
+}
 """
 
 
-def instruction_peaks(threads: int) -> tuple[float, float] | None:
-    """(INT8 OP/s, fp32 FLOP/s) at the issue rate of vpdpbusd / vfmadd on
-    `threads` threads (best of 3), or None without gcc or AVX-512 VNNI."""
+def instruction_peaks(threads: int) -> tuple[float, float, float] | None:
+    """(INT8 OP/s, fp32 FLOP/s, bf16 FLOP/s) at the issue rate of vpdpbusd /
+    vfmadd / vdpbf16ps (0 without AVX512-BF16) on `threads` threads (best of
+    3), or None without gcc or AVX-512 VNNI."""
     import ctypes
     import subprocess
     import tempfile
@@ -161,19 +193,22 @@ def instruction_peaks(threads: int) -> tuple[float, float] | None:
             return None
         if not (torch.backends.cpu.get_cpu_capability().startswith("AVX512")):
             return None
-        for fn in (probe.vnni_ops, probe.fma_flops):
+        fns = (probe.vnni_ops, probe.fma_flops, probe.bf16_flops)
+        for fn in fns:
             fn.restype, fn.argtypes = ctypes.c_double, [ctypes.c_long, ctypes.c_int]
-        return (max(probe.vnni_ops(20_000_000, threads) for _ in range(3)),
-                max(probe.fma_flops(20_000_000, threads) for _ in range(3)))
+        return tuple(max(fn(20_000_000, threads) for _ in range(3)) for fn in fns)
 
 
-def machine_limits() -> tuple[float, float, float]:
-    """(read B/s, INT8 OP/s, fp32 FLOP/s), timed as the kernels are (fastest call)."""
+def machine_limits() -> tuple[float, float, float, float]:
+    """(read B/s, INT8 OP/s, fp32 FLOP/s, bf16 FLOP/s), timed as the kernels
+    are (fastest call)."""
     bw = read_bandwidth(512)
     a, b = (torch.randint(-127, 128, s, dtype=torch.int8) for s in ((2048, 4096), (4096, 4096)))
     int8 = 2 * 2048 * 4096 * 4096 / fastest_call(lambda: torch._int_mm(a, b), 4)
     x, y = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    return bw, int8, 2 * 2048**3 / fastest_call(lambda: x @ y, 4)
+    xb, yb = x.bfloat16(), y.bfloat16()
+    return (bw, int8, 2 * 2048**3 / fastest_call(lambda: x @ y, 4),
+            2 * 2048**3 / fastest_call(lambda: xb @ yb, 4))
 
 
 def main():
@@ -182,28 +217,32 @@ def main():
     args = ap.parse_args()
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
-    bw, int8_torch, fp32_torch = machine_limits()
+    bw, int8_torch, fp32_torch, bf16_torch = machine_limits()
     probe = instruction_peaks(torch.get_num_threads())
     # a fraction of peak is against the higher of what torch reaches and the
     # instructions' issue rate: either is a rate this machine does reach
-    int8_peak, fp32_peak = (max(int8_torch, probe[0]), max(fp32_torch, probe[1])) if probe else (int8_torch, fp32_torch)
-    peaks = {"int8": int8_peak, "fp32": fp32_peak}
+    torch_rates = (int8_torch, fp32_torch, bf16_torch)
+    int8_peak, fp32_peak, bf16_peak = (tuple(max(a, b) for a, b in zip(torch_rates, probe)) if probe
+                                       else torch_rates)
+    peaks = {"int8": int8_peak, "fp32": fp32_peak, "bf16": bf16_peak}
     print(f"# Kernel roofline on this CPU ({platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads)\n")
     print(f"Measured limits: read bandwidth {bw / 1e9:.1f} GB/s (torch.sum, 512 MB); INT8 "
           f"{int8_torch / 1e12:.2f} TOPS (torch._int_mm 2048x4096x4096); fp32 {fp32_torch / 1e9:.0f} GFLOP/s "
-          f"(torch.mm 2048^3).")
+          f"(torch.mm 2048^3); bf16 {bf16_torch / 1e9:.0f} GFLOP/s (torch's bf16 mm 2048^3).")
     if probe:
         print(f"Issue rate of the inner-loop instructions (12 independent chains per thread): vpdpbusd "
-              f"{probe[0] / 1e12:.2f} TOPS, vfmadd {probe[1] / 1e9:.0f} GFLOP/s.")
-    print(f"Fractions of peak below are against INT8 {int8_peak / 1e12:.2f} TOPS and fp32 "
-          f"{fp32_peak / 1e9:.0f} GFLOP/s, the higher of the two.\n")
+              f"{probe[0] / 1e12:.2f} TOPS, vfmadd {probe[1] / 1e9:.0f} GFLOP/s, vdpbf16ps "
+              f"{probe[2] / 1e9:.0f} GFLOP/s (0: no AVX512-BF16).")
+    print(f"Fractions of peak below are against INT8 {int8_peak / 1e12:.2f} TOPS, fp32 "
+          f"{fp32_peak / 1e9:.0f} GFLOP/s and bf16 {bf16_peak / 1e9:.0f} GFLOP/s, the higher of the two.\n")
     print("| kernel | rows | us / call | bytes moved | GB/s | of bandwidth | GOP/s | of peak (kind) |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     rows = []
     for m in (1, 32):
         rows += list(w4a8_rows(m, g)) + list(lm_head_rows(m, g)) + list(attention_rows(m, 1024))
-        rows += list(elementwise_rows(m))
+        rows += list(elementwise_rows(m)) + list(bf16_rows(m, g))
+    rows += list(bf16_rows(1024, g))  # a bf16 prompt's linears
     for name, m, fn, nbytes, ops, kind in rows:
         t = fastest_call(fn, args.repeats)
         print(f"| {name} | {m} | {t * 1e6:.1f} | {nbytes / 2**20:.2f} MiB | {nbytes / t / 1e9:.1f} | "
