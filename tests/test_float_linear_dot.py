@@ -42,6 +42,8 @@ def test_the_dot_path_sums_in_its_stated_order_at_every_row_count(k):
         assert torch.equal(float_linear.float_linear(x[rows], w), want[rows])  # the GEMV and the row tiles alike
     # the bias added after the sum, bf16 outputs rounded as torch rounds the fp32 ones
     assert torch.equal(float_linear.float_linear(x, w, b, out_dtype=torch.bfloat16), (want + b).bfloat16())
+    for n in (1, 3, 7):  # fewer columns than a tile
+        assert torch.equal(float_linear.float_linear(x[:5], w[:n]), want[:5, :n])
 
 
 @needs_dot
