@@ -114,16 +114,18 @@ enum { MR = 4, NR = PANEL_ROWS, NR_WIDE = 8 };  /* MR x NR, or 1-2 rows x NR_WID
 
 /* an mr x nr tile (mr * nr <= 16); inlined with constant sizes, its
  * accumulators live in registers. wk: the weights' kind, or W_FP32 when w is
- * an fp32 panel already converted (row stride wstride elements). */
+ * an fp32 panel already converted (row stride wstride elements). fetch:
+ * request the weight rows two tiles ahead (the first row tile of weights
+ * read in place: in a step they come from memory) */
 SIMD static inline __attribute__((always_inline)) void tile(const float *x, int64_t K, const void *w, int w_kind,
                                                             int64_t wstride, int64_t m0, int mr, int64_t n0,
-                                                            int nr, int64_t N, float *y) {
+                                                            int nr, int64_t N, float *y, int fetch) {
     __m512 acc[16];
     for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += LANES) {
         const __mmask16 mask = lane_mask(K - k);
         __m512 wv[NR_WIDE], xv[MR];
-        if (mr <= 2) {  /* a GEMV streams the weights: fetch two tiles ahead */
+        if (fetch) {
             const int es = w_kind == W_FP32 ? 4 : 2;
             for (int j = 0; j < nr; j++)
                 _mm_prefetch((const char *)w + ((n0 + 2 * nr + j) * wstride + k) * es, _MM_HINT_T0);
@@ -152,9 +154,9 @@ SIMD static void rows_simd(const float *x, int64_t M, int64_t K, const void *w, 
     if (M <= 2) {  /* decode: a GEMV, more weight rows in flight */
         for (int64_t n0 = n_lo; n0 < n_hi; n0 += NR_WIDE) {
             const int nr = n_hi - n0 < NR_WIDE ? (int)(n_hi - n0) : NR_WIDE;
-            if (nr < NR_WIDE) tile(x, K, w, w_kind, K, 0, (int)M, n0, nr, N, y);
-            else if (M == 2) tile(x, K, w, w_kind, K, 0, 2, n0, NR_WIDE, N, y);
-            else tile(x, K, w, w_kind, K, 0, 1, n0, NR_WIDE, N, y);
+            if (nr < NR_WIDE) tile(x, K, w, w_kind, K, 0, (int)M, n0, nr, N, y, 1);
+            else if (M == 2) tile(x, K, w, w_kind, K, 0, 2, n0, NR_WIDE, N, y, 1);
+            else tile(x, K, w, w_kind, K, 0, 1, n0, NR_WIDE, N, y, 1);
         }
         return;
     }
@@ -170,13 +172,13 @@ SIMD static void rows_simd(const float *x, int64_t M, int64_t K, const void *w, 
             wt = panel, wk = W_FP32, ws = kp, wn = 0;
         }
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
-            const int mr = M - m0 < MR ? (int)(M - m0) : MR;
-            if (nr < NR) { tile(x, K, wt, wk, ws, m0, mr, wn, nr, N, y + n0 - wn); continue; }
+            const int mr = M - m0 < MR ? (int)(M - m0) : MR, fetch = !panel && m0 == 0;
+            if (nr < NR) { tile(x, K, wt, wk, ws, m0, mr, wn, nr, N, y + n0 - wn, fetch); continue; }
             switch (mr) {
-            case 4: tile(x, K, wt, wk, ws, m0, 4, wn, NR, N, y + n0 - wn); break;
-            case 3: tile(x, K, wt, wk, ws, m0, 3, wn, NR, N, y + n0 - wn); break;
-            case 2: tile(x, K, wt, wk, ws, m0, 2, wn, NR, N, y + n0 - wn); break;
-            default: tile(x, K, wt, wk, ws, m0, 1, wn, NR, N, y + n0 - wn);
+            case 4: tile(x, K, wt, wk, ws, m0, 4, wn, NR, N, y + n0 - wn, fetch); break;
+            case 3: tile(x, K, wt, wk, ws, m0, 3, wn, NR, N, y + n0 - wn, fetch); break;
+            case 2: tile(x, K, wt, wk, ws, m0, 2, wn, NR, N, y + n0 - wn, fetch); break;
+            default: tile(x, K, wt, wk, ws, m0, 1, wn, NR, N, y + n0 - wn, fetch);
             }
         }
     }
