@@ -73,3 +73,18 @@ def test_the_isa_cap_below_vnni_turns_the_dot_path_off(monkeypatch):
     assert torch.equal(float_linear.float_linear(x, w), float_linear.float_linear(x.float(), w))  # widened
     monkeypatch.setenv("QOQSERVE_CPU_ISA", "avx512-vnni")
     assert float_linear.bf16_dot()
+
+
+@needs_dot
+def test_where_the_cpu_has_bf16_dot_products_every_bf16_linear_runs_on_c():
+    # so every decode size of a bf16 model is captured (the runner captures
+    # up to the smallest capture_rows: None is no limit)
+    from qoqserve.layers.linear import Linear
+    from qoqserve.layers.quantization import fp
+    method = fp.CpuDenseLinearMethod()
+    assert fp.bf16_all_on_c() and method.capture_rows(torch.bfloat16) is None
+    layer = Linear(64, [48], False, method, torch.bfloat16)
+    torch.nn.init.normal_(layer.weight)
+    method.process_weights_after_loading(layer)
+    x = torch.randn(300, 64).bfloat16()
+    assert torch.equal(layer(x), pair_order(x, layer.weight).bfloat16())

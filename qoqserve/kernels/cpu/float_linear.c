@@ -220,8 +220,8 @@ static __thread void *tl_rows, *tl_out;  /* bf16 calls: the rows widened, a chun
 static __thread size_t tl_rows_size, tl_out_size;
 
 /* Thread tm.t of tm.T: its share of the output column chunks (the chunking
- * never changes a result, only who computes it). x: fp32 rows, or with
- * `dot` bf16 rows for the dot-product path (bf16 weights). With y_bf16 each chunk's
+ * never changes a result, only who computes it). x: fp32 rows, or with `dot`
+ * bf16 rows for the dot-product path (bf16 weights). With y_bf16 each chunk's
  * sums go to a per-thread buffer (row stride CHUNK), get the bias and are
  * rounded to bf16 into y, as torch rounds the fp32 result. Nonzero when its
  * buffers could not be had. */
@@ -286,10 +286,11 @@ static void *volatile team_rows;  /* thread 0's widened rows, in a running team 
 /* float_linear of bf16 rows x [M, K], widened exactly to fp32 first (each
  * thread its share, then the team meets): the same sums as for those fp32
  * rows; on path 3 with bf16 weights, the dot-product path's sums of the rows
- * as they are (float_linear_dot.h). y [M, N] is bf16 (y_bf16: each output rounded to nearest even after
- * the bias, as torch's .to(bfloat16) of the fp32 result) or fp32. What a bf16
- * model's linears and LM head call, so that no conversion runs outside the
- * kernel (a captured step replays kernels only). Returns as float_linear. */
+ * as they are (float_linear_dot.h). y [M, N] is bf16 (y_bf16: each output
+ * rounded to nearest even after the bias, as torch's .to(bfloat16) of the
+ * fp32 result) or fp32. What a bf16 model's linears and LM head call, so that
+ * no conversion runs outside the kernel (a captured step replays kernels
+ * only). Returns as float_linear. */
 int float_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const void *w, int w_kind, int64_t N,
                       const float *bias, void *y, int y_bf16, int simd, int threads) {
     if (simd > float_linear_simd()) return -2;
