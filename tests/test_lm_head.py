@@ -107,3 +107,24 @@ def test_auto_gives_qoq_checkpoints_the_int8_head_on_cpu_and_others_the_float_on
     assert isinstance(logits_head("int8", cpu, True, torch.float32, fp), Int8LogitsHead)
     with pytest.raises(ValueError, match="lm_head_dtype"):
         logits_head("fp8", cpu, True, torch.float32, qoq)
+
+
+def test_the_int8_head_lets_the_model_release_its_float_lm_head(qoq_tiny, monkeypatch):
+    # the head computes from its own INT8 copy: the model's untied fp32 lm_head
+    # is never read again, so the serving runner frees it; outputs unchanged
+    from qoqserve.models.llama import LlamaForCausalLM
+    prompts = [[5 + i * 3 + j for j in range(6 + 4 * i)] for i in range(3)]
+    llm = LLM(qoq_tiny, kv_cache_gb=0.05, dtype="float32")
+    model, stats = llm.engine.runner.model, llm.engine.stats()
+    assert stats["lm_head_kernel"].startswith("int8") and model.lm_head.is_meta
+    released = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, GREEDY)]
+    shape = model.lm_head.shape
+    del llm
+    gc.collect()
+    monkeypatch.setattr(LlamaForCausalLM, "release_lm_head", lambda self: None)
+    kept = LLM(qoq_tiny, kv_cache_gb=0.05, dtype="float32")
+    assert not kept.engine.runner.model.lm_head.is_meta
+    assert kept.engine.stats()["weight_bytes"] - stats["weight_bytes"] == shape.numel() * 4
+    assert [(o.token_ids, o.logprobs) for o in kept.generate(prompts, GREEDY)] == released
+    float_head = LLM(qoq_tiny, kv_cache_gb=0.05, dtype="float32", lm_head_dtype="float")
+    assert not float_head.engine.runner.model.lm_head.is_meta  # the float head reads it

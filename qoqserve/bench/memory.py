@@ -23,6 +23,7 @@ from qoqserve.bench.precisions import Precision
 from qoqserve.config import CacheConfig, EngineConfig, parse_dtype
 from qoqserve.engine.backends import kernel_choice, kv_layout
 from qoqserve.layers.parallel import TensorParallel
+from qoqserve.layers.quantization import QoQConfig, UnquantizedConfig, W8A8Config
 from qoqserve.model_loader.schema import linear_shapes
 from qoqserve.models.arch import ModelArchConfig
 
@@ -67,6 +68,9 @@ def linear_bytes(n: int, k: int, weights: str, group_size: int, storage: str, el
     return codes + meta
 
 
+_SCHEMES = {"fp": UnquantizedConfig, "w8a8": W8A8Config, "qoq": QoQConfig}  # Precision.weights
+
+
 def linear_storage(device: str) -> str:
     """How INT8 linears keep their weights with the engine's default backends on
     this device (engine/backends.py; see linear_bytes)."""
@@ -94,7 +98,11 @@ def plan_memory(arch: ModelArchConfig, p: Precision, device: str, seq_len: int,
     if arch.attention_bias:  # the fused kernel keeps its own fp32 copy instead
         bias_elem = 4 if storage in ("vnni", "w4vnni") and p.weights != "fp" else elem
         lin += arch.num_layers * (local.num_heads + 2 * local.num_kv_heads) * arch.head_dim * bias_elem
-    embed = arch.vocab_size * arch.hidden_size * elem * (1 if arch.tie_word_embeddings else 2)
+    # the CPU's default INT8 LM head (QoQ) computes from its own copy, and the
+    # model's untied lm_head is released (LlamaForCausalLM.release_lm_head)
+    released = (not device.startswith("cuda") and p.weights in _SCHEMES
+                and _SCHEMES[p.weights].int8_lm_head)
+    embed = arch.vocab_size * arch.hidden_size * elem * (1 if arch.tie_word_embeddings or released else 2)
     norms = (2 * arch.num_layers + 1) * arch.hidden_size * elem
     # the fp32 RoPE cos/sin tables of every position the engine allows
     rope = 2 * (max_positions or arch.max_position_embeddings) * arch.head_dim * 4

@@ -106,6 +106,7 @@ class ModelRunner:
                                           token_ops=self.backends.token_ops, tp=tp)
         self.model.load_weights(tensors)
         share_equal_rotations(self.model)  # not in load_weights: the quantizer fills each layer's R in place
+        self.model.release_lm_head()
         self.model.eval()
         self.num_blocks = num_blocks_for_budget(config.cache, self.layout, arch.num_layers, self.device)
         if world is not None:  # one block manager for all: the pool every rank can hold

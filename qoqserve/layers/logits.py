@@ -27,6 +27,10 @@ from qoqserve.layers.quantization.w8a8 import quantize_weight_per_channel
 
 class LogitsHead:
     name = "torch"
+    # whether the head computes from a copy of its own in another format, so
+    # that the model's weight is never read once prepared (models/llama.py
+    # release_lm_head)
+    own_copy_only = False
 
     def prepare(self, weight: torch.Tensor) -> None:
         """Called once after the weights are loaded."""
@@ -78,6 +82,7 @@ class CpuLogitsHead(LogitsHead):
 class Int8LogitsHead(LogitsHead):
     """fused: the packed VNNI kernel (CPU); else torch._int_mm between C or
     torch quantize / epilogue passes."""
+    own_copy_only = True
 
     def __init__(self, fused: bool, cpu_ops: bool):
         self.fused, self.cpu_ops = fused, cpu_ops
@@ -91,7 +96,7 @@ class Int8LogitsHead(LogitsHead):
         self._source_ptr = weight.data_ptr()
 
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if weight.data_ptr() != self._source_ptr:
+        if not weight.is_meta and weight.data_ptr() != self._source_ptr:  # meta: released after prepare
             self.prepare(weight)
         if self._gemm is not None:
             return self._gemm(hidden).float()

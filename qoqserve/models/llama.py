@@ -157,6 +157,15 @@ class LlamaForCausalLM(nn.Module):
             h, delta = layer(positions, h, meta, caches[i] if caches is not None else None, delta)
         return self.norm(h, delta)[0]
 
+    def release_lm_head(self) -> None:
+        """Where the head computes from its own copy in another format (INT8),
+        the model's untied lm_head is never read again: only its shape stays
+        (a meta tensor), its bytes go back (108 MB for the embedded QoQ model,
+        beside the head's 27 MB). The serving runner calls this after loading;
+        a model that is loaded again (the quantizer's) keeps its weight."""
+        if not self.cfg.tie_word_embeddings and self.logits_head.own_copy_only:
+            self.lm_head = nn.Parameter(self.lm_head.to("meta"), requires_grad=False)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.logits_head(hidden, self.lm_head)
 
