@@ -59,6 +59,8 @@ static void rows_scalar(const float *x, int64_t M, int64_t K, const void *w, int
 #include "lane_mask.h"
 #define HAVE_SIMD 1
 #define SIMD __attribute__((target("avx512f,avx512bw,avx512vl")))
+#define AVX512_FN SIMD
+#include "bf16_avx512.h"
 
 static int simd_supported(void) {
     __builtin_cpu_init();
@@ -94,19 +96,11 @@ SIMD static inline __m512 reduce16(const __m512 *v) {
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), f);
 }
 
-/* float_to_bf16 of n values, 16 at a time: the same integer rounding (to
- * nearest even; a NaN kept NaN, its quiet bit set), not vcvtneps2bf16, which
- * reads denormals as zero */
+/* float_to_bf16 of n values, 16 at a time (bf16_avx512.h) */
 SIMD static void to_bf16_simd(const float *src, uint16_t *dst, int64_t n) {
     for (int64_t i = 0; i < n; i += LANES) {
         const __mmask16 mask = lane_mask(n - i);
-        const __m512i bits = _mm512_maskz_loadu_epi32(mask, src + i);
-        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-        const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
-                                                      _mm512_set1_epi32(0x7f800000));
-        r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
-        _mm256_mask_storeu_epi16(dst + i, mask, _mm512_cvtepi32_epi16(r));
+        _mm256_mask_storeu_epi16(dst + i, mask, to_bf16(_mm512_maskz_loadu_ps(mask, src + i)));
     }
 }
 

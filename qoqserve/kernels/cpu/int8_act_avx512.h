@@ -14,6 +14,7 @@
 #ifndef AVX512_FN
 #define AVX512_FN
 #endif
+#include "bf16_avx512.h"
 
 AVX512_FN static inline __m512 load_f32(const void *x, int bf16, int64_t i, __mmask16 k) {
     if (bf16) {
@@ -21,17 +22,6 @@ AVX512_FN static inline __m512 load_f32(const void *x, int bf16, int64_t i, __mm
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
     }
     return _mm512_maskz_loadu_ps(k, (const float *)x + i);
-}
-
-/* round to nearest even, NaN kept NaN: bf16.h's float_to_bf16
- * (vcvtneps2bf16 would flush denormals) */
-AVX512_FN static inline __m256i to_bf16(__m512 v) {
-    __m512i b = _mm512_castps_si512(v), hi = _mm512_srli_epi32(b, 16);
-    __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
-    return _mm512_cvtepi32_epi16(r);
 }
 
 /* one row: int8 codes (zero-padded to Kp), scale amax/127, sum of the codes */
