@@ -21,7 +21,7 @@ import torch
 
 from qoqserve.bench.precisions import Precision
 from qoqserve.config import CacheConfig, EngineConfig, parse_dtype
-from qoqserve.engine.backends import kernel_choice, kv_layout
+from qoqserve.engine.backends import kernel_choice, kv_layout, logits_head
 from qoqserve.layers.parallel import TensorParallel
 from qoqserve.layers.quantization import QoQConfig, UnquantizedConfig, W8A8Config
 from qoqserve.model_loader.schema import linear_shapes
@@ -68,7 +68,13 @@ def linear_bytes(n: int, k: int, weights: str, group_size: int, storage: str, el
     return codes + meta
 
 
-_SCHEMES = {"fp": UnquantizedConfig, "w8a8": W8A8Config, "qoq": QoQConfig}  # Precision.weights
+def head_keeps_own_copy(p: Precision, device: str, dtype: torch.dtype, group_size: int) -> bool:
+    """Whether the engine's default LM head (engine/backends.py) computes from
+    a copy of its own, so that the model's untied lm_head is released
+    (LlamaForCausalLM.release_lm_head): the INT8 head of QoQ on CPU."""
+    quant = {"qoq": lambda: QoQConfig(group_size), "w8a8": W8A8Config}.get(p.weights, UnquantizedConfig)()
+    choice = kernel_choice(EngineConfig(device=device))
+    return logits_head("auto", choice, choice.cpu_ops and device == "cpu", dtype, quant).own_copy_only
 
 
 def linear_storage(device: str) -> str:
@@ -98,10 +104,7 @@ def plan_memory(arch: ModelArchConfig, p: Precision, device: str, seq_len: int,
     if arch.attention_bias:  # the fused kernel keeps its own fp32 copy instead
         bias_elem = 4 if storage in ("vnni", "w4vnni") and p.weights != "fp" else elem
         lin += arch.num_layers * (local.num_heads + 2 * local.num_kv_heads) * arch.head_dim * bias_elem
-    # the CPU's default INT8 LM head (QoQ) computes from its own copy, and the
-    # model's untied lm_head is released (LlamaForCausalLM.release_lm_head)
-    released = (not device.startswith("cuda") and p.weights in _SCHEMES
-                and _SCHEMES[p.weights].int8_lm_head)
+    released = head_keeps_own_copy(p, device, dtype, group_size)
     embed = arch.vocab_size * arch.hidden_size * elem * (1 if arch.tie_word_embeddings or released else 2)
     norms = (2 * arch.num_layers + 1) * arch.hidden_size * elem
     # the fp32 RoPE cos/sin tables of every position the engine allows
