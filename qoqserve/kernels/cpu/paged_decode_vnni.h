@@ -135,14 +135,8 @@ VNNI_FN static inline __attribute__((always_inline)) void kv4_scores_impl(const 
             for (int t0 = 0; t0 < ntok; t0 += BLOCK) {
                 const int n = ntok - t0 < BLOCK ? ntok - t0 : BLOCK, off = (int)(p - p0) * bs + t0;
                 const uint8_t *blk = rows + t0 * ss;
-                __m512i pairs = _mm512_setzero_si512();
-                for (int i = 0; i < n; i++) {
-                    int32_t pair;
-                    memcpy(&pair, blk + i * ss + D / 2, 4);
-                    pairs = _mm512_mask_set1_epi32(pairs, (__mmask16)(1u << i), pair);
-                }
                 __m512 scale, zero;
-                block_meta(pairs, KV_INT4, &scale, &zero);
+                block_meta(block_pairs(blk, ss, n, KV_INT4, D), KV_INT4, &scale, &zero);
                 for (int s = 0; s < nseg; s++) {
                     const int nw = nd - 8 * s < 8 ? nd - 8 * s : 8;
                     __m512i lo[8], hi[8];
