@@ -77,7 +77,7 @@ static inline int chunk_tokens(const job *j) { return (j->chunk_pages * j->bs + 
 static inline int64_t scratch_floats(const job *j) {
     const int64_t np = (j->D + 31) / 32 * 32;
     return 2 * (int64_t)j->H * np + 2 * BLOCK * np + BLOCK + (int64_t)j->H * (chunk_tokens(j) + BLOCK + 1) +
-           (int64_t)j->G * BLOCK + 2 * (int64_t)j->H + 32;
+           (int64_t)j->G * BLOCK + 2 * (int64_t)j->H + 2 * (int64_t)j->Hkv * chunk_tokens(j) + 48;
 }
 
 #include "paged_decode_avx512.h"  /* defines PD_AVX512 and chunk_avx512() where it can */

@@ -98,13 +98,13 @@ static inline __attribute__((always_inline)) void accumulate(float *acc, const f
 }
 
 /* V rows straight from the pages: acc[G][np] += sum_{i<n} w[g][i] * row_i, for
- * the G query heads of one KV head at once (w rows BLOCK apart). Each row is
+ * the G query heads of one KV head at once (w rows ws apart). Each row is
  * converted once per 64 slots into registers and serves all G heads from
  * there, instead of being written out as fp32 and read back per head. Per
  * (head, slot) the tokens are summed in order into one accumulator. */
-static inline __attribute__((always_inline)) void accumulate_rows(float *acc, const float *w, const uint8_t *rows,
-                                                                   int64_t ss, int n, const int G, const int fmt,
-                                                                   const int D, const int np) {
+static inline __attribute__((always_inline)) void accumulate_rows(float *acc, const float *w, int64_t ws,
+                                                                   const uint8_t *rows, int64_t ss, int n, const int G,
+                                                                   const int fmt, const int D, const int np) {
     for (int c0 = 0; c0 < np; c0 += 64) {
         const int nv = np - c0 >= 64 ? 4 : (np - c0) / 16;
         __m512 a[4][4];
@@ -114,7 +114,7 @@ static inline __attribute__((always_inline)) void accumulate_rows(float *acc, co
             __m512 v[4];
             slab_avx512(rows + i * ss, fmt, D, c0, nv, v);
             for (int g = 0; g < G; g++) {
-                const __m512 wg = _mm512_set1_ps(w[g * BLOCK + i]);
+                const __m512 wg = _mm512_set1_ps(w[g * ws + i]);
                 for (int u = 0; u < nv; u++) a[g][u] = _mm512_fmadd_ps(wg, v[u], a[g][u]);
             }
         }
@@ -125,18 +125,40 @@ static inline __attribute__((always_inline)) void accumulate_rows(float *acc, co
 
 /* accumulate_rows with the head count as a constant (1..4), so that its
  * accumulators stay in registers */
-static inline __attribute__((always_inline)) void accumulate_heads(float *acc, const float *w, const uint8_t *rows,
-                                                                    int64_t ss, int n, int G, const int fmt,
-                                                                    const int D, const int np) {
+static inline __attribute__((always_inline)) void accumulate_heads(float *acc, const float *w, int64_t ws,
+                                                                    const uint8_t *rows, int64_t ss, int n, int G,
+                                                                    const int fmt, const int D, const int np) {
     switch (G) {
-    case 1: accumulate_rows(acc, w, rows, ss, n, 1, fmt, D, np); break;
-    case 2: accumulate_rows(acc, w, rows, ss, n, 2, fmt, D, np); break;
-    case 3: accumulate_rows(acc, w, rows, ss, n, 3, fmt, D, np); break;
-    default: accumulate_rows(acc, w, rows, ss, n, 4, fmt, D, np); break;
+    case 1: accumulate_rows(acc, w, ws, rows, ss, n, 1, fmt, D, np); break;
+    case 2: accumulate_rows(acc, w, ws, rows, ss, n, 2, fmt, D, np); break;
+    case 3: accumulate_rows(acc, w, ws, rows, ss, n, 3, fmt, D, np); break;
+    default: accumulate_rows(acc, w, ws, rows, ss, n, 4, fmt, D, np); break;
     }
 }
 
 #include "paged_decode_vnni.h"
+
+/* The scales (and KV4 zeros - 8) of the chunk's V rows into vs, vz [KV head][token]:
+ * gathered here, apart from the V pass, whose every block would otherwise
+ * wait for its gather before its first multiply-add */
+static inline __attribute__((always_inline)) void v_meta(const job *j, int b, int c, const int fmt, const int D,
+                                                          float *vs, float *vz) {
+    const int bs = j->bs, ct = chunk_tokens(j);
+    const int64_t L = j->lens[b], *table = j->tables + (int64_t)b * j->width, ss = j->slot_stride;
+    const int64_t p0 = chunk_first(j, c), p1 = chunk_end(j, b, c);
+    for (int64_t p = p0; p < p1; p++) {
+        const int ntok = (int)(L - p * bs < bs ? L - p * bs : bs);
+        for (int h = j->h_lo; h < j->h_hi; h++)
+            for (int t0 = 0; t0 < ntok; t0 += BLOCK) {
+                const int n = ntok - t0 < BLOCK ? ntok - t0 : BLOCK, off = (int)(p - p0) * bs + t0;
+                const uint8_t *rows = j->v + table[p] * bs * ss + h * j->head_stride + t0 * ss;
+                __m512 scale, zero = _mm512_setzero_ps();
+                block_meta(block_pairs(rows, ss, n, fmt, D), fmt, &scale, &zero);
+                _mm512_mask_storeu_ps(vs + (int64_t)h * ct + off, lane_mask(n), scale);
+                _mm512_mask_storeu_ps(vz + (int64_t)h * ct + off, lane_mask(n), zero);
+            }
+    }
+}
 
 /* One (sequence, chunk) in three passes: all scores (K), their softmax, then
  * the weighted sum of V; the chunk's pages stay in L2 between the passes. */
@@ -146,6 +168,7 @@ static inline __attribute__((always_inline)) void chunk_impl(const job *j, int b
     const int quant = fmt == KV_INT4 || fmt == KV_INT8;
     float *q = s, *acc = q + (int64_t)H * np, *kr = acc + (int64_t)H * np, *vr = kr + BLOCK * np;
     float *w = vr + BLOCK * np, *sc = w + BLOCK, *zacc = sc + (int64_t)H * ct, *qsum = zacc + (int64_t)H * BLOCK;
+    float *vs = qsum + (H + 15) / 16 * 16, *vz = vs + (int64_t)j->Hkv * ct;  /* V rows' scales, zeros - 8 */
     /* KV4 scores by VNNI (paged_decode_vnni.h): the query as integer digits, kept where q goes */
     const int vnni = fmt == KV_INT4 && j->kv4_vnni && kv4_vnni_fits(j, (int64_t)BLOCK * np);
     for (int hq = j->h_lo * G; vnni && hq < j->h_hi * G; hq++)
@@ -161,7 +184,6 @@ static inline __attribute__((always_inline)) void chunk_impl(const job *j, int b
         qsum[hq] = sum;
     }
     memset(acc, 0, sizeof(float) * (size_t)H * np);
-    memset(zacc, 0, sizeof(float) * (size_t)H * BLOCK);
     const int64_t L = j->lens[b], *table = j->tables + (int64_t)b * j->width, ss = j->slot_stride;
     const int64_t p0 = chunk_first(j, c), p1 = chunk_end(j, b, c);
     const int T = (int)((p1 * bs < L ? p1 * bs : L) - p0 * bs);
@@ -184,17 +206,10 @@ static inline __attribute__((always_inline)) void chunk_impl(const job *j, int b
                     const int fused_v = pass && G <= 4;
                     for (int i = 0; !fused_v && i < n; i++) row_avx512(rows + (t0 + i) * ss, fmt, D, buf + i * np);
                     __m512 scale = _mm512_set1_ps(1.f), zero = _mm512_setzero_ps();
-                    if (quant) block_meta(block_pairs(rows + t0 * ss, ss, n, fmt, D), fmt, &scale, &zero);
-                    if (fused_v) {  /* the weights of all G heads (in vr, unused here), then one walk over the rows */
-                        for (int g = 0; g < G; g++) {
-                            const int hq = h * G + g;
-                            __m512 e = _mm512_maskz_loadu_ps(valid, sc + hq * ct + off);
-                            if (quant) e = _mm512_mul_ps(e, scale);
-                            if (fmt == KV_INT4)
-                                _mm512_store_ps(zacc + hq * BLOCK, _mm512_fmadd_ps(e, zero, _mm512_load_ps(zacc + hq * BLOCK)));
-                            _mm512_store_ps(vr + g * BLOCK, e);
-                        }
-                        accumulate_heads(acc + h * G * np, vr, rows + t0 * ss, ss, n, G, fmt, D, np);
+                    if (quant && !pass) block_meta(block_pairs(rows + t0 * ss, ss, n, fmt, D), fmt, &scale, &zero);
+                    if (fused_v) {  /* the weights of all G heads as the softmax left them, one walk over the rows */
+                        accumulate_heads(acc + h * G * np, sc + (int64_t)h * G * ct + off, ct, rows + t0 * ss, ss, n, G,
+                                         fmt, D, np);
                         continue;
                     }
                     for (int g = 0; g < G; g++) {
@@ -205,22 +220,17 @@ static inline __attribute__((always_inline)) void chunk_impl(const job *j, int b
                             _mm512_mask_storeu_ps(sc + hq * ct + off, valid, d);
                             continue;
                         }
-                        __m512 e = _mm512_maskz_loadu_ps(valid, sc + hq * ct + off);
-                        if (quant) {  /* the zero part is summed apart and removed at the end */
-                            e = _mm512_mul_ps(e, scale);
-                            if (fmt == KV_INT4)
-                                _mm512_store_ps(zacc + hq * BLOCK, _mm512_fmadd_ps(e, zero, _mm512_load_ps(zacc + hq * BLOCK)));
-                        }
-                        _mm512_store_ps(w, e);
-                        accumulate(acc + hq * np, w, vr, n, np);
+                        accumulate(acc + hq * np, sc + hq * ct + off, vr, n, np);
                     }
                 }
             }
         }
         if (pass) break;
+        if (quant) v_meta(j, b, c, fmt, D, vs, vz);
         for (int hq = j->h_lo * G; hq < j->h_hi * G; hq++) {  /* softmax of the chunk, unnormalized */
             float *sh = sc + hq * ct;
-            __m512 mv = _mm512_set1_ps(-INFINITY), lv = _mm512_setzero_ps();
+            const float *hs = vs + (int64_t)(hq / G) * ct, *hz = vz + (int64_t)(hq / G) * ct;
+            __m512 mv = _mm512_set1_ps(-INFINITY), lv = _mm512_setzero_ps(), za = _mm512_setzero_ps();
             for (int t = 0; t < T; t += BLOCK)
                 mv = _mm512_mask_max_ps(mv, lane_mask(T - t), mv,
                                         _mm512_loadu_ps(sh + t));
@@ -229,9 +239,18 @@ static inline __attribute__((always_inline)) void chunk_impl(const job *j, int b
                 const __mmask16 k = lane_mask(T - t);
                 const __m512 e = _mm512_maskz_mov_ps(k, exp2_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sh + t),
                                                                               _mm512_set1_ps(mx))));
-                _mm512_mask_storeu_ps(sh + t, k, e);
                 lv = _mm512_add_ps(lv, e);
+                if (!quant) {
+                    _mm512_mask_storeu_ps(sh + t, k, e);
+                    continue;
+                }
+                /* the V pass's weights: the row scale applied here; the zero
+                 * part summed apart and removed at the end */
+                const __m512 wt = _mm512_mul_ps(e, _mm512_maskz_loadu_ps(k, hs + t));
+                if (fmt == KV_INT4) za = _mm512_fmadd_ps(wt, _mm512_maskz_loadu_ps(k, hz + t), za);
+                _mm512_mask_storeu_ps(sh + t, k, wt);
             }
+            _mm512_store_ps(zacc + hq * BLOCK, za);
             float *pr = partial(j, b, c, hq);
             pr[0] = mx;
             pr[1] = _mm512_reduce_add_ps(lv);
