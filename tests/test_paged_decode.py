@@ -2,9 +2,11 @@
 reference, over every page format, head_dim, GQA group and block size."""
 from __future__ import annotations
 
+import os
 import platform
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -183,3 +185,50 @@ def test_block_sizes_that_are_not_multiples_of_16(fmt, bs, isa):
     got = c_layout.decode(q, cache, tables, ctx, d ** -0.5)
     ref = _reference(layout, heads, hkv, d, q, cache, tables, ctx)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+_GUARDED = r"""
+import ctypes, mmap, sys, torch
+from qoqserve.layers import kv_cache as kc
+from qoqserve.layers.attention_backends import CpuAttention
+fmt, hkv, d, blocks = sys.argv[1], 3, 64, 4
+for bs in (16, 7):
+    layout = (kc.Int4KVCacheLayout if fmt == "int4" else kc.Int8KVCacheLayout)(hkv, d, bs)
+    shape = layout.allocate(blocks, "cpu").shape
+    nbytes, page = shape.numel(), mmap.PAGESIZE
+    span = (nbytes + page - 1) // page * page + page
+    buf = mmap.mmap(-1, span, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    assert ctypes.CDLL(None).mprotect(ctypes.c_void_p(base + span - page), page, 0) == 0  # no access
+    cache = torch.frombuffer(buf, dtype=torch.uint8)[span - page - nbytes:span - page].view(shape)
+    cache.zero_()
+    torch.manual_seed(0)
+    tables = torch.tensor([[blocks - 1, 0, 0, 0], [3, 2, 1, 0]])  # the pool's last page, then every page
+    lens = torch.tensor([bs, 4 * bs])
+    for i in range(2):
+        pos = torch.arange(int(lens[i]))
+        slots = tables[i, pos // bs] * bs + pos % bs
+        layout.write(cache, torch.randn(len(pos), hkv, d), torch.randn(len(pos), hkv, d), slots)
+    out = CpuAttention(layout).decode(torch.randn(2, 9, d), cache, tables, lens, d ** -0.5)
+    print(bs, "ok" if torch.isfinite(out).all() else "not finite")
+"""
+
+
+@pytest.mark.parametrize("path", ["best", "avx512", "avx2", "scalar"])
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_no_read_passes_the_end_of_the_pool(fmt, path, tmp_path):
+    """The pool's last bytes are a quantized row's scale (and zero): the
+    kernel reads them with a gather, which must stay inside the row. The
+    pool here ends where an inaccessible page begins, so a read past its end
+    kills the process (in a child, so that it fails this test alone)."""
+    have = {"best": True, "avx512": cpu_has_avx512(), "avx2": cpu_has_avx2(), "scalar": True}[path]
+    if not have:
+        pytest.skip(f"no {path} path on this CPU")
+    env = {k: v for k, v in os.environ.items() if k != "QOQSERVE_CPU_ISA"}
+    if path != "best":
+        env["QOQSERVE_CPU_ISA"] = path
+    script = tmp_path / "guarded.py"
+    script.write_text(_GUARDED)
+    run = subprocess.run([sys.executable, str(script), fmt], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.split() == ["16", "ok", "7", "ok"], (run.returncode, run.stdout,
+                                                                                 run.stderr[-2000:])

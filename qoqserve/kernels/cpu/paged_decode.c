@@ -196,8 +196,8 @@ int paged_decode_isa(void) {
 static void *volatile team_part;
 static int team_next;
 
-/* Thread tm.t of tm.T: tasks (sequence, chunk) handed out in order from
- * *next, then, once all are done, its share of the merges. j is this thread's
+/* Thread tm.t of tm.T: tasks (sequence, chunk) claimed in order from
+ * *next, in guided shares, then, once all are done, its share of the merges. j is this thread's
  * own copy in a running team, shared in the kernel's own region. Nonzero when
  * this thread had no scratch (its tasks are skipped). */
 static int decode_part(job *j, int vec, int merges, team_t tm, int *next) {

@@ -22,8 +22,9 @@ KV_AVX512_BEGIN
 
 /* The fp16 (scale, zero) pairs that end the n rows of a block, ss bytes
  * apart, one token per 32-bit lane (KV8 rows end with the scale alone, read
- * with the two code bytes before it so that no read passes the row's end).
- * One gather instruction: per token inserts cost the K pass 6% more. */
+ * with the two code bytes before it so that no read passes the row's end),
+ * by one gather instruction: 16 masked inserts, unrolled with their bounds
+ * checks, cost more (docs/benchmarks/cpu_attention.md). */
 static inline __attribute__((always_inline)) __m512i block_pairs(const uint8_t *rows, int64_t ss, int n,
                                                                   const int fmt, const int D) {
     const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
