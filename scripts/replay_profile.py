@@ -29,11 +29,18 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
     for i, prompt in enumerate(make_prompts(batch, prompt_len, engine.arch.vocab_size, seed=1)):
         engine.add_request(f"r{i}", prompt, params)
-    for _ in range(5):  # prefill, then decode steps in the captured graph
-        engine.step()
     runner = engine.runner
     if runner.captured is None:
         sys.exit("decode steps are not captured here (see the engine's log)")
+    # prefill (in as many chunks as the prompts take), then decode steps in the
+    # captured graph: until then its input buffers hold empty contexts, and
+    # its attention calls would be timed on nothing
+    for _ in range(200):
+        engine.step()
+        if int(runner.captured.context_lens[:batch].min()) > prompt_len:
+            break
+    else:
+        sys.exit("the batch never reached a captured decode step")
     graph = runner.captured.graphs[runner.captured.bucket(batch)]
     spent, calls = collections.Counter(), collections.Counter()
     for _ in range(REPLAYS):
