@@ -220,8 +220,12 @@ static __thread size_t tl_rows_size, tl_out_size;
  * rounded to bf16 into y, as torch rounds the fp32 result. Nonzero when its
  * buffers could not be had. */
 static int float_part(const void *x, int dot, int64_t M, int64_t K, const void *w, int w_kind, int64_t N,
-                      const float *bias, void *y, int y_bf16, int simd, int use_panel, int64_t kp, team_t tm) {
+                      const float *bias, void *y, int y_bf16, int simd, team_t tm) {
     const int64_t chunks = (N + CHUNK - 1) / CHUNK;
+    /* bf16/fp16 weights read by more than two row tiles are converted once per
+     * NR rows into a per-thread fp32 panel instead of once per row tile */
+    const int use_panel = !dot && simd >= 2 && w_kind != W_FP32 && M > 8;
+    const int64_t kp = (K + LANES - 1) / LANES * LANES;
     float *panel = use_panel ? malloc((size_t)(PANEL_ROWS * kp) * sizeof(float)) : NULL;
     float *out = y_bf16 ? grow_scratch(&tl_out, &tl_out_size, sizeof(float) * (size_t)(M * CHUNK)) : NULL;
     if ((use_panel && !panel) || (y_bf16 && !out)) {
@@ -265,13 +269,9 @@ int float_linear(const float *x, int64_t M, int64_t K, const void *w, int w_kind
                  const float *bias, float *y, int simd, int threads) {
     if (simd > float_linear_simd()) return -2;
     if (M <= 0 || N <= 0) return 0;
-    /* bf16/fp16 weights read by more than two row tiles are converted once per
-     * NR rows into a per-thread fp32 panel instead of once per row tile */
-    const int use_panel = simd >= 2 && w_kind != W_FP32 && M > 8;
-    const int64_t kp = (K + LANES - 1) / LANES * LANES;
     int failed = 0;
     TEAM_RUN(threads, M * N * K > (1 << 16),
-             if (float_part(x, 0, M, K, w, w_kind, N, bias, y, 0, simd, use_panel, kp, tm)) team_fail(&failed));
+             if (float_part(x, 0, M, K, w, w_kind, N, bias, y, 0, simd, tm)) team_fail(&failed));
     return failed ? -3 : 0;
 }
 
@@ -292,11 +292,9 @@ int float_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const void *w, in
     int failed = 0;
     if (simd == 3 && w_kind == W_BF16) {
         TEAM_RUN(threads, M * N * K > (1 << 16),
-                 if (float_part(x, 1, M, K, w, w_kind, N, bias, y, y_bf16, simd, 0, 0, tm)) team_fail(&failed));
+                 if (float_part(x, 1, M, K, w, w_kind, N, bias, y, y_bf16, simd, tm)) team_fail(&failed));
         return failed ? -3 : 0;
     }
-    const int use_panel = simd >= 2 && w_kind != W_FP32 && M > 8;
-    const int64_t kp = (K + LANES - 1) / LANES * LANES;
     const size_t row_bytes = sizeof(float) * (size_t)(M * K);
     /* in a running team thread 0 makes the rows buffer inside the part */
     float *made = team_joined() ? NULL : grow_scratch(&tl_rows, &tl_rows_size, row_bytes);
@@ -305,7 +303,7 @@ int float_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const void *w, in
         float *xf = team_buffer(tm, made, &team_rows, &tl_rows, &tl_rows_size, row_bytes);
         for (int64_t i = M * K * tm.t / tm.T; xf && i < M * K * (tm.t + 1) / tm.T; i++) xf[i] = bf16_to_float(x[i]);
         TEAM_SYNC(tm);
-        if (!xf || float_part(xf, 0, M, K, w, w_kind, N, bias, y, y_bf16, simd, use_panel, kp, tm))
+        if (!xf || float_part(xf, 0, M, K, w, w_kind, N, bias, y, y_bf16, simd, tm))
             team_fail(&failed);
     });
     return failed ? -3 : 0;
