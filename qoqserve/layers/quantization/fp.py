@@ -27,8 +27,9 @@ BF16_C_MAX_ROWS = 2
 def bf16_all_on_c() -> bool:
     """Whether every bf16 call runs the C kernel: where torch's bf16 GEMM is
     slow (below AVX-512), and where the C kernel has AVX512-BF16 dot products
-    (faster than oneDNN up to ~256 rows, 0.8-1.0x its speed at prompt sizes; one sum
-    order at every row count, so bf16 is batch-invariant: docs/runtime.md)."""
+    (faster than oneDNN at decode sizes, a little slower at prompt sizes, and
+    one sum order at every row count, so bf16 is batch-invariant:
+    docs/runtime.md)."""
     return not torch_has_fast_bf16_gemm() or float_linear.bf16_dot()
 
 
