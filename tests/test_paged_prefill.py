@@ -47,7 +47,7 @@ def _queries(t, heads, d, seed):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_prefill_attention_matches_the_fp64_reference(fmt, heads, hkv, d, bs, isa):
     # whole prompts (first position 0) and chunks after a cached prefix, of
-    # lengths around the 16-key tiles and the 32-query tasks
+    # lengths around the 16- and 48-key tiles and the 16- to 64-query tasks
     lens, chunks = [1, 40, 77, 130], [1, 40, 9, 70]
     layout, attn, cache, tables = _case(fmt, heads, hkv, d, bs, lens)
     firsts = [n - c for n, c in zip(lens, chunks)]
@@ -77,12 +77,13 @@ def test_a_query_does_not_depend_on_chunking_batch_or_threads(fmt, isa):
     mixed = attn.prefill(torch.cat([other, q]), cache, tables[[1, 0]], [0, 60, 60 + n], [0, 0], 0.125)
     assert torch.equal(mixed[60:], whole)
     threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        single = attn.prefill(q, cache, tables[:1], [0, n], [0], 0.125)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(single, whole)
+    for t in (1, 8):  # 8 threads: tasks of 16 queries instead of 64, the same rows
+        try:
+            torch.set_num_threads(t)
+            alone = attn.prefill(q, cache, tables[:1], [0, n], [0], 0.125)
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(alone, whole), t
 
 
 @pytest.mark.parametrize("path", ["avx512", "avx2"])

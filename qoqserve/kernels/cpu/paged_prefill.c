@@ -3,7 +3,7 @@
  * which the engine writes into the pages before attending), for every page
  * format that paged_decode.c reads.
  *
- * Flash-style: keys are visited in tiles of TILE positions counted from
+ * Flash-style: keys are visited in tiles of TILE (AVX-512: WIDE) positions counted from
  * position 0 of the sequence, whatever page or chunk they fall in; each query
  * row keeps an online softmax (running max m, sum l, unnormalized acc) over
  * the tiles it can see, masking the keys after its own position. A row's
@@ -12,8 +12,10 @@
  * chunked, on the batch or on the thread count. Chunked and whole prefills
  * agree bit for bit by construction, not by rounding fp64 back.
  *
- * Task = (sequence, KV head, QBLOCK consecutive queries): each K/V tile is
- * converted to fp32 once per task, for its QBLOCK * G query rows.
+ * Task = (sequence, KV head, qblock consecutive queries): each K/V tile is
+ * converted to fp32 once per task, for its qblock * G query rows. qblock is
+ * QBLOCK, or half of it when a call would hand out too few tasks to keep the
+ * threads busy; a row's arithmetic does not depend on its task.
  *
  * Three paths in one library, chosen at run time (kv_path.h): AVX-512
  * (paged_prefill_avx512.h), AVX2 (paged_prefill_avx2.h) and the portable
@@ -25,8 +27,9 @@
 #include <string.h>
 #include "kv_rows.h"
 
-enum { TILE = 16 };    /* key positions per online-softmax step: one AVX-512 vector of scores */
-enum { QBLOCK = 32 };  /* queries per task: enough rows to amortize a tile's conversion */
+enum { TILE = 16 };    /* key positions per online-softmax step of the AVX2 and portable paths */
+enum { WIDE = 48 };    /* of the AVX-512 path: three vectors of scores per row (docs/benchmarks/cpu_attention.md) */
+enum { QBLOCK = 64 };  /* queries per task: enough rows to amortize a tile's conversion */
 
 typedef struct {
     const float *q;  /* [T, H, D] */
@@ -34,7 +37,7 @@ typedef struct {
     int64_t slot_stride, head_stride;
     const int64_t *tables, *q_starts, *first_pos;
     float *out;      /* [T, H, D] */
-    int fmt, S, H, Hkv, G, D, bs, width;
+    int fmt, S, H, Hkv, G, D, bs, width, qblock;
     float qscale;    /* sm_scale * log2(e): scores in log2 units, softmax by exp2 */
 } pjob;
 
@@ -44,11 +47,11 @@ static inline int64_t row_at(const pjob *j, int s, int64_t p, int h) {
     return slot * j->slot_stride + (int64_t)h * j->head_stride;
 }
 
-/* floats of per-thread scratch (either path): rows padded to 32 channels and
- * 8 spare rows, so the vector path can always work on blocks of 8 */
+/* floats of per-thread scratch (any path): rows padded to 32 channels and
+ * 8 spare rows, so the vector paths can always work on blocks of 8 */
 static inline int64_t scratch_floats(const pjob *j) {
-    const int64_t np = (j->D + 31) / 32 * 32, rows = (int64_t)QBLOCK * j->G + 8;
-    return rows * (2 * np + TILE + 1) + 3 * TILE * np + 8 * TILE + 32;
+    const int64_t np = (j->D + 31) / 32 * 32, rows = (int64_t)j->qblock * j->G + 8;
+    return rows * (2 * np + TILE + 1) + 3 * WIDE * np + 8 * WIDE + 32;
 }
 
 #include "paged_prefill_avx512.h"  /* defines task_avx512() where it can */
@@ -106,14 +109,19 @@ int paged_prefill_attention(const float *q, const uint8_t *k, const uint8_t *v, 
                             const int64_t *first_pos, float *out, int S, int H, int Hkv, int D, int bs,
                             int width, float sm_scale, int threads) {
     pjob j = {q, k, v, slot_stride, head_stride, tables, q_starts, first_pos, out, fmt, S, H, Hkv, H / Hkv,
-              D, bs, width, sm_scale * 1.4426950408889634f};
+              D, bs, width, QBLOCK, sm_scale * 1.4426950408889634f};
     int64_t ntasks = 0;
-    for (int s = 0; s < S; s++) ntasks += (q_starts[s + 1] - q_starts[s] + QBLOCK - 1) / QBLOCK * Hkv;
+    for (;;) {  /* at least 4 tasks a thread where the prompts allow, for the dynamic schedule to even out */
+        ntasks = 0;
+        for (int s = 0; s < S; s++) ntasks += (q_starts[s + 1] - q_starts[s] + j.qblock - 1) / j.qblock * Hkv;
+        if (ntasks >= 4 * (int64_t)threads || j.qblock <= QBLOCK / 4) break;
+        j.qblock /= 2;
+    }
     int32_t *tasks = malloc(sizeof(int32_t) * 3 * (size_t)(ntasks + 1));
     if (!tasks) return -1;
     int64_t n = 0;
     for (int s = 0; s < S; s++) {  /* the last blocks of a prompt see the most keys: hand them out first */
-        const int blocks = (int)((q_starts[s + 1] - q_starts[s] + QBLOCK - 1) / QBLOCK);
+        const int blocks = (int)((q_starts[s + 1] - q_starts[s] + j.qblock - 1) / j.qblock);
         for (int b = blocks - 1; b >= 0; b--)
             for (int h = 0; h < Hkv; h++, n++) {
                 tasks[3 * n] = s;
@@ -134,8 +142,8 @@ int paged_prefill_attention(const float *q, const uint8_t *k, const uint8_t *v, 
     #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < ntasks; t++) {
         if (!buf) continue;
-        const int s = tasks[3 * t], h = tasks[3 * t + 1], t0 = tasks[3 * t + 2] * QBLOCK;
-        const int len = (int)(q_starts[s + 1] - q_starts[s]), t1 = t0 + QBLOCK < len ? t0 + QBLOCK : len;
+        const int s = tasks[3 * t], h = tasks[3 * t + 1], t0 = tasks[3 * t + 2] * j.qblock;
+        const int len = (int)(q_starts[s + 1] - q_starts[s]), t1 = t0 + j.qblock < len ? t0 + j.qblock : len;
 #ifdef KV_AVX512
         if (vec == KV_PATH_AVX512) { task_avx512(&j, s, h, t0, t1, buf); continue; }
 #endif

@@ -1,20 +1,23 @@
 /* The AVX-512 path of paged_prefill.c (included once by it, after its job
  * type), entered only after a run-time CPU check.
  *
- * Per key tile: the TILE K rows are converted to fp32 (kv_rows_avx512.h,
- * scale and zero applied) and transposed, so that a query row's TILE scores
- * are one vector built by D broadcast-FMAs; blocks of 8 query rows share each
- * loaded K vector. V rows stay row-major and blocks of 4 query rows share each
- * loaded V vector. KV4 and bf16 rows come out planar per 32 channels, so q is
+ * Per key tile of WIDE positions: the K rows are converted to fp32
+ * (kv_rows_avx512.h, scale and zero applied) and transposed by 16 x 16
+ * blocks, so that a query row's WIDE scores are KV_VECS vectors built by D
+ * broadcast-FMAs; blocks of 8 query rows share each loaded K vector (8 x
+ * KV_VECS independent sums). V rows stay row-major and blocks of 4 query rows
+ * share each loaded V vector, so the output rows are loaded and stored once
+ * per WIDE keys. KV4 and bf16 rows come out planar per 32 channels, so q is
  * permuted into that order once per task and the output permuted back
  * (load_query, store_output: kv_rows_avx512.h).
  */
 #include "kv_rows_avx512.h"
 #ifdef KV_AVX512
+#define KV_VECS (WIDE / 16)  /* score vectors per row and tile */
 
 KV_AVX512_BEGIN
 
-/* TILE rows of (s, h) from position k0 -> dst[TILE][np] fp32, dequantized;
+/* n <= WIDE rows of (s, h) from position k0 -> dst[WIDE][np] fp32, dequantized;
  * rows n.. are zero */
 static inline __attribute__((always_inline)) void tile_rows(const pjob *j, const uint8_t *pages, int s, int64_t k0,
                                                              int n, int h, const int fmt, const int D, const int np,
@@ -30,11 +33,11 @@ static inline __attribute__((always_inline)) void tile_rows(const pjob *j, const
                 _mm512_store_ps(x + c, _mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(x + c), z), sc));
         }
     }
-    if (n < TILE) memset(dst + n * np, 0, sizeof(float) * (size_t)(TILE - n) * np);
+    if (n < WIDE) memset(dst + n * np, 0, sizeof(float) * (size_t)(WIDE - n) * np);
 }
 
-/* src[16][stride] (16 columns from col0) -> dst[16][16] transposed */
-static inline __attribute__((always_inline)) void transpose16(const float *src, int64_t stride, float *dst) {
+/* src[16][stride] (16 columns from col0) -> dst[16][16] transposed, dst rows `ds` floats apart */
+static inline __attribute__((always_inline)) void transpose16(const float *src, int64_t stride, float *dst, int ds) {
     __m512 r[16], t[16];
     for (int i = 0; i < 16; i++) r[i] = _mm512_load_ps(src + i * stride);
     for (int i = 0; i < 8; i++) {  /* per 128-bit lane: [a0 b0 a1 b1], [a2 b2 a3 b3] */
@@ -51,14 +54,14 @@ static inline __attribute__((always_inline)) void transpose16(const float *src, 
         const __m512 x0 = _mm512_shuffle_f32x4(r[k], r[4 + k], 0x88), x1 = _mm512_shuffle_f32x4(r[k], r[4 + k], 0xdd);
         const __m512 y0 = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0x88);
         const __m512 y1 = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0xdd);
-        _mm512_store_ps(dst + 16 * k, _mm512_shuffle_f32x4(x0, y0, 0x88));
-        _mm512_store_ps(dst + 16 * (8 + k), _mm512_shuffle_f32x4(x0, y0, 0xdd));
-        _mm512_store_ps(dst + 16 * (4 + k), _mm512_shuffle_f32x4(x1, y1, 0x88));
-        _mm512_store_ps(dst + 16 * (12 + k), _mm512_shuffle_f32x4(x1, y1, 0xdd));
+        _mm512_store_ps(dst + ds * k, _mm512_shuffle_f32x4(x0, y0, 0x88));
+        _mm512_store_ps(dst + ds * (8 + k), _mm512_shuffle_f32x4(x0, y0, 0xdd));
+        _mm512_store_ps(dst + ds * (4 + k), _mm512_shuffle_f32x4(x1, y1, 0x88));
+        _mm512_store_ps(dst + ds * (12 + k), _mm512_shuffle_f32x4(x1, y1, 0xdd));
     }
 }
 
-/* o[4 rows][np] += sum_{k<n} w[row][k] * v[k] (w rows TILE apart) */
+/* o[4 rows][np] += sum_{k<n} w[row][k] * v[k] (w rows WIDE apart) */
 static inline __attribute__((always_inline)) void accumulate4(float *o, const float *w, const float *v, int n,
                                                                const int np) {
     for (int c0 = 0; c0 < np; c0 += 64) {
@@ -70,7 +73,7 @@ static inline __attribute__((always_inline)) void accumulate4(float *o, const fl
             __m512 x[4];
             for (int u = 0; u < nv; u++) x[u] = _mm512_load_ps(v + k * np + c0 + 16 * u);
             for (int r = 0; r < 4; r++) {
-                const __m512 wr = _mm512_set1_ps(w[r * TILE + k]);
+                const __m512 wr = _mm512_set1_ps(w[r * WIDE + k]);
                 for (int u = 0; u < nv; u++) a[r][u] = _mm512_fmadd_ps(wr, x[u], a[r][u]);
             }
         }
@@ -83,7 +86,7 @@ static inline __attribute__((always_inline)) void task_impl(const pjob *j, int s
                                                              float *buf, const int fmt, const int D) {
     const int np = padded(fmt, D), G = j->G, R = (t1 - t0) * G, rows = R + 8;
     float *q = buf, *o = q + (int64_t)rows * np, *lv = o + (int64_t)rows * np, *m = lv + (int64_t)rows * TILE;
-    float *kt = m + (rows + 15) / 16 * 16, *tmp = kt + TILE * np, *vb = tmp + TILE * np, *w = vb + TILE * np;
+    float *kt = m + (rows + 15) / 16 * 16, *tmp = kt + WIDE * np, *vb = tmp + WIDE * np, *w = vb + WIDE * np;
     const int64_t base = j->q_starts[s], pos0 = j->first_pos[s] + t0, last = j->first_pos[s] + t1 - 1;
     const __m512 qscale = _mm512_set1_ps(j->qscale);
     for (int r = 0; r < rows; r++) {
@@ -94,34 +97,50 @@ static inline __attribute__((always_inline)) void task_impl(const pjob *j, int s
     }
     memset(o, 0, sizeof(float) * (size_t)rows * np);
     memset(lv, 0, sizeof(float) * (size_t)rows * TILE);
-    for (int64_t k0 = 0; k0 <= last; k0 += TILE) {
-        const int n = (int)(last + 1 - k0 < TILE ? last + 1 - k0 : TILE);
+    for (int64_t k0 = 0; k0 <= last; k0 += WIDE) {
+        const int n = (int)(last + 1 - k0 < WIDE ? last + 1 - k0 : WIDE);
         tile_rows(j, j->k, s, k0, n, h, fmt, D, np, tmp);
-        for (int c = 0; c < np; c += 16) transpose16(tmp + c, np, kt + c * TILE);
+        for (int c = 0; c < np; c += 16)
+            for (int u = 0; u < KV_VECS; u++) {
+                if (n > 16 * u) transpose16(tmp + 16 * u * np + c, np, kt + c * WIDE + 16 * u, WIDE);
+                else for (int i = 0; i < 16; i++) _mm512_store_ps(kt + (c + i) * WIDE + 16 * u, _mm512_setzero_ps());
+            }
         tile_rows(j, j->v, s, k0, n, h, fmt, D, np, vb);
         const int first = (int)(k0 > pos0 ? k0 - pos0 : 0) * G;  /* the first row that sees this tile */
         for (int r = first; r < R; r += 8) {
-            __m512 sc[8];
-            for (int b = 0; b < 8; b++) sc[b] = _mm512_setzero_ps();
+            __m512 sc[8][KV_VECS];
+            for (int b = 0; b < 8; b++)
+                for (int u = 0; u < KV_VECS; u++) sc[b][u] = _mm512_setzero_ps();
             const float *qr = q + (int64_t)r * np;  /* the 8 rows sit at constant offsets from it */
             for (int i = 0; i < np; i++, qr++) {
-                const __m512 kv = _mm512_load_ps(kt + i * TILE);
-                for (int b = 0; b < 8; b++) sc[b] = _mm512_fmadd_ps(_mm512_set1_ps(qr[b * np]), kv, sc[b]);
+                __m512 kv[KV_VECS];
+                for (int u = 0; u < KV_VECS; u++) kv[u] = _mm512_load_ps(kt + i * WIDE + 16 * u);
+                for (int b = 0; b < 8; b++) {
+                    const __m512 qb = _mm512_set1_ps(qr[b * np]);
+                    for (int u = 0; u < KV_VECS; u++) sc[b][u] = _mm512_fmadd_ps(qb, kv[u], sc[b][u]);
+                }
             }
             for (int b = 0; b < 8; b++) {
                 const int rr = r + b;
                 if (rr >= R) {
-                    _mm512_store_ps(w + b * TILE, _mm512_setzero_ps());
+                    for (int u = 0; u < KV_VECS; u++) _mm512_store_ps(w + b * WIDE + 16 * u, _mm512_setzero_ps());
                     continue;
                 }
                 const int64_t p = pos0 + rr / G;
                 const int nv = (int)(p - k0 + 1 < n ? p - k0 + 1 : n);
-                const __mmask16 valid = lane_mask(nv);
+                __mmask16 valid[KV_VECS], above = 0;
                 float *orow = o + (int64_t)rr * np, *lrow = lv + (int64_t)rr * TILE;
+                const __m512 mo = _mm512_set1_ps(m[rr]);
+                for (int u = 0; u < KV_VECS; u++) {
+                    valid[u] = lane_mask(nv - 16 * u);
+                    above |= _mm512_mask_cmp_ps_mask(valid[u], sc[b][u], mo, _CMP_GT_OQ);
+                }
                 /* the tile's max is reduced only when a score passes the row's
-                 * max, which after the first tiles is rare: the same bits */
-                if (_mm512_mask_cmp_ps_mask(valid, sc[b], _mm512_set1_ps(m[rr]), _CMP_GT_OQ)) {
-                    const float mx = _mm512_mask_reduce_max_ps(valid, sc[b]);
+                 * max, which after the first tiles is rare */
+                if (above) {
+                    __m512 mv = _mm512_set1_ps(-INFINITY);
+                    for (int u = 0; u < KV_VECS; u++) mv = _mm512_mask_max_ps(mv, valid[u], mv, sc[b][u]);
+                    const float mx = _mm512_reduce_max_ps(mv);
                     if (mx > m[rr]) {  /* rescale what was summed under the old max */
                         const __m512 f = _mm512_set1_ps(exp2f(m[rr] - mx));
                         _mm512_store_ps(lrow, _mm512_mul_ps(_mm512_load_ps(lrow), f));
@@ -130,12 +149,17 @@ static inline __attribute__((always_inline)) void task_impl(const pjob *j, int s
                         m[rr] = mx;
                     }
                 }
-                const __m512 e = _mm512_maskz_mov_ps(valid, exp2_ps(_mm512_sub_ps(sc[b], _mm512_set1_ps(m[rr]))));
-                _mm512_store_ps(lrow, _mm512_add_ps(_mm512_load_ps(lrow), e));
-                _mm512_store_ps(w + b * TILE, e);
+                const __m512 mr = _mm512_set1_ps(m[rr]);
+                __m512 l = _mm512_load_ps(lrow);
+                for (int u = 0; u < KV_VECS; u++) {
+                    const __m512 e = _mm512_maskz_mov_ps(valid[u], exp2_ps(_mm512_sub_ps(sc[b][u], mr)));
+                    l = _mm512_add_ps(l, e);
+                    _mm512_store_ps(w + b * WIDE + 16 * u, e);
+                }
+                _mm512_store_ps(lrow, l);
             }
             accumulate4(o + (int64_t)r * np, w, vb, n, np);
-            accumulate4(o + (int64_t)(r + 4) * np, w + 4 * TILE, vb, n, np);
+            accumulate4(o + (int64_t)(r + 4) * np, w + 4 * WIDE, vb, n, np);
         }
     }
     for (int r = 0; r < R; r++) {
