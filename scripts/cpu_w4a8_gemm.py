@@ -67,7 +67,7 @@ def kernel_only(mod):
         y = torch.empty(m, mod.out_features, dtype=x.dtype)
         rs = None if mod.zs1 is None else rowsums.setdefault(m, torch.zeros(m)).data_ptr()
         lib.w4a8_gemm(x.data_ptr(), 1, 0, None, None, 0.0, m, x.shape[1], *args, rs,
-                      None if mod.zs1 is None else mod.zs1.data_ptr(), None, y.data_ptr(), 1, mod.simd, threads)
+                      None if mod.zs1 is None else mod.zs1.data_ptr(), None, y.data_ptr(), 1, 0, mod.simd, threads)
         return y
     return call
 

@@ -83,7 +83,7 @@ int main(int argc, char **argv) {
         for (int l = 0; l < layers; l++)
             for (int s = 0; s < 4; s++)
                 if (w4a8_gemm(x, 0, 0, NULL, NULL, 0.f, M, shapes[s][1], w[l][s], gp[l][s], group, shapes[s][0],
-                              s1, NULL, NULL, NULL, y, 0, simd, threads))
+                              s1, NULL, NULL, NULL, y, 0, 0, simd, threads))
                     return 1;
         t = now() - t;
         gemv = t < gemv ? t : gemv;

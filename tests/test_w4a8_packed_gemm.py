@@ -302,6 +302,81 @@ def test_the_packed_method_fuses_silu_mul_only_where_it_rounds_alike():
         assert torch.equal(method.input_from_silu_mul(gate_up, op), op(gate_up))
 
 
+@pytest.mark.parametrize("isa", ["amx", "avx512-vnni", "scalar"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_in_the_gate_up_epilogue_is_bit_identical_to_the_gemm_then_the_op(monkeypatch, dtype, isa):
+    """silu_pairs: the gate_up GEMM makes silu(gate) * up itself (AMX calls keep
+    the VNNI loops); one or two rows (the raw-codes loop), one row tile and
+    several (the panel), a pair left in a 4-block tile (n = 2 x 176), both
+    threads' ranges, with and without bias, plain and normalized inputs, and
+    gates where the SiLU saturates, underflows or meets a signed zero."""
+    _need(isa)
+    from qoqserve.kernels.cpu import elementwise
+    from qoqserve.kernels.cpu.w4a8_gemm import NormInput
+    monkeypatch.setenv(w4a8_gemm.ISA_ENV, isa)
+    k = 320
+    weight = (torch.rand(k, generator=torch.Generator().manual_seed(1)) + 0.5).to(dtype)
+    for n in (352, 1024):
+        c = _checkpoint(n, k, 64, seed=n)
+        c["s1"][:3] = torch.tensor([60.0, 1e-4, 0.0]).half()  # gates of +-hundreds, tiny ones, zeros
+        for with_bias in (False, True):
+            plain, pairs = (PackedW4A8Gemm(c["qweight"], c["s1"], c["s2"], c["zeros"],
+                                           c["bias"] if with_bias else None, 64, silu_pairs=p) for p in (False, True))
+            for m in (1, 2, 6, 7, 33):
+                x = _input(m, k, dtype, seed=m + n)
+                want = elementwise.silu_mul(plain(x))
+                got = pairs.silu_mul(x)
+                assert got.shape == (m, n // 2) and got.dtype == dtype
+                assert torch.equal(got, want), (n, m, with_bias, dtype, isa)
+                assert torch.equal(pairs(x), plain(x))  # forward: gate | up, in the checkpoint's order
+                h = x.clone()
+                delta = _input(m, k, dtype, seed=100 + m)
+                got = pairs.silu_mul(NormInput(h, delta, weight, 1e-5))
+                hn = x.clone()
+                assert torch.equal(got, elementwise.silu_mul(plain(NormInput(hn, delta, weight, 1e-5))))
+                assert torch.equal(h, hn)
+
+
+def test_a_gate_up_linear_makes_silu_mul_in_its_epilogue_only_where_it_rounds_alike():
+    from qoqserve.layers.linear import Linear
+    from qoqserve.layers.quantization.qoq_methods import QoQPackedMethod
+    from qoqserve.layers.token_ops import CpuTokenOps, TorchTokenOps
+    c = _checkpoint(2 * 96, 128, 64, seed=3)
+
+    def gate_up(cpu_ops, silu_mul_after=True):
+        layer = Linear(128, [96, 96], False, QoQPackedMethod(64, cpu_ops=cpu_ops), torch.float32,
+                       silu_mul_after=silu_mul_after)
+        for name in ("qweight", "s1", "s2", "zeros"):
+            getattr(layer, name).data.copy_(c[name])
+        layer.method.process_weights_after_loading(layer)
+        return layer
+
+    x = _input(5, 128, torch.float32, seed=4)
+    fused, plain = gate_up(True), gate_up(True, silu_mul_after=False)
+    assert fused.packed_w4a8.silu_pairs and not plain.packed_w4a8.silu_pairs
+    assert torch.equal(fused(x), plain(x))
+    cpu_silu, torch_silu = CpuTokenOps().silu_mul, TorchTokenOps().silu_mul
+    assert torch.equal(fused.silu_mul_output(x, cpu_silu), cpu_silu(plain(x)))
+    # torch's SiLU is not the epilogue's: the model applies it; the torch token ops: no pairs at all
+    assert fused.silu_mul_output(x, torch_silu) is None and plain.silu_mul_output(x, cpu_silu) is None
+    assert not gate_up(False).packed_w4a8.silu_pairs
+
+
+def test_silu_pairs_are_refused_where_the_epilogue_cannot_run(monkeypatch):
+    c = _checkpoint(64, 128, 64, seed=1)
+    for group, n in ((0, 64), (64, 48)):  # per channel; halves of 24 channels
+        cc = _checkpoint(n, 128, group, seed=2)
+        with pytest.raises(ValueError, match="silu pairs"):
+            PackedW4A8Gemm(cc["qweight"], cc["s1"], cc["s2"], cc["zeros"], None, group, silu_pairs=True)
+    with pytest.raises(ValueError, match="silu_pairs=True"):
+        _packed(c, 64).silu_mul(torch.randn(2, 128))
+    if best_isa_of_this_cpu() != "scalar":
+        monkeypatch.setenv(w4a8_gemm.ISA_ENV, "avx2")
+        assert not w4a8_gemm.silu_pairs_supported(64, 64)
+        with pytest.raises(ValueError, match="avx2"):
+            PackedW4A8Gemm(c["qweight"], c["s1"], c["s2"], c["zeros"], None, 64, silu_pairs=True)
+
+
 @pytest.mark.parametrize("isa", ["amx", "avx512-vnni", "avx2", "scalar"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_add_rms_norm_fused_into_the_input_is_bit_identical_to_the_op_then_the_gemm(monkeypatch, dtype, isa):

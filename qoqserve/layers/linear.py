@@ -18,6 +18,8 @@ A method has three hooks, as in vLLM:
 Two optional hooks let a method fuse the op that produces its input (the
 RMSNorm before qkv/gate_up, the SiLU*mul before down_proj) with its own input
 preparation, e.g. INT8 quantization; ``apply`` then receives what they return.
+A third lets a gate_up layer whose output only SiLU*mul reads (the model says
+so: ``silu_mul_after``) make that product in its own epilogue.
 """
 from __future__ import annotations
 
@@ -70,6 +72,12 @@ class LinearMethod(ABC):
         """This layer's input when it is silu(gate) * up of a fused gate_up
         output; silu_mul: the model's own op for it."""
         return silu_mul(gate_up)
+
+    def silu_mul_output(self, layer: "Linear", x, silu_mul) -> torch.Tensor | None:
+        """silu(gate) * up of this (silu_mul_after) layer's output, rounded as
+        the model's silu_mul rounds it, made by the method itself; None where
+        it cannot (the model then applies silu_mul to the output)."""
+        return None
 
 
 def add_param(layer: "Linear", name: str, shape: tuple[int, ...], dtype: torch.dtype,
@@ -148,8 +156,13 @@ class Linear(nn.Module):
     """
 
     def __init__(self, in_features: int, output_sizes: list[int] | int, bias: bool,
-                 method: LinearMethod, dtype: torch.dtype, shard: LinearShard | None = None):
+                 method: LinearMethod, dtype: torch.dtype, shard: LinearShard | None = None,
+                 silu_mul_after: bool = False):
+        """silu_mul_after: the output (gate | up halves) is only ever read as
+        silu(gate) * up (silu_mul_output), so the method may store its
+        channels in whatever order serves that."""
         super().__init__()
+        self.silu_mul_after = silu_mul_after
         full = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
         self.shard = shard = shard or LinearShard()
         self.full_offsets = _offsets(full)
@@ -204,6 +217,14 @@ class Linear(nn.Module):
 
     def input_from_silu_mul(self, gate_up: torch.Tensor, silu_mul):
         return self.method.input_from_silu_mul(gate_up, silu_mul)
+
+    def silu_mul_output(self, x, silu_mul) -> torch.Tensor | None:
+        """silu(gate) * up of this layer's output where its method makes it in
+        its own call, else None: the caller applies silu_mul to forward's
+        output (or the next layer fuses it: input_from_silu_mul)."""
+        if not self.silu_mul_after or self.shard.reduce is not None:
+            return None
+        return self.method.silu_mul_output(self, x, silu_mul)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.output_sizes}, bias={self.has_bias}, "

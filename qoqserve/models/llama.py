@@ -78,12 +78,15 @@ class MLP(nn.Module):
         inter = cfg.intermediate_size
         cols = tp.split(inter, "MLP intermediate channels")
         self.gate_up_proj = Linear(cfg.hidden_size, [inter] * 2, False, method_for("mlp.gate_up_proj"), dtype,
-                                   LinearShard(rows=(cols, cols)) if tp.size > 1 else None)
+                                   LinearShard(rows=(cols, cols)) if tp.size > 1 else None, silu_mul_after=True)
         self.down_proj = Linear(inter, cfg.hidden_size, False, method_for("mlp.down_proj"), dtype,
                                 _row_shard(tp, cols))
 
     def forward(self, x):
-        return self.down_proj(self.down_proj.input_from_silu_mul(self.gate_up_proj(x), self.ops.silu_mul))
+        act = self.gate_up_proj.silu_mul_output(x, self.ops.silu_mul)  # in gate_up's epilogue, where it can be
+        if act is None:
+            act = self.down_proj.input_from_silu_mul(self.gate_up_proj(x), self.ops.silu_mul)
+        return self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):

@@ -48,14 +48,21 @@ AVX512_FN static void quantize_row_avx512(const void *x, int bf16, int64_t K, in
 }
 
 /* The epilogue of 16 output channels of one row (pointers at those channels):
- * y = acc * s_a * s1 (- rowsum * z*s1) (+ bias), in the reference's order. */
-AVX512_FN static inline void store_epilogue(__m512i acc, float sa, const float *s1, const float *zs1,
-                                            float rowsum, const float *bias, void *y, int out_bf16,
-                                            __mmask16 k) {
+ * acc * s_a * s1 (- rowsum * z*s1) (+ bias), in the reference's order. */
+AVX512_FN static inline __m512 epilogue_value(__m512i acc, float sa, const float *s1, const float *zs1,
+                                              float rowsum, const float *bias, __mmask16 k) {
     __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(sa)),
                              _mm512_maskz_loadu_ps(k, s1));
     if (zs1) v = _mm512_sub_ps(v, _mm512_mul_ps(_mm512_set1_ps(rowsum), _mm512_maskz_loadu_ps(k, zs1)));
     if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, bias));
+    return v;
+}
+
+/* epilogue_value stored to y as fp32 or bf16 */
+AVX512_FN static inline void store_epilogue(__m512i acc, float sa, const float *s1, const float *zs1,
+                                            float rowsum, const float *bias, void *y, int out_bf16,
+                                            __mmask16 k) {
+    const __m512 v = epilogue_value(acc, sa, s1, zs1, rowsum, bias, k);
     if (out_bf16) _mm256_mask_storeu_epi16((uint16_t *)y, k, to_bf16(v));
     else _mm512_mask_storeu_ps((float *)y, k, v);
 }

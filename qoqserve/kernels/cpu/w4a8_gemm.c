@@ -70,6 +70,7 @@ typedef struct {
     const int8_t *xq; const float *sa; const int32_t *qsum; int64_t M, Kp, N;
     const uint8_t *w, *gp; int64_t group;  /* gp NULL and group 0: per channel */
     const float *s1, *rowsum, *zs1, *bias; void *y; int out_bf16;
+    int silu;  /* y_silu: y [M, N/2] = silu(gate) * up of each (gate, up) pair of blocks */
     const int32_t *gsum;  /* AVX2 with groups: sum of x_q over each (row, group), [M][K / group] */
 } Job;
 
@@ -136,16 +137,29 @@ static void unpack_channel(const Job *j, int64_t n, int8_t *row) {
     }
 }
 
+static inline int32_t dot_scalar(const int8_t *x, const int8_t *w, int64_t n) {
+    int32_t acc = 0;
+    for (int64_t k = 0; k < n; k++) acc += (int32_t)x[k] * w[k];
+    return acc;
+}
+
+/* row: 2 Kp bytes (a gate channel's weights and its up channel's, y_silu) */
 static void blocks_scalar(const Job *j, int64_t nb_lo, int64_t nb_hi, int8_t *row) {
+    const int64_t Kp = j->Kp, ys = j->silu ? j->N / 2 : j->N;
     for (int64_t n = nb_lo * NB; n < nb_hi * NB && n < j->N; n++) {
+        if (j->silu && n / NB % 2) continue;  /* an up channel: made with its gate channel */
         unpack_channel(j, n, row);
+        if (j->silu) unpack_channel(j, n + NB, row + Kp);
+        const int64_t col = j->silu ? n / (2 * NB) * NB + n % NB : n;
         for (int64_t m = 0; m < j->M; m++) {
-            const int8_t *x = j->xq + m * j->Kp;
-            int32_t acc = 0;
-            for (int64_t k = 0; k < j->Kp; k++) acc += (int32_t)x[k] * row[k];
-            float v = epilogue_scalar(j, m, n, acc);
-            if (j->out_bf16) ((uint16_t *)j->y)[m * j->N + n] = float_to_bf16(v);
-            else ((float *)j->y)[m * j->N + n] = v;
+            const int8_t *x = j->xq + m * Kp;
+            float v = epilogue_scalar(j, m, n, dot_scalar(x, row, Kp));
+            if (j->silu) {  /* the pair as gate_up would hold it, then silu_mul_row's arithmetic */
+                const float u = epilogue_scalar(j, m, n + NB, dot_scalar(x, row + Kp, Kp));
+                v = silu_mul_value(as_stored(v, j->out_bf16), as_stored(u, j->out_bf16), j->out_bf16);
+            }
+            if (j->out_bf16) ((uint16_t *)j->y)[m * ys + col] = float_to_bf16(v);
+            else ((float *)j->y)[m * ys + col] = v;
         }
     }
 }
@@ -270,8 +284,10 @@ static int gemm_part(const Call *c, team_t tm) {
     uint8_t *mine = c->panel_bytes ? grow_scratch(&tl_panel, &tl_panel_size, c->panel_bytes) : NULL;
     const int ok = ready && (!c->panel_bytes || mine);
     if (ok) {
-        /* contiguous, balanced ranges of blocks: one block finer than the tile */
-        const int64_t lo = c->nblocks * tm.t / tm.T, hi = c->nblocks * (tm.t + 1) / tm.T;
+        /* contiguous, balanced ranges of blocks: one block finer than the tile
+         * (y_silu: one pair, so that no pair is split between threads) */
+        const int64_t unit = c->job.silu ? 2 : 1, units = c->nblocks / unit;
+        const int64_t lo = unit * (units * tm.t / tm.T), hi = unit * (units * (tm.t + 1) / tm.T);
 #if HAVE_SIMD
         if (c->amx) blocks_amx(&job, lo, hi, mine);
         else if (p->simd) blocks_simd(&job, lo, hi, mine);
@@ -300,22 +316,28 @@ static int gemm_part(const Call *c, team_t tm) {
  *   y = (x_q . w) * s_a[m] * s1[n] (- rowsum[m] * zs1[n]) (+ bias[n]),
  * w = s2*(u - z) per group (gp != NULL; group % 8 == 0, K % group == 0) or u
  * (per channel: gp NULL, group 0). rowsum/zs1 and bias may be NULL.
+ * y_silu: the N channels come as (gate, up) pairs of 16-channel blocks (block
+ * 2p: gate channels 16p.., block 2p + 1: the up channels of the same p; N a
+ * multiple of 32), and y [M, N/2] gets silu(gate) * up of each pair, rounded
+ * as silu_mul_row.h rounds the pair y would otherwise hold: a gate_up linear
+ * and the SiLU * mul after it in one call (the scalar and VNNI paths; no AMX).
  * simd: 0 the scalar code, 1 AVX2, 2 AVX-512 VNNI, 3 also AMX-INT8 for calls
  * of AMX_MIN_ROWS rows or more (the same numbers on every path).
- * Returns 0; -1: out of memory; -2: SIMD asked for where it cannot run;
- * -3: a group size or K the layout does not allow; -4: an unknown x_mode. */
+ * Returns 0; -1: out of memory; -2: SIMD asked for where it cannot run (or
+ * y_silu on AVX2); -3: a group size, K or N the layout does not allow; -4: an
+ * unknown x_mode. */
 int w4a8_gemm(const void *x, int x_bf16, int x_mode, const void *delta, const void *norm_w, float eps,
               int64_t M, int64_t K, const uint8_t *w, const uint8_t *gp,
               int64_t group, int64_t N, const float *s1, const float *rowsum, const float *zs1,
-              const float *bias, void *y, int out_bf16, int simd, int threads) {
-    if (simd < 0 || simd > w4a8_gemm_simd()) return -2;
+              const float *bias, void *y, int out_bf16, int y_silu, int simd, int threads) {
+    if (simd < 0 || simd > w4a8_gemm_simd() || (y_silu && simd == 1)) return -2;
     const int avx2 = simd == 1;
     simd = simd > 1 ? simd - 1 : 0;  /* below: 1 the VNNI loops, 2 also AMX */
-    if ((gp != NULL) != (group > 0) || (group && (group % 8 || K % group))) return -3;
+    if ((gp != NULL) != (group > 0) || (group && (group % 8 || K % group)) || (y_silu && N % (2 * NB))) return -3;
     if (x_mode < X_PLAIN || x_mode > X_NORM || (x_mode == X_NORM && !norm_w)) return -4;
     if (M <= 0 || N <= 0) return 0;  /* nothing to write (an empty batch) */
     const int64_t Kp = (K + 7) & ~(int64_t)7, nblocks = (N + NB - 1) / NB;
-    const int amx = amx_rows(simd > 1, M, Kp);
+    const int amx = y_silu ? 0 : amx_rows(simd > 1, M, Kp);
     const int own = M <= OWN_ROWS && !amx;
     /* AMX loads 16 rows a tile: rows past M are allocated, never stored */
     const int64_t rows = amx ? (M + 15) / 16 * 16 : M;
@@ -327,9 +349,10 @@ int w4a8_gemm(const void *x, int x_bf16, int x_mode, const void *delta, const vo
     if (!own && !team_joined() && !main_buf) return -1;
     /* the SIMD panel holds NR blocks of 16 channels x Kp, needed only past one
      * row tile; the scalar path keeps one channel's Kp weights */
-    const size_t panel_bytes = simd ? (M > MR || amx ? (size_t)(NR * NB * Kp) : 0) : avx2 ? 0 : (size_t)Kp;
+    const size_t panel_bytes = simd ? (M > MR || amx ? (size_t)(NR * NB * Kp) : 0) : avx2 ? 0 : (size_t)(2 * Kp);
     const Call call = {{x, x_bf16, x_mode, delta, eps, K, Kp, simd, avx2, groups, group}, norm_w,
-                       {NULL, NULL, NULL, M, Kp, N, w, gp, group, s1, rowsum, zs1, bias, y, out_bf16, NULL},
+                       {NULL, NULL, NULL, M, Kp, N, w, gp, group, s1, rowsum, zs1, bias, y, out_bf16, y_silu != 0,
+                        NULL},
                        main_buf, own, amx, xq_bytes, act_bytes, panel_bytes, nblocks};
     int failed = 0;
     TEAM_RUN(threads, M * N * K > (1 << 18), if (gemm_part(&call, tm)) team_fail(&failed));

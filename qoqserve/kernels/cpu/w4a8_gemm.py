@@ -25,13 +25,13 @@ _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _SIGNATURES = {
     "w4a8_gemm_simd": (_I, []),
     "w4a8_gemm": (_I, [_P, _I, _I, _P, _P, ctypes.c_float, _L, _L, _P, _P, _L, _L, _P, _P, _P, _P, _P, _I, _I,
-                       _I]),
+                       _I, _I]),
 }
 BLOCK_N, OCTET_K = 16, 8
 DTYPES = (torch.float32, torch.bfloat16)  # of the input and output
 ISA_ENV = cpu_isa.ENV
 _ERRORS = {-1: "could not allocate its scratch buffers", -2: "AVX-512 VNNI (or AMX) is not available on this CPU",
-           -3: "got a group size or K its layout does not allow", -4: "got an unknown input mode"}
+           -3: "got a group size, K or N its layout does not allow", -4: "got an unknown input mode"}
 X_PLAIN, X_SILU, X_NORM = 0, 1, 2  # how the kernel makes its input rows (w4a8_gemm.c)
 
 
@@ -166,7 +166,7 @@ def w4a8_linear(x2: torch.Tensor, codes: torch.Tensor, gparams: torch.Tensor | N
                           None if gparams is None else gparams.data_ptr(), group_size, n, s1.data_ptr(),
                           None if rowsum is None else rowsum.data_ptr(),
                           None if zs1 is None else zs1.data_ptr(),
-                          None if bias is None else bias.data_ptr(), y.data_ptr(), bf16, int(simd),
+                          None if bias is None else bias.data_ptr(), y.data_ptr(), bf16, 0, int(simd),
                           torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"packed W4A8 kernel {_ERRORS.get(rc, f'failed ({rc})')}")
@@ -187,13 +187,35 @@ def _(x2, codes, gparams, group_size, n, s1, zs1, bias, simd):
     return x2.new_empty(x2.shape[0], n)
 
 
+def silu_pair_order(n: int) -> torch.Tensor:
+    """The channel order of a gate_up linear of n = 2I outputs (gate | up) whose
+    SiLU * mul the kernel makes in its epilogue: 16 gate channels, then the 16
+    up channels of the same indices, and so on (w4a8_gemm.c, y_silu)."""
+    half = n // 2
+    if n % (2 * BLOCK_N):
+        raise ValueError(f"silu pairs need gate and up halves of a multiple of {BLOCK_N} channels, got {n}")
+    gate = torch.arange(half).view(-1, BLOCK_N)
+    return torch.stack([gate, gate + half], 1).reshape(-1)
+
+
+def silu_pairs_supported(n: int, group_size: int) -> bool:
+    """Whether the kernel here can make silu(gate) * up of n = 2I outputs in its
+    epilogue: group layouts, halves of whole 16-channel blocks, and a path that
+    has that epilogue (VNNI or scalar; AVX2 has none)."""
+    return bool(group_size) and n % (2 * BLOCK_N) == 0 and simd_level() != ISAS.index("avx2")
+
+
 class PackedW4A8Gemm(nn.Module):
     """One QoQ linear with its codes kept 4-bit in the kernel's layout, plus
     fp32 s1 (and z*s1 per channel, bias). Resident: ceil(N/16)*16 x ceil(K/8)*8
-    / 2 bytes of codes, 1 byte per channel and group, 4N bytes per vector."""
+    / 2 bytes of codes, 1 byte per channel and group, 4N bytes per vector.
+
+    silu_pairs: the outputs are gate | up halves (a gate_up linear) whose
+    silu(gate) * up `silu_mul` makes in the GEMM's epilogue, the channels
+    stored in silu_pair_order; `forward` still returns gate | up."""
 
     def __init__(self, qweight: torch.Tensor, s1: torch.Tensor, s2: torch.Tensor | None,
-                 zeros: torch.Tensor, bias: torch.Tensor | None, group_size: int):
+                 zeros: torch.Tensor, bias: torch.Tensor | None, group_size: int, silu_pairs: bool = False):
         """Checkpoint tensors (docs/format.md): qweight uint8 [N, K/2], s1 [N],
         s2/zeros [N, K/g] (group_size > 0) or zeros [N] and s2 None (per channel)."""
         super().__init__()
@@ -201,6 +223,14 @@ class PackedW4A8Gemm(nn.Module):
         check_group_size(self.in_features, group_size)
         self.group_size = group_size
         self.simd = simd_level()  # QOQSERVE_CPU_ISA is read once, here
+        self.silu_pairs = silu_pairs
+        if silu_pairs:
+            if not silu_pairs_supported(self.out_features, group_size):
+                raise ValueError("silu pairs need a group layout, gate and up halves of whole 16-channel "
+                                 f"blocks and a kernel path with that epilogue (this CPU's: {isa()})")
+            order = silu_pair_order(self.out_features)
+            qweight, s1, s2, zeros = qweight[order], s1[order], s2[order], zeros[order]
+            bias = None if bias is None else bias[order]
         self.register_buffer("codes", repack_codes(qweight), persistent=False)
         self.register_buffer("gparams", pack_group_params(s2, zeros) if group_size else None,
                              persistent=False)
@@ -235,6 +265,23 @@ class PackedW4A8Gemm(nn.Module):
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
     def forward(self, x: torch.Tensor | SiluMulInput | NormInput) -> torch.Tensor:
+        """x @ W.T (+ bias): the layer's outputs in its checkpoint's order."""
+        y = self._run(x, 0)
+        if self.silu_pairs:  # not the model's path (silu_mul is): back from the pair order
+            y = y.index_select(-1, torch.argsort(silu_pair_order(self.out_features)))
+        return y
+
+    def silu_mul(self, x: torch.Tensor | SiluMulInput | NormInput) -> torch.Tensor:
+        """silu(gate) * up of this gate_up layer's output (silu_pairs), [..., N/2], in
+        one call: bit for bit what elementwise.silu_mul of `forward`'s output gives."""
+        if not self.silu_pairs:
+            raise ValueError("silu_mul needs a PackedW4A8Gemm built with silu_pairs=True")
+        if torch.compiler.is_compiling():  # the op has no such epilogue: torch's SiLU (the same rounding)
+            gate, up = self(x).chunk(2, dim=-1)
+            return torch.nn.functional.silu(gate) * up
+        return self._run(x, 1)
+
+    def _run(self, x, y_silu: int) -> torch.Tensor:
         mode, delta, norm_w, eps = X_PLAIN, None, None, 0.0
         if isinstance(x, (SiluMulInput, NormInput)):
             if self._per_channel or torch.compiler.is_compiling():
@@ -250,7 +297,7 @@ class PackedW4A8Gemm(nn.Module):
             if x.dtype not in DTYPES:
                 raise ValueError(f"a fused input needs fp32/bf16 activations, got {x.dtype}")
         elif x.dtype not in DTYPES:  # fp16: exact in fp32, and the reference rounds at the end
-            return self(x.float()).to(x.dtype)
+            return self._run(x.float(), y_silu).to(x.dtype)
         x2 = (x if x.dim() == 2 else x.reshape(-1, x.shape[-1])).contiguous()
         if torch.compiler.is_compiling():  # the graph holds the op, not the ctypes call
             y = w4a8_gemm_op(x2, self.codes, self.gparams, self.group_size, self.out_features,
@@ -262,13 +309,13 @@ class PackedW4A8Gemm(nn.Module):
             raise ValueError(f"expected a CPU input [..., {want}], got {tuple(x.shape)} on {x.device}")
         # the per-channel epilogue needs torch's own row sum to match the reference bit for bit
         rowsum = qoq_ref.act_row_sum(x2) if self._per_channel else None
-        y = graph.empty(m, self.out_features, dtype=x2.dtype)
+        y = graph.empty(m, self.out_features // (2 if y_silu else 1), dtype=x2.dtype)
         bf16 = int(x2.dtype == torch.bfloat16)
         rc = graph.launch(load().w4a8_gemm, x2.data_ptr(), bf16, mode,
                           None if delta is None else delta.data_ptr(),
                           None if norm_w is None else norm_w.data_ptr(), eps, m, self.in_features, *self._args,
                           None if rowsum is None else rowsum.data_ptr(), *self._tail, y.data_ptr(),
-                          bf16, int(self.simd), torch.get_num_threads())
+                          bf16, y_silu, int(self.simd), torch.get_num_threads())
         if rc != 0:
             raise RuntimeError(f"packed W4A8 kernel {_ERRORS.get(rc, f'failed ({rc})')}")
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], -1)

@@ -171,8 +171,13 @@ class QoQPackedMethod(QoQLinearMethod):
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         super().process_weights_after_loading(layer)
+        # a gate_up whose output only SiLU*mul reads (with the C token ops, whose rounding the
+        # epilogue's is): stored in silu pairs, so one call makes silu(gate) * up
+        pairs = (layer.silu_mul_after and self.cpu_ops and len(layer.output_sizes) == 2
+                 and layer.output_sizes[0] == layer.output_sizes[1]
+                 and w4a8_gemm.silu_pairs_supported(layer.out_features, self.group_size))
         layer.packed_w4a8 = PackedW4A8Gemm(layer.qweight, layer.s1, layer.s2 if self.group_size else None,
-                                           layer.zeros, self._bias(layer), self.group_size)
+                                           layer.zeros, self._bias(layer), self.group_size, silu_pairs=pairs)
         for name in ("qweight", "s1", "s2", "zeros", "bias"):  # the kernel keeps its own copies
             layer._parameters.pop(name, None)
 
@@ -191,6 +196,11 @@ class QoQPackedMethod(QoQLinearMethod):
         if self._fuses(getattr(silu_mul, "__self__", None)):
             return SiluMulInput(gate_up)
         return silu_mul(gate_up)
+
+    def silu_mul_output(self, layer: Linear, x, silu_mul) -> torch.Tensor | None:
+        if layer.packed_w4a8.silu_pairs and self._fuses(getattr(silu_mul, "__self__", None)):
+            return layer.packed_w4a8.silu_mul(x)
+        return None
 
     def apply(self, layer: Linear, x) -> torch.Tensor:
         return layer.packed_w4a8(x)
