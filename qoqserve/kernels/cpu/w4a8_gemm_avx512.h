@@ -29,53 +29,59 @@ SIMD static inline __m512 bf16_value(__m512 v) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(v)), 16));
 }
 
-/* exp_f32 (silu_mul_row.h) on 16 lanes: the same operations in the same order */
-SIMD static inline __m512 exp16(__m512 x) {
-    x = _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ), _mm512_set1_ps(-87.0f));
-    x = _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.0f), _CMP_GT_OQ), _mm512_set1_ps(88.0f));
-    const __m512 big = _mm512_set1_ps(12582912.0f);
-    const __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), big), big);
-    __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
-    r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
-    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(0.5f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
-
-/* silu_mul_value (silu_mul_row.h) on 16 lanes */
-SIMD static inline __m512 silu_mul16(__m512 g, __m512 u, int bf16) {
-    const __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32(INT32_MIN)));
-    __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(neg)));
-    if (bf16) return bf16_value(_mm512_mul_ps(bf16_value(s), u));
-    return _mm512_mul_ps(s, u);
-}
-
-/* Epilogue of a silu pair (y_silu): blocks nb (gate channels) and nb + 1 (their
- * up channels) of row m, as gate_up would hold them, into silu(gate) * up at
- * y's channels 16 (nb / 2) ..: what silu_mul of the stored pair gives. */
-SIMD static inline void store_silu(const Job *j, int64_t m, int64_t nb, __m512i ga, __m512i ua, int offset) {
-    const int64_t n0 = nb * NB;
-    if (offset) {
-        const __m512i c = _mm512_set1_epi32(128 * j->qsum[m]);
-        ga = _mm512_sub_epi32(ga, c);
-        ua = _mm512_sub_epi32(ua, c);
+/* exp_f32 (silu_mul_row.h) on 2 x 16 lanes, the same operations in the same
+ * order; two vectors at once, so that one's latency hides the other's */
+SIMD static inline void exp16x2(__m512 *x) {
+    const __m512 big = _mm512_set1_ps(12582912.0f), lo = _mm512_set1_ps(-87.0f), hi = _mm512_set1_ps(88.0f);
+    const float c[6] = {1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f};
+    __m512 n[2], r[2], p[2];
+    for (int v = 0; v < 2; v++) {
+        x[v] = _mm512_mask_mov_ps(x[v], _mm512_cmp_ps_mask(x[v], lo, _CMP_LT_OQ), lo);
+        x[v] = _mm512_mask_mov_ps(x[v], _mm512_cmp_ps_mask(x[v], hi, _CMP_GT_OQ), hi);
+        n[v] = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x[v], _mm512_set1_ps(1.44269504088896341f)), big), big);
+        r[v] = _mm512_sub_ps(x[v], _mm512_mul_ps(n[v], _mm512_set1_ps(0.693359375f)));
+        r[v] = _mm512_sub_ps(r[v], _mm512_mul_ps(n[v], _mm512_set1_ps(-2.12194440e-4f)));
+        p[v] = _mm512_set1_ps(1.0f / 720.0f);
     }
+    for (int i = 0; i < 6; i++)
+        for (int v = 0; v < 2; v++) p[v] = _mm512_add_ps(_mm512_mul_ps(p[v], r[v]), _mm512_set1_ps(c[i]));
+    for (int v = 0; v < 2; v++) {
+        const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n[v]), _mm512_set1_epi32(127)), 23);
+        x[v] = _mm512_mul_ps(p[v], _mm512_castsi512_ps(e));
+    }
+}
+
+/* Epilogue of one row's silu pairs (y_silu): acc[0], acc[1] the gate and up
+ * blocks nb0, nb0 + 1, acc[2], acc[3] those of the next pair (pairs: 1 or 2),
+ * as gate_up would hold them, into silu_mul_value (silu_mul_row.h) of each
+ * pair at y's channels 16 (nb0 / 2) ..: what silu_mul of the stored pairs gives. */
+SIMD static void store_silu(const Job *j, int64_t m, int64_t nb0, int pairs, __m512i a0, __m512i a1, __m512i a2,
+                            __m512i a3, int offset) {
+    const __m512i acc[4] = {a0, a1, a2, a3};
+    const __m512i c = _mm512_set1_epi32(offset ? 128 * j->qsum[m] : 0);
     const float rs = j->rowsum ? j->rowsum[m] : 0.f;
-    __m512 g = epilogue_value(ga, j->sa[m], j->s1 + n0, j->zs1 ? j->zs1 + n0 : NULL, rs,
-                              j->bias ? j->bias + n0 : NULL, 0xffff);
-    __m512 u = epilogue_value(ua, j->sa[m], j->s1 + n0 + NB, j->zs1 ? j->zs1 + n0 + NB : NULL, rs,
-                              j->bias ? j->bias + n0 + NB : NULL, 0xffff);
-    if (j->out_bf16) g = bf16_value(g), u = bf16_value(u);
-    const __m512 v = silu_mul16(g, u, j->out_bf16);
-    const int64_t at = m * (j->N / 2) + nb / 2 * NB;
-    if (j->out_bf16) _mm256_storeu_si256((__m256i *)((uint16_t *)j->y + at), to_bf16(v));
-    else _mm512_storeu_ps((float *)j->y + at, v);
+    __m512 g[2], u[2], x[2];
+    for (int v = 0; v < 2; v++) {
+        __m512 y[2];
+        for (int h = 0; h < 2; h++) {  /* gate, up */
+            const int64_t n0 = (nb0 + 2 * v + h) * NB;
+            y[h] = v < pairs ? epilogue_value(_mm512_sub_epi32(acc[2 * v + h], c), j->sa[m], j->s1 + n0,
+                                              j->zs1 ? j->zs1 + n0 : NULL, rs, j->bias ? j->bias + n0 : NULL,
+                                              0xffff)
+                             : _mm512_setzero_ps();
+            if (j->out_bf16) y[h] = bf16_value(y[h]);
+        }
+        g[v] = y[0], u[v] = y[1];
+        x[v] = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g[v]), _mm512_set1_epi32(INT32_MIN)));
+    }
+    exp16x2(x);  /* e^-g */
+    for (int v = 0; v < pairs; v++) {
+        const __m512 s = _mm512_div_ps(g[v], _mm512_add_ps(_mm512_set1_ps(1.0f), x[v]));
+        const __m512 out = j->out_bf16 ? bf16_value(_mm512_mul_ps(bf16_value(s), u[v])) : _mm512_mul_ps(s, u[v]);
+        const int64_t at = m * (j->N / 2) + (nb0 / 2 + v) * NB;
+        if (j->out_bf16) _mm256_storeu_si256((__m256i *)((uint16_t *)j->y + at), to_bf16(out));
+        else _mm512_storeu_ps((float *)j->y + at, out);
+    }
 }
 
 SIMD static inline __m512i bcast4(const int8_t *p) {
@@ -93,8 +99,7 @@ SIMD static inline __m512i bcast4(const int8_t *p) {
 #define STORE(i, b) if (i < mr && b < nr) store_exact(j, m0 + i, nb0 + b, a##i##b, j->gp != NULL);
 /* y_silu: blocks (0, 1) and (2, 3) of the tile are (gate, up) pairs */
 #define STORE_PAIRS(i, unused) \
-    if (i < mr && 1 < nr) store_silu(j, m0 + i, nb0, a##i##0, a##i##1, j->gp != NULL); \
-    if (i < mr && 3 < nr) store_silu(j, m0 + i, nb0 + 2, a##i##2, a##i##3, j->gp != NULL);
+    if (i < mr) store_silu(j, m0 + i, nb0, nr / 2, a##i##0, a##i##1, a##i##2, a##i##3, j->gp != NULL);
 #define STORE_TILE() if (j->silu) { FOR_ROWS(STORE_PAIRS, 0) } else { FOR_TILE(STORE) }
 #define DP(i, b, wv, kk) if (i < mr && b < nr) a##i##b = _mm512_dpbusd_epi32(a##i##b, wv, bcast4(x + i * Kp + (kk)));
 #define DP_LO(i, b) DP(i, b, lo##b, 8 * p)
@@ -211,9 +216,7 @@ SIMD static inline int32_t sum_i8(const int8_t *x, int64_t n) {
         t##i##b = _mm512_add_epi32(t##i##b, _mm512_mullo_epi32(s2, _mm512_sub_epi32(g##i##b, _mm512_mullo_epi32(z, xs##i)))); \
     }
 #define STORE_T(i, b) if (i < mr && b < nr) store_exact(j, m0 + i, nb0 + b, t##i##b, 0);
-#define STORE_T_PAIRS(i, unused) \
-    if (i < mr && 1 < nr) store_silu(j, m0 + i, nb0, t##i##0, t##i##1, 0); \
-    if (i < mr && 3 < nr) store_silu(j, m0 + i, nb0 + 2, t##i##2, t##i##3, 0);
+#define STORE_T_PAIRS(i, unused) if (i < mr) store_silu(j, m0 + i, nb0, nr / 2, t##i##0, t##i##1, t##i##2, t##i##3, 0);
 
 SIMD static inline __attribute__((always_inline)) void tile_codes(const Job *j, int64_t m0, int64_t nb0,
                                                                   const int mr, const int nr) {
