@@ -250,6 +250,27 @@ def test_c_kv4_write_is_byte_identical_to_the_torch_layout(dtype, hkv, d):
     assert torch.equal(got, ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_c_kv4_write_takes_the_sign_of_a_zero_minimum_from_the_first_zero(dtype):
+    """Where the minimum is a zero, the in-order min keeps the first zero it
+    meets, and its sign reaches the stored zero point (-lo / scale): the
+    vector min/max must pick the same one."""
+    from qoqserve.kernels.cpu import kv4_write
+    from qoqserve.layers.kv_cache import Int4KVCacheLayout
+
+    d = 64
+    layout = Int4KVCacheLayout(1, d, 16)
+    for first, later, at in ((-0.0, 0.0, 3), (0.0, -0.0, 3), (-0.0, 0.0, 40), (0.0, -0.0, 17)):
+        k = torch.linspace(0.5, 3.0, d)
+        k[at], k[at + 5], k[at + 20] = first, later, later  # positions in different vector lanes
+        k = k.view(1, 1, d).to(dtype)
+        cache = layout.allocate(1, "cpu")
+        kv4_write.kv4_write(cache, k, k, torch.tensor([0]))
+        zero = cache[0, 0, 0, 0, d // 2 + 2:d // 2 + 4].view(torch.float16)  # slot 0, K, head 0
+        first_is_negative = str(first) == "-0.0"
+        assert zero.item() == 0 and torch.signbit(zero).item() == (not first_is_negative), (first, at)
+
+
 def test_w8a8_linear_runs_on_the_fused_kernel_and_matches_its_references():
     import torch.nn.functional as F
 

@@ -15,20 +15,49 @@
 
 #include "bf16.h"
 #include "team.h"
+#ifdef __AVX512F__
+#include <immintrin.h>
+#include "lane_mask.h"
+#endif
 
 enum { CHUNK = 256 };  /* values widened at a time: any head_dim, in L1 */
+
+/* min and max of the D values as loops in order find them: NaNs skipped, and
+ * on a tie the earlier value kept, which only a zero's sign can tell (the
+ * min's sign reaches the stored zero point: -lo / scale) */
+static void row_min_max(const void *x, int bf16, int64_t base, int D, float *lo, float *hi) {
+    float l = INFINITY, h = -INFINITY;
+#ifdef __AVX512F__
+    __m512 lv = _mm512_set1_ps(INFINITY), hv = _mm512_set1_ps(-INFINITY);
+    for (int d = 0; d < D; d += 16) {  /* per lane in order: vminps(v, lo) is v < lo ? v : lo */
+        const __mmask16 k = lane_mask(D - d);
+        const __m512 v = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                    _mm256_maskz_loadu_epi16(k, (const uint16_t *)x + base + d)), 16))
+                              : _mm512_maskz_loadu_ps(k, (const float *)x + base + d);
+        lv = _mm512_mask_min_ps(lv, k, v, lv);
+        hv = _mm512_mask_max_ps(hv, k, v, hv);
+    }
+    l = _mm512_reduce_min_ps(lv), h = _mm512_reduce_max_ps(hv);
+    if (l == 0.f)  /* -0 or +0: the first zero's, as the in-order loop keeps it */
+        for (int d = 0; d < D; d++)
+            if (load(x, bf16, base + d) == 0.f) { l = load(x, bf16, base + d); break; }
+#else
+    for (int d = 0; d < D; d++) {
+        const float v = load(x, bf16, base + d);
+        l = v < l ? v : l;
+        h = v > h ? v : h;
+    }
+#endif
+    *lo = l, *hi = h;
+}
 
 /* one head of one token: D values -> D/2 code bytes + fp16 scale + fp16 zero.
  * The codes come from plain loops over a widened chunk, so that they
  * vectorize (the same IEEE operations per value as one at a time); the
- * min/max stay in order (a reordered min could pick -0 for +0) */
+ * min/max are row_min_max's */
 static void quantize_row(const void *x, int bf16, int64_t base, int D, uint8_t *row) {
-    float lo = INFINITY, hi = -INFINITY;
-    for (int d = 0; d < D; d++) {
-        float v = load(x, bf16, base + d);
-        lo = v < lo ? v : lo;
-        hi = v > hi ? v : hi;
-    }
+    float lo, hi;
+    row_min_max(x, bf16, base, D, &lo, &hi);
     float amax = fabsf(lo) > fabsf(hi) ? fabsf(lo) : fabsf(hi);
     float range = (hi - lo) / 15.f, floor_ = amax * 0x1p-14f;
     _Float16 scale = (_Float16)(range > floor_ ? range : floor_);
