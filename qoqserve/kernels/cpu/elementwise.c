@@ -84,7 +84,9 @@ static void rope_token(const void *qkv, int64_t row, int64_t t, int H, int Hkv, 
                        const float *cos, const float *sin, const void *shift, const void *rot, void *q,
                        void *k, void *v, int bf16) {
     /* head_dim <= 512; a bf16 R is widened once per token when it fits
-     * the scratch (head_dim <= 128), else row by row */
+     * the scratch (head_dim <= 128), else row by row. fp32 rows are read
+     * where they are and rotated straight into their output rows; bf16
+     * ones are widened into x first and rounded on the way out. */
     float x[ROT_GROUP][512], y[ROT_GROUP][512], rmat[128 * 128], sh[512];
     const float *R = NULL;
     if (rot && !bf16) R = (const float *)rot;
@@ -93,29 +95,34 @@ static void rope_token(const void *qkv, int64_t row, int64_t t, int H, int Hkv, 
     const int half = D / 2;
     for (int h0 = 0; h0 < H + Hkv; h0 += ROT_GROUP) {
         const int nh = H + Hkv - h0 < ROT_GROUP ? H + Hkv - h0 : ROT_GROUP;
+        float *out[ROT_GROUP];  /* the rotation's destination of each head */
         for (int j = 0; j < nh; j++) {
-            const int h = h0 + j;
-            float *xj = x[j], *yj = y[j];
-            load_row(qkv, bf16, t * row + (int64_t)h * D, D, xj);
+            const int h = h0 + j, is_k = h >= H;
+            const int64_t oi = (t * (is_k ? Hkv : H) + (is_k ? h - H : h)) * D;
+            const float *xj = bf16 ? x[j] : (const float *)qkv + t * row + (int64_t)h * D;
+            float *yj = y[j];
+            if (bf16) load_row(qkv, bf16, t * row + (int64_t)h * D, D, x[j]);
             for (int d = 0; d < half; d++) yj[d] = xj[d] * c[d] + -xj[d + half] * s[d];
             for (int d = half; d < D; d++) yj[d] = xj[d] * c[d] + xj[d - half] * s[d];
             round_row(yj, D, bf16);
-            if (rot && h >= H) {
-                load_row(shift, bf16, (int64_t)(h - H) * D, D, sh);
-                for (int e = 0; e < D; e++) yj[e] = yj[e] - sh[e];
+            if (rot && is_k) {
+                const float *shj = bf16 ? sh : (const float *)shift + (int64_t)(h - H) * D;
+                if (bf16) load_row(shift, bf16, (int64_t)(h - H) * D, D, sh);
+                for (int e = 0; e < D; e++) yj[e] = yj[e] - shj[e];
                 round_row(yj, D, bf16);
             }
+            out[j] = bf16 ? x[j] : (float *)(is_k ? k : q) + oi;
         }
-        if (rot && R) rotate_heads(y, R, x, nh, D);
+        if (rot && R) rotate_heads(y, R, out, nh, D);
         for (int j = 0; rot && !R && j < nh; j++) {
-            for (int d = 0; d < D; d++) x[j][d] = 0.f;
+            for (int d = 0; d < D; d++) out[j][d] = 0.f;
             for (int e = 0; e < D; e++) {
                 float rr[512];
                 load_row(rot, bf16, (int64_t)e * D, D, rr);
-                for (int d = 0; d < D; d++) x[j][d] = fmaf(y[j][e], rr[d], x[j][d]);
+                for (int d = 0; d < D; d++) out[j][d] = fmaf(y[j][e], rr[d], out[j][d]);
             }
         }
-        for (int j = 0; j < nh; j++) {
+        for (int j = 0; j < nh && (bf16 || !rot); j++) {
             const int h = h0 + j, is_k = h >= H;
             const int64_t oi = (t * (is_k ? Hkv : H) + (is_k ? h - H : h)) * D;
             store_row(rot ? x[j] : y[j], D, is_k ? k : q, bf16, oi);

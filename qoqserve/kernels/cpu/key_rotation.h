@@ -23,14 +23,19 @@ enum { ROT_GROUP = 4 };
 /* vec_mat_any of nh rows y[j] at once for D = 16 n (nh * n <= 16): the same
  * fused multiply-adds in the same order per output, each row of R loaded once
  * for all nh */
-static inline __attribute__((always_inline)) void vec_mat16(float (*y)[512], const float *R, float (*x)[512],
+static inline __attribute__((always_inline)) void vec_mat16(float (*y)[512], const float *R, float *const *x,
                                                             const int nh, const int n) {
     __m512 acc[ROT_GROUP][8];
     for (int j = 0; j < nh; j++)
         for (int u = 0; u < n; u++) acc[j][u] = _mm512_setzero_ps();
     for (int e = 0; e < 16 * n; e++) {
         __m512 r[8];
-        for (int u = 0; u < n; u++) r[u] = _mm512_loadu_ps(R + e * 16 * n + 16 * u);
+        for (int u = 0; u < n; u++) {
+            r[u] = _mm512_loadu_ps(R + e * 16 * n + 16 * u);
+            /* held in a register for all nh heads: folded into each FMA as a
+             * memory operand, it is loaded nh times and the loads bound the loop */
+            __asm__("" : "+v"(r[u]));
+        }
         for (int j = 0; j < nh; j++) {
             const __m512 ye = _mm512_set1_ps(y[j][e]);
             for (int u = 0; u < n; u++) acc[j][u] = _mm512_fmadd_ps(ye, r[u], acc[j][u]);
@@ -41,8 +46,8 @@ static inline __attribute__((always_inline)) void vec_mat16(float (*y)[512], con
 }
 #endif
 
-/* x[j] = y[j] @ R for the nh <= ROT_GROUP rows of one group of heads */
-static void rotate_heads(float (*y)[512], const float *R, float (*x)[512], int nh, int D) {
+/* x[j] = y[j] @ R for the nh <= ROT_GROUP rows of one group of heads (x[j]: D floats anywhere) */
+static void rotate_heads(float (*y)[512], const float *R, float *const *x, int nh, int D) {
 #ifdef __AVX512F__
     if (D == 64) {
         switch (nh) {  /* constants, so the accumulators stay in registers */
