@@ -28,7 +28,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from cpu_w4a8_gemm import checkpoint_tensors  # noqa: E402
 
 from qoqserve.bench.timing import fastest_call, read_bandwidth  # noqa: E402
-from qoqserve.kernels.cpu import elementwise, float_linear, w4a8_gemm  # noqa: E402
+from qoqserve.kernels.cpu import elementwise, float_linear, kv4_write, w4a8_gemm  # noqa: E402
 from qoqserve.layers import kv_cache as kc  # noqa: E402
 from qoqserve.layers.attention_backends import CpuAttention  # noqa: E402
 from qoqserve.layers.logits import Int8LogitsHead  # noqa: E402
@@ -50,14 +50,18 @@ def cycling(calls):
 
 def w4a8_rows(m: int, g: torch.Generator):
     for name, (k, n) in LINEARS.items():
+        # gate_up as the engine runs it: SiLU*mul in its epilogue, [m, n/2] out
+        pairs = name == "gate_up_proj" and w4a8_gemm.silu_pairs_supported(n, 64)
         mods = []
         for _ in range(LAYERS):
             t = checkpoint_tensors(n, k, 64, g)
-            mods.append(w4a8_gemm.PackedW4A8Gemm(t["qweight"], t["s1"], t["s2"], t["zeros"], None, 64))
+            mods.append(w4a8_gemm.PackedW4A8Gemm(t["qweight"], t["s1"], t["s2"], t["zeros"], None, 64,
+                                                 silu_pairs=pairs))
         x = torch.randn(m, k)
         weight = sum(b.numel() * b.element_size() for b in mods[0].buffers())
-        yield (f"W4A8 GEMM {name} {n}x{k} (packed g64)", m, cycling([lambda mod=mod, x=x: mod(x) for mod in mods]),
-               weight + 4 * m * (k + n), 2 * m * n * k, "int8")
+        calls = [lambda mod=mod, x=x, pairs=pairs: mod.silu_mul(x) if pairs else mod(x) for mod in mods]
+        yield (f"W4A8 GEMM {name} {n}x{k} (packed g64{', SiLU*mul epilogue' if pairs else ''})", m,
+               cycling(calls), weight + 4 * m * (k + (n // 2 if pairs else n)), 2 * m * n * k, "int8")
 
 
 def lm_head_rows(m: int, g: torch.Generator):
@@ -112,6 +116,19 @@ def elementwise_rows(m: int):
            4 * m * HIDDEN * 4, 5 * m * HIDDEN, "fp32")
     gu = torch.randn(m, 2 * INTER)
     yield ("SiLU * up (elementwise.c)", m, lambda: elementwise.silu_mul(gu), 4 * m * 3 * INTER, 20 * m * INTER, "fp32")
+    # the step's per-token ops around attention: RoPE + the QoQ key transform, the KV4 page write
+    qkv_width = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    qkv, pos = torch.randn(m, qkv_width), torch.randint(0, 4096, (m,))
+    cos, sin = torch.randn(4096, HEAD_DIM), torch.randn(4096, HEAD_DIM)
+    rot, shift = torch.linalg.qr(torch.randn(HEAD_DIM, HEAD_DIM))[0].contiguous(), torch.randn(KV_HEADS, HEAD_DIM)
+    yield ("q/k/v + RoPE + key transform (elementwise.c)", m,
+           lambda: elementwise.qkv_rope(qkv, pos, cos, sin, HEADS, KV_HEADS, HEAD_DIM, shift, rot),
+           4 * m * 2 * qkv_width, 2 * m * (HEADS + KV_HEADS) * HEAD_DIM * HEAD_DIM, "fp32")
+    layout = kc.Int4KVCacheLayout(KV_HEADS, HEAD_DIM, 16)
+    cache, kv = layout.allocate(-(-m // 16) + 1, "cpu"), torch.randn(m, KV_HEADS, HEAD_DIM)
+    slots = torch.arange(m)
+    yield ("KV4 page write (kv4_write.c)", m, lambda: kv4_write.kv4_write(cache, kv, kv, slots),
+           2 * m * KV_HEADS * (4 * HEAD_DIM + HEAD_DIM // 2 + 4), 2 * m * KV_HEADS * HEAD_DIM * 4, "fp32")
 
 
 # Twelve independent chains of one instruction each: the issue rate the
@@ -243,6 +260,7 @@ def main():
         rows += list(w4a8_rows(m, g)) + list(lm_head_rows(m, g)) + list(attention_rows(m, 1024))
         rows += list(elementwise_rows(m)) + list(bf16_rows(m, g))
     rows += list(bf16_rows(1024, g))  # a bf16 prompt's linears
+    rows += list(w4a8_rows(1024, g)) + list(elementwise_rows(1024))  # a W4A8KV4 prompt's
     for name, m, fn, nbytes, ops, kind in rows:
         t = fastest_call(fn, args.repeats)
         print(f"| {name} | {m} | {t * 1e6:.1f} | {nbytes / 2**20:.2f} MiB | {nbytes / t / 1e9:.1f} | "
