@@ -18,11 +18,11 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from unittest import mock
 
 import torch
 
+from qoqserve.bench.timing import fastest_call
 from qoqserve.kernels.cpu import paged_prefill
 from qoqserve.layers import kv_cache as kc
 from qoqserve.layers.attention_backends import CpuAttention
@@ -39,15 +39,6 @@ def other_build(checkout: str):
     for name, (restype, argtypes) in paged_prefill._SIGNATURES.items():
         getattr(lib, name).restype, getattr(lib, name).argtypes = restype, argtypes
     return lib
-
-
-def best(f, calls: int = 8) -> float:
-    out = float("inf")
-    for _ in range(calls):
-        t = time.perf_counter()
-        f()
-        out = min(out, time.perf_counter() - t)
-    return out
 
 
 def compare(lib, ctx: int, chunk: int, rounds: int) -> None:
@@ -72,8 +63,8 @@ def compare(lib, ctx: int, chunk: int, rounds: int) -> None:
         diff = (call() - other()).abs().max().item()
         ours, theirs = [], []
         for _ in range(rounds):
-            ours.append(best(call))
-            theirs.append(best(other))
+            ours.append(fastest_call(call, 8, warmup=0))
+            theirs.append(fastest_call(other, 8, warmup=0))
         ratio = statistics.median(a / b for a, b in zip(ours, theirs))
         print(f"{fmt} pages, ctx {ctx}, chunk {chunk}: this tree {1e3 * min(ours):.3f} ms "
               f"({flops / min(ours) / 1e9:.0f} GFLOP/s), other {1e3 * min(theirs):.3f} ms "
