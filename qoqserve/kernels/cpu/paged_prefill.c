@@ -28,7 +28,7 @@
 #include "kv_rows.h"
 
 enum { TILE = 16 };    /* key positions per online-softmax step of the AVX2 and portable paths */
-enum { WIDE = 48 };    /* of the AVX-512 path: three vectors of scores per row (docs/benchmarks/cpu_attention.md) */
+enum { WIDE = 48 };    /* of the AVX-512 path: three vectors of scores per row (docs/benchmarks.md, "prefill") */
 enum { QBLOCK = 64 };  /* queries per task: enough rows to amortize a tile's conversion */
 
 typedef struct {

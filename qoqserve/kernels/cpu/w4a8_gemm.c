@@ -348,7 +348,7 @@ int w4a8_gemm(const void *x, int x_bf16, int x_mode, const void *delta, const vo
     uint8_t *main_buf = own || team_joined() ? NULL : grow_scratch(&tl_main, &tl_main_size, act_bytes);
     if (!own && !team_joined() && !main_buf) return -1;
     /* the SIMD panel holds NR blocks of 16 channels x Kp, needed only past one
-     * row tile; the scalar path keeps one channel's Kp weights */
+     * row tile; the scalar path keeps one channel's Kp weights (y_silu: a pair's) */
     const size_t panel_bytes = simd ? (M > MR || amx ? (size_t)(NR * NB * Kp) : 0) : avx2 ? 0 : (size_t)(2 * Kp);
     const Call call = {{x, x_bf16, x_mode, delta, eps, K, Kp, simd, avx2, groups, group}, norm_w,
                        {NULL, NULL, NULL, M, Kp, N, w, gp, group, s1, rowsum, zs1, bias, y, out_bf16, y_silu != 0,
