@@ -302,11 +302,11 @@ def test_the_packed_method_fuses_silu_mul_only_where_it_rounds_alike():
         assert torch.equal(method.input_from_silu_mul(gate_up, op), op(gate_up))
 
 
-@pytest.mark.parametrize("isa", ["amx", "avx512-vnni", "scalar"])
+@pytest.mark.parametrize("isa", ["avx512-vnni", "scalar"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul_in_the_gate_up_epilogue_is_bit_identical_to_the_gemm_then_the_op(monkeypatch, dtype, isa):
-    """silu_pairs: the gate_up GEMM makes silu(gate) * up itself (AMX calls keep
-    the VNNI loops); one or two rows (the raw-codes loop), one row tile and
+    """silu_pairs: the gate_up GEMM makes silu(gate) * up itself; one or two
+    rows (the raw-codes loop), one row tile and
     several (the panel), a pair left in a 4-block tile (n = 2 x 176), both
     threads' ranges, with and without bias, plain and normalized inputs, and
     gates where the SiLU saturates, underflows or meets a signed zero."""
@@ -337,10 +337,12 @@ def test_silu_mul_in_the_gate_up_epilogue_is_bit_identical_to_the_gemm_then_the_
                 assert torch.equal(h, hn)
 
 
-def test_a_gate_up_linear_makes_silu_mul_in_its_epilogue_only_where_it_rounds_alike():
+def test_a_gate_up_linear_makes_silu_mul_in_its_epilogue_only_where_it_rounds_alike(monkeypatch):
     from qoqserve.layers.linear import Linear
     from qoqserve.layers.quantization.qoq_methods import QoQPackedMethod
     from qoqserve.layers.token_ops import CpuTokenOps, TorchTokenOps
+    vnni = best_isa_of_this_cpu() in ("avx512-vnni", "amx")
+    monkeypatch.setenv(w4a8_gemm.ISA_ENV, "avx512-vnni" if vnni else "scalar")  # the paths with the epilogue
     c = _checkpoint(2 * 96, 128, 64, seed=3)
 
     def gate_up(cpu_ops, silu_mul_after=True):
@@ -370,11 +372,12 @@ def test_silu_pairs_are_refused_where_the_epilogue_cannot_run(monkeypatch):
             PackedW4A8Gemm(cc["qweight"], cc["s1"], cc["s2"], cc["zeros"], None, group, silu_pairs=True)
     with pytest.raises(ValueError, match="silu_pairs=True"):
         _packed(c, 64).silu_mul(torch.randn(2, 128))
-    if best_isa_of_this_cpu() != "scalar":
-        monkeypatch.setenv(w4a8_gemm.ISA_ENV, "avx2")
-        assert not w4a8_gemm.silu_pairs_supported(64, 64)
-        with pytest.raises(ValueError, match="avx2"):
-            PackedW4A8Gemm(c["qweight"], c["s1"], c["s2"], c["zeros"], None, 64, silu_pairs=True)
+    for isa in ("avx2", "amx"):  # no epilogue there; AMX prompts keep their tiles
+        if w4a8_gemm.ISAS.index(isa) <= w4a8_gemm.ISAS.index(best_isa_of_this_cpu()):
+            monkeypatch.setenv(w4a8_gemm.ISA_ENV, isa)
+            assert not w4a8_gemm.silu_pairs_supported(64, 64)
+            with pytest.raises(ValueError, match=isa):
+                PackedW4A8Gemm(c["qweight"], c["s1"], c["s2"], c["zeros"], None, 64, silu_pairs=True)
 
 
 @pytest.mark.parametrize("isa", ["amx", "avx512-vnni", "avx2", "scalar"])

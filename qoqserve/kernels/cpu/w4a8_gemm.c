@@ -320,7 +320,7 @@ static int gemm_part(const Call *c, team_t tm) {
  * 2p: gate channels 16p.., block 2p + 1: the up channels of the same p; N a
  * multiple of 32), and y [M, N/2] gets silu(gate) * up of each pair, rounded
  * as silu_mul_row.h rounds the pair y would otherwise hold: a gate_up linear
- * and the SiLU * mul after it in one call (the scalar and VNNI paths; no AMX).
+ * and the SiLU * mul after it in one call (the scalar and VNNI paths: never AMX).
  * simd: 0 the scalar code, 1 AVX2, 2 AVX-512 VNNI, 3 also AMX-INT8 for calls
  * of AMX_MIN_ROWS rows or more (the same numbers on every path).
  * Returns 0; -1: out of memory; -2: SIMD asked for where it cannot run (or

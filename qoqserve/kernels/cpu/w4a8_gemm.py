@@ -199,10 +199,12 @@ def silu_pair_order(n: int) -> torch.Tensor:
 
 
 def silu_pairs_supported(n: int, group_size: int) -> bool:
-    """Whether the kernel here can make silu(gate) * up of n = 2I outputs in its
-    epilogue: group layouts, halves of whole 16-channel blocks, and a path that
-    has that epilogue (VNNI or scalar; AVX2 has none)."""
-    return bool(group_size) and n % (2 * BLOCK_N) == 0 and simd_level() != ISAS.index("avx2")
+    """Whether the kernel here makes silu(gate) * up of n = 2I outputs in its
+    epilogue: group layouts, halves of whole 16-channel blocks, and the VNNI or
+    scalar path. AVX2 has no such epilogue; on AMX hosts a prompt's gate_up
+    keeps the AMX tiles (an epilogue call would take the VNNI loops instead,
+    a trade not measured on such a host)."""
+    return bool(group_size) and n % (2 * BLOCK_N) == 0 and isa() in ("avx512-vnni", "scalar")
 
 
 class PackedW4A8Gemm(nn.Module):
