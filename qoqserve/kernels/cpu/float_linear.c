@@ -69,10 +69,7 @@ static int simd_supported(void) {
 }
 
 SIMD static inline __m512 load_w(const void *w, int w_kind, int64_t i, __mmask16 mask) {
-    if (w_kind == W_BF16) {
-        __m256i h = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)w + i);
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
+    if (w_kind == W_BF16) return load_f32(w, 1, i, mask);
     if (w_kind == W_FP16) return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, (const uint16_t *)w + i));
     return _mm512_maskz_loadu_ps(mask, (const float *)w + i);
 }

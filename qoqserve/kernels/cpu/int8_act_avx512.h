@@ -1,5 +1,5 @@
-/* Per-token INT8 activation quantization and fp32/bf16 vector loads on
- * AVX-512, shared by the INT8 linear kernels (int8_linear.c, w4a8_gemm.c):
+/* Per-token INT8 activation quantization and the epilogue on AVX-512 (its
+ * fp32/bf16 loads: bf16_avx512.h), shared by the INT8 linear kernels (int8_linear.c, w4a8_gemm.c):
  * one copy of the numerics both must match bit for bit. Include after
  * <immintrin.h>; AVX512_FN is the attribute the includer compiles these with
  * (empty when the whole file is built for AVX-512, a target attribute when
@@ -15,14 +15,6 @@
 #define AVX512_FN
 #endif
 #include "bf16_avx512.h"
-
-AVX512_FN static inline __m512 load_f32(const void *x, int bf16, int64_t i, __mmask16 k) {
-    if (bf16) {
-        __m256i h = _mm256_maskz_loadu_epi16(k, (const uint16_t *)x + i);
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
-    return _mm512_maskz_loadu_ps(k, (const float *)x + i);
-}
 
 /* one row: int8 codes (zero-padded to Kp), scale amax/127, sum of the codes */
 AVX512_FN static void quantize_row_avx512(const void *x, int bf16, int64_t K, int64_t Kp, int8_t *q,

@@ -18,6 +18,7 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 #include "lane_mask.h"
+#include "bf16_avx512.h"
 #endif
 
 enum { CHUNK = 256 };  /* values widened at a time: any head_dim, in L1 */
@@ -31,9 +32,7 @@ static void row_min_max(const void *x, int bf16, int64_t base, int D, float *lo,
     __m512 lv = _mm512_set1_ps(INFINITY), hv = _mm512_set1_ps(-INFINITY);
     for (int d = 0; d < D; d += 16) {  /* per lane in order: vminps(v, lo) is v < lo ? v : lo */
         const __mmask16 k = lane_mask(D - d);
-        const __m512 v = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                                    _mm256_maskz_loadu_epi16(k, (const uint16_t *)x + base + d)), 16))
-                              : _mm512_maskz_loadu_ps(k, (const float *)x + base + d);
+        const __m512 v = load_f32(x, bf16, base + d, k);
         lv = _mm512_mask_min_ps(lv, k, v, lv);
         hv = _mm512_mask_max_ps(hv, k, v, hv);
     }

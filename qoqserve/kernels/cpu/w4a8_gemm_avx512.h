@@ -24,11 +24,6 @@ SIMD static inline void store_exact(const Job *j, int64_t m, int64_t nb, __m512i
                    j->bias ? j->bias + n0 : NULL, y, j->out_bf16, k);
 }
 
-/* bf16.h's as_stored on 16 lanes: the value a bf16 tensor holds */
-SIMD static inline __m512 bf16_value(__m512 v) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(v)), 16));
-}
-
 /* exp_f32 (silu_mul_row.h) on 2 x 16 lanes, the same operations in the same
  * order; two vectors at once, so that one's latency hides the other's */
 SIMD static inline void exp16x2(__m512 *x) {
