@@ -163,9 +163,9 @@ class LlamaForCausalLM(nn.Module):
     def release_lm_head(self) -> None:
         """Where the head computes from its own copy in another format (INT8),
         the model's untied lm_head is never read again: only its shape stays
-        (a meta tensor), its bytes go back (108 MB for the embedded QoQ model,
-        beside the head's 27 MB). The serving runner calls this after loading;
-        a model that is loaded again (the quantizer's) keeps its weight."""
+        (a meta tensor), its bytes go back (measured: docs/benchmarks.md). The
+        serving runner calls this after loading; a model that is loaded again
+        (the quantizer's) keeps its weight."""
         if not self.cfg.tie_word_embeddings and self.logits_head.own_copy_only:
             self.lm_head = nn.Parameter(self.lm_head.to("meta"), requires_grad=False)
 
