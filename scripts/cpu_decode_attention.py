@@ -25,12 +25,11 @@ import platform
 import subprocess
 import sys
 import tempfile
-import time
 from unittest import mock
 
 import torch
 
-from qoqserve.bench.timing import best_of_rounds
+from qoqserve.bench.timing import best_of_rounds, fastest_call
 from qoqserve.kernels.cpu import paged_decode
 from qoqserve.layers import kv_cache as kc
 from qoqserve.layers.attention_backends import CpuAttention
@@ -87,13 +86,7 @@ class ColdCalls:
         self.junk = torch.ones(96 << 18)
 
     def __call__(self, fn, calls, rounds=1):
-        best = float("inf")
-        for _ in range(calls):
-            self.junk.add_(1.0)
-            start = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - start)
-        return best
+        return fastest_call(fn, calls, warmup=0, before=lambda: self.junk.add_(1.0))
 
 
 def run_shape(b, n, old_lib, scattered, timer=best_of_rounds, heads=9, hkv=3, d=64, bs=16):
@@ -139,9 +132,10 @@ def main():
     old_lib = build_baseline(args.baseline) if args.baseline else None
     before, gflops = stream_gbs(), matmul_gflops()
     results = {}
+    timer = ColdCalls() if args.cold else best_of_rounds
     for _ in range(args.repeat):  # other load on a shared machine only adds time: keep each entry's best
         for shape in [tuple(int(v) for v in s.split("x")) for s in args.shapes]:
-            rows = run_shape(*shape, old_lib, args.scattered, ColdCalls() if args.cold else best_of_rounds)
+            rows = run_shape(*shape, old_lib, args.scattered, timer)
             best = results.setdefault(shape, rows)
             results[shape] = [(f, mb, min(o, bo), min(nw, bn), same)
                               for (f, mb, o, nw, same), (_, _, bo, bn, _) in zip(rows, best)]

@@ -27,14 +27,17 @@ def time_ms(fn, device: torch.device, iters: int, warmup: int = 3) -> float:
     return statistics.median(samples)
 
 
-def fastest_call(fn, calls: int, warmup: int = 3) -> float:
+def fastest_call(fn, calls: int, warmup: int = 3, before=None) -> float:
     """Seconds of the fastest of `calls` single calls: on a shared machine a
     call only gets slower (preempted threads wait at OpenMP barriers for a
-    time slice)."""
+    time slice). before: run untimed ahead of each timed call (e.g. to push
+    the call's data out of the caches)."""
     for _ in range(warmup):
         fn()
     best = float("inf")
     for _ in range(calls):
+        if before is not None:
+            before()
         start = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - start)
