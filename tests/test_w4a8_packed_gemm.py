@@ -46,8 +46,9 @@ def _input(m, k, dtype, seed):
     return x.to(dtype)
 
 
-def _packed(c, group, with_bias=True):
-    return PackedW4A8Gemm(c["qweight"], c["s1"], c["s2"], c["zeros"], c["bias"] if with_bias else None, group)
+def _packed(c, group, with_bias=True, silu_pairs=False):
+    return PackedW4A8Gemm(c["qweight"], c["s1"], c["s2"], c["zeros"], c["bias"] if with_bias else None, group,
+                          silu_pairs=silu_pairs)
 
 
 def _check(m, n, k, group, dtype, seed=0):
@@ -320,8 +321,7 @@ def test_silu_mul_in_the_gate_up_epilogue_is_bit_identical_to_the_gemm_then_the_
         c = _checkpoint(n, k, 64, seed=n)
         c["s1"][:3] = torch.tensor([60.0, 1e-4, 0.0]).half()  # gates of +-hundreds, tiny ones, zeros
         for with_bias in (False, True):
-            plain, pairs = (PackedW4A8Gemm(c["qweight"], c["s1"], c["s2"], c["zeros"],
-                                           c["bias"] if with_bias else None, 64, silu_pairs=p) for p in (False, True))
+            plain, pairs = (_packed(c, 64, with_bias, silu_pairs=p) for p in (False, True))
             for m in (1, 2, 6, 7, 33):
                 x = _input(m, k, dtype, seed=m + n)
                 want = elementwise.silu_mul(plain(x))
@@ -369,7 +369,7 @@ def test_silu_pairs_are_refused_where_the_epilogue_cannot_run(monkeypatch):
     for group, n in ((0, 64), (64, 48)):  # per channel; halves of 24 channels
         cc = _checkpoint(n, 128, group, seed=2)
         with pytest.raises(ValueError, match="silu pairs"):
-            PackedW4A8Gemm(cc["qweight"], cc["s1"], cc["s2"], cc["zeros"], None, group, silu_pairs=True)
+            _packed(cc, group, with_bias=False, silu_pairs=True)
     with pytest.raises(ValueError, match="silu_pairs=True"):
         _packed(c, 64).silu_mul(torch.randn(2, 128))
     for isa in ("avx2", "amx"):  # no epilogue there; AMX prompts keep their tiles
@@ -377,7 +377,7 @@ def test_silu_pairs_are_refused_where_the_epilogue_cannot_run(monkeypatch):
             monkeypatch.setenv(w4a8_gemm.ISA_ENV, isa)
             assert not w4a8_gemm.silu_pairs_supported(64, 64)
             with pytest.raises(ValueError, match=isa):
-                PackedW4A8Gemm(c["qweight"], c["s1"], c["s2"], c["zeros"], None, 64, silu_pairs=True)
+                _packed(c, 64, with_bias=False, silu_pairs=True)
 
 
 @pytest.mark.parametrize("isa", ["amx", "avx512-vnni", "avx2", "scalar"])
