@@ -58,6 +58,11 @@
 #define NB 16  /* output channels per weight block: one zmm of int32 */
 #define NR 4   /* weight blocks per tile: of the layout and of the SIMD loops (TILE_BLOCKS in weight_layout.py) */
 #define MR 6   /* rows per tile: 24 accumulators of the 32 zmm */
+/* Rows of the tile that unpacks the codes when more tiles follow: beside its
+ * accumulators it keeps each block's s2 and zero-point vectors (8 zmm), and
+ * at 6 rows GCC spills accumulators to the stack in the inner loop; 4 rows
+ * fit (docs/runtime.md). */
+#define PACKED_MR 4
 /* The SIMD loops that read the packed codes use each code byte for only a
  * few rows' products, so they ask for lines faster than the hardware
  * prefetchers bring them in: each step requests into L2 the line of the unit

@@ -262,8 +262,12 @@ SIMD static void blocks_simd(const Job *j, int64_t nb_lo, int64_t nb_hi, uint8_t
     for (int64_t nb0 = nb_lo, end; nb0 < nb_hi; nb0 = end) {
         end = (nb0 / NR + 1) * NR < nb_hi ? (nb0 / NR + 1) * NR : nb_hi;  /* within one layout tile */
         const int nr = (int)(end - nb0);
-        /* row tiles as even as MR allows (8 rows: 4 + 4, not 6 + 2) */
-        const int64_t tiles = (j->M + MR - 1) / MR, base = j->M / tiles, extra = j->M % tiles;
+        /* Past one tile, the first row tile (the one that unpacks the codes)
+         * takes PACKED_MR rows and the later ones the rest, as evenly as MR
+         * allows (28 rows: 6 6 6 5 5, not 6 6 6 6 4). */
+        const int64_t first = j->M > MR ? PACKED_MR : j->M, later = (j->M - first + MR - 1) / MR;
+        const int64_t tiles = 1 + later, base = later ? (j->M - first) / later : 0;
+        const int64_t extra = later ? (j->M - first) % later : 0;
         /* The first row tile reads the codes from memory as fast as its few rows
          * use them, the later ones only the panel: so, while those run, the
          * next layout tile's codes and group bytes come into L2, a share per
@@ -281,7 +285,7 @@ SIMD static void blocks_simd(const Job *j, int64_t nb_lo, int64_t nb_hi, uint8_t
         }
         int64_t m0 = 0;
         for (int64_t t = 0; t < tiles; t++) {
-            const int mr = (int)(base + (t < extra));
+            const int mr = (int)(t == 0 ? first : base + (t - 1 < extra));
             if (t > 0 && next_w) {
                 prefetch_share(next_w, w_lines, t - 1, tiles - 1);
                 if (next_g) prefetch_share(next_g, g_lines, t - 1, tiles - 1);
