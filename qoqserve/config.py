@@ -123,6 +123,9 @@ class EngineConfig:
         None, "decode batch sizes to capture, comma-separated (default: 1-8, then every 8 up to "
               "--max-num-seqs); a batch runs in the next larger captured size")
     seed: int = opt(0, "seed of the sampler for requests without their own")
+    chat_template: str | None = opt(
+        None, "Jinja chat template in place of the model's own (needed for models without one): a "
+              "file, or the template itself (text holding '{', '}' or a newline)")
     structured_outputs_max_whitespace: int = opt(
         8, "JSON constrained by a schema or json_object: most whitespace characters between two "
            "of its tokens, so a small model cannot pad a gap with newlines until max_tokens "

@@ -9,6 +9,7 @@ from qoqserve.config import EngineConfig
 from qoqserve.engine.burst import OFFLINE_BURST_SECONDS
 from qoqserve.engine.llm_engine import LLMEngine
 from qoqserve.engine.output import RequestOutput
+from qoqserve.model_loader.chat_template import load_chat_template
 from qoqserve.quant.default_checkpoint import resolve_model
 from qoqserve.sampling_params import SamplingParams
 
@@ -78,11 +79,19 @@ class LLM:
 
     def chat(self, conversations: list[dict] | list[list[dict]],
              params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
+             use_tqdm: bool = False, *, chat_template: str | None = None,
+             chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False) -> list[RequestOutput]:
+        """Each conversation through the chat template (vLLM's LLM.chat options:
+        chat_template, a file or the template text, in place of the engine's;
+        chat_template_kwargs, more variables for it; continue_final_message,
+        the last message continued instead of a new turn begun)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True)
-                   for c in conversations]
+        template = load_chat_template(chat_template) if chat_template is not None else None
+        prompts = [self.tokenizer.apply_chat_template(
+            c, add_generation_prompt, continue_final_message=continue_final_message, chat_template=template,
+            template_kwargs=chat_template_kwargs) for c in conversations]
         # the template already carries BOS where the model wants one
         ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         return self.generate(ids, params, use_tqdm)

@@ -24,6 +24,8 @@ def register(sub) -> None:
     p.add_argument("--max-waiting-queue-length", type=int, default=1024,
                    help="requests waiting for their first token beyond which new ones get a 429 with "
                         "Retry-After (0: unbounded; default 1024)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let requests bring their own chat_template (otherwise a 400)")
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -39,7 +41,8 @@ def run(args) -> int:
     config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                           served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
                           graceful_shutdown_s=args.graceful_shutdown_s,
-                          max_waiting_queue_length=args.max_waiting_queue_length)
+                          max_waiting_queue_length=args.max_waiting_queue_length,
+                          trust_request_chat_template=args.trust_request_chat_template)
     engine = make_engine(args, model)
     s = engine.stats()
     print(f"qoqserve: serving {config.served_model_name or engine.model_name} on "

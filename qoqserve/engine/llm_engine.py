@@ -18,6 +18,7 @@ from qoqserve.engine.sequence import Sequence
 from qoqserve.engine.structured import GrammarCompiler, GrammarConstraint
 from qoqserve.errors import InvalidRequestError
 from qoqserve.model_loader import load_model_source
+from qoqserve.model_loader.chat_template import load_chat_template
 from qoqserve.model_loader.schema import check_parallel_fit
 from qoqserve.sampling_params import SamplingParams
 
@@ -32,6 +33,8 @@ class LLMEngine:
         source = load_model_source(config.model)
         self.model_name = source.name
         self.tokenizer = source.tokenizer
+        if config.chat_template is not None:  # read and compiled now: a bad one fails the start, naming it
+            self.tokenizer.chat_template = load_chat_template(config.chat_template)
         self.arch = source.arch
         context = context_len(config, self.arch)
         self.quant_config = source.quant_config

@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-from datetime import datetime
 from typing import Any
 
-import jinja2
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 
 from qoqserve.errors import ModelLoadError
+from qoqserve.model_loader.chat_template import render_chat
 
 try:  # tokenizers 0.21+
     from tokenizers.decoders import DecodeStream as _DecodeStream
@@ -64,39 +61,6 @@ def _pre_tokenizer_for(pre: str) -> tuple[pre_tokenizers.PreTokenizer, bool]:
     raise ModelLoadError(f"unsupported GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre)")
 
 
-class _GenerationTag(jinja2.ext.Extension):
-    """Accept HF's `{% generation %}` marker (used for training masks) as a no-op."""
-    tags = {"generation"}
-
-    def parse(self, parser):
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    def _render(self, caller):
-        return caller()
-
-
-def _raise_exception(message: str):
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    # HF overrides jinja's tojson: no HTML escaping and non-ASCII kept as is
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
-                      separators=separators, sort_keys=sort_keys)
-
-
-def _compile_template(source: str) -> jinja2.Template:
-    # Same environment flags as transformers so templates render identically
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
-
-
 class Tokenizer:
     def __init__(self, backend: _Backend, *, bos_token_id: int | None,
                  eos_token_ids: list[int], chat_template: str | None = None,
@@ -106,7 +70,6 @@ class Tokenizer:
         self.eos_token_ids = list(dict.fromkeys(eos_token_ids))
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self.chat_template = chat_template
-        self._template: jinja2.Template | None = None
         # tokenizer.json may already insert BOS/EOS in its post-processor;
         # only add them by hand when it does not, to avoid doubling.
         probe = backend.encode("a", add_special_tokens=True).ids
@@ -148,16 +111,19 @@ class Tokenizer:
     def token_str(self, id: int | None) -> str:
         return "" if id is None else (self.backend.id_to_token(id) or "")
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **extra: Any) -> str:
-        if self.chat_template is None:
-            raise ValueError("this model has no chat template; use a plain completion prompt")
-        if self._template is None:
-            self._template = _compile_template(self.chat_template)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                            continue_final_message: bool = False, chat_template: str | None = None,
+                            template_kwargs: dict | None = None, **extra: Any) -> str:
+        """The conversation as text, through chat_template (a request's) or the
+        model's own (render_chat: the options, the errors)."""
+        template = chat_template if chat_template is not None else self.chat_template
+        if template is None:
+            raise ValueError("this model has no chat template: give one (--chat-template, LLM(chat_template=...)) "
+                             "or use a plain completion prompt")
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
-        return self._template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.token_str(self.bos_token_id), eos_token=self.token_str(eos), **extra)
+        return render_chat(template, messages, add_generation_prompt=add_generation_prompt,
+                           continue_final_message=continue_final_message, bos_token=self.token_str(self.bos_token_id),
+                           eos_token=self.token_str(eos), template_kwargs=template_kwargs, **extra)
 
 
 class IncrementalDetokenizer:

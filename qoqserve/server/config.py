@@ -17,3 +17,6 @@ class ServerConfig:
     # so normal use never meets it: it is there to stop a flood, not to shape load
     max_waiting_queue_length: int | None = 1024
     retry_after_s: int = 1                # the 429's Retry-After
+    # a request's own chat_template runs in Jinja's sandbox, yet it is code the
+    # operator did not choose: off unless asked for (vLLM's flag, vLLM's default)
+    trust_request_chat_template: bool = False

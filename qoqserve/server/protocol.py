@@ -241,7 +241,17 @@ class NamedToolChoice(_Request):
     function: ToolChoiceFunction
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatTemplateFields(_Request):
+    """How a conversation becomes the prompt (vLLM's fields), in /v1/chat/completions and /tokenize."""
+    add_generation_prompt: bool = True
+    continue_final_message: bool = Field(False, description="continue the last message instead of opening a "
+                                                            "new turn; needs add_generation_prompt false")
+    chat_template: Text | None = Field(None, description="a Jinja template in place of the model's (the "
+                                                         "server must trust request templates)")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="more variables for the template")
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     messages: list[ChatMessage] = Field(description="the conversation, oldest first; not empty")
     max_tokens: int | None = Field(None, ge=1, description="deprecated alias of max_completion_tokens")
     max_completion_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
@@ -251,7 +261,6 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description='default "auto" with tools, else "none"')
     parallel_tool_calls: bool = True
-    add_generation_prompt: bool = True
 
 
 class TokenizeCompletionRequest(_Request):
@@ -262,12 +271,11 @@ class TokenizeCompletionRequest(_Request):
     return_token_strs: bool = Field(False, description="also each token's text")
 
 
-class TokenizeChatRequest(_Request):
+class TokenizeChatRequest(ChatTemplateFields):
     """vLLM's /tokenize of a conversation, through the chat template as /v1/chat/completions renders it."""
     model: Text | None = None
     messages: list[ChatMessage]
     tools: list[Tool] | None = None
-    add_generation_prompt: bool = True
     add_special_tokens: bool = Field(False, description="the template already carries BOS")
     return_token_strs: bool = False
 

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from qoqserve.engine.admission import PreparedRequest
 from qoqserve.engine.output import RequestOutput
 from qoqserve.errors import InvalidRequestError
+from qoqserve.model_loader.chat_template import ChatTemplateError
 from qoqserve.sampling_params import SamplingParams, StructuredOutputs
 from qoqserve.server import choices as joined
 from qoqserve.server.async_engine import AsyncEngine
@@ -36,6 +37,7 @@ from qoqserve.server.formats import ChatFormat, CompletionFormat, Format, ranked
 from qoqserve.server.protocol import (
     APIError,
     ChatCompletionRequest,
+    ChatTemplateFields,
     CompletionRequest,
     SamplingFields,
     function_dicts,
@@ -68,6 +70,7 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
         self.max_model_len = engine.max_model_len
+        self.trust_request_chat_template = config.trust_request_chat_template
 
     # ---- validation -----------------------------------------------------------
 
@@ -156,7 +159,7 @@ class OpenAIServing:
         if calls:
             tag = tool_structural_tag(tools, choice, req.parallel_tool_calls)
             structure = spec_or_400({"structural_tag": tag}, "tools"), "tools"
-        ids = self.chat_prompt(req.messages, tools, req.add_generation_prompt)
+        ids = self.chat_prompt(req, req.messages, tools)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         prepared = await self._prepare(req, ids, max_tokens, "messages", logprobs=req.logprobs,
                                        top_logprobs=req.top_logprobs or 0, structure=structure)
@@ -184,15 +187,29 @@ class OpenAIServing:
                                                                ranks)
         return echoed, ranked
 
-    def chat_prompt(self, messages: list, tools: list[dict], add_generation_prompt: bool,
+    def chat_prompt(self, req: ChatTemplateFields, messages: list, tools: list[dict],
                     add_special_tokens: bool = False) -> list[int]:
-        """The conversation through the model's chat template, as token ids (the
-        template already carries BOS where the model wants one)."""
-        native = template_speaks_tools(self.tokenizer.chat_template)
+        """The conversation through the chat template (the model's, or the
+        request's where the server trusts those), as token ids (the template
+        already carries BOS where the model wants one)."""
+        template = self.tokenizer.chat_template
+        if req.chat_template is not None:
+            if not self.trust_request_chat_template:
+                raise APIError(400, "this server does not take chat templates from requests (start it with "
+                                    "--trust-request-chat-template)", param="chat_template")
+            template = req.chat_template
+        if template is None:
+            raise APIError(400, "this model has no chat template (start the server with --chat-template, or "
+                                "send a plain prompt to /v1/completions)", param="messages")
+        native = template_speaks_tools(template)
         turns = template_messages([self._message(m) for m in messages], tools, native)
         extra = {"tools": [{"type": "function", "function": f} for f in tools]} if tools and native else {}
         try:
-            text = self.tokenizer.apply_chat_template(turns, add_generation_prompt, **extra)
+            text = self.tokenizer.apply_chat_template(
+                turns, req.add_generation_prompt, continue_final_message=req.continue_final_message,
+                chat_template=template, template_kwargs=req.chat_template_kwargs, **extra)
+        except ChatTemplateError as e:  # the request's options or template
+            raise APIError(400, str(e), param=e.option) from None
         except Exception as e:  # templates raise on e.g. roles out of order
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)

@@ -19,8 +19,7 @@ def tokenize(serving: OpenAIServing, req: TokenizeCompletionRequest | TokenizeCh
     if isinstance(req, TokenizeChatRequest):
         if not req.messages:
             raise APIError(400, "messages must not be empty", param="messages")
-        ids = serving.chat_prompt(req.messages, function_dicts(req.tools), req.add_generation_prompt,
-                                  req.add_special_tokens)
+        ids = serving.chat_prompt(req, req.messages, function_dicts(req.tools), req.add_special_tokens)
     else:
         ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     return {"count": len(ids), "max_model_len": serving.max_model_len, "tokens": ids,
