@@ -16,6 +16,7 @@ from qoqserve.errors import InvalidRequestError
 FLOAT_RANGES = {
     "temperature": (0.0, 100.0, False),
     "top_p": (0.0, 1.0, True),
+    "min_p": (0.0, 1.0, False),
     "repetition_penalty": (0.0, 10.0, True),
     "presence_penalty": (-2.0, 2.0, False),
     "frequency_penalty": (-2.0, 2.0, False),
@@ -108,6 +109,7 @@ class SamplingParams:
     temperature: float = 1.0   # 0 means greedy
     top_p: float = 1.0
     top_k: int = -1            # -1 (or 0) disables
+    min_p: float = 0.0         # drop tokens below min_p x the top token's probability (0 disables)
     max_tokens: int | None = 16  # None: until the context window is full
     min_tokens: int = 0
     seed: int | None = None

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from qoqserve.engine.sequence import Sequence
-from qoqserve.layers.sampler import Sampler, _filter_top_k_top_p, apply_penalties
+from qoqserve.layers.sampler import Sampler, apply_penalties
 from qoqserve.sampling_params import InvalidSamplingParams, SamplingParams
 
 
@@ -31,17 +31,6 @@ def test_top_logprobs_are_the_most_likely_tokens_per_row():
         assert [t for t, _ in row] == order
         assert [lp for _, lp in row] == pytest.approx(ref[i, order].tolist())
     assert top[2][0][0] == toks[2]  # greedy picks the most likely token
-
-
-def test_top_k_and_top_p_keep_the_right_tokens():
-    logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
-    kept = _filter_top_k_top_p(logits, 2, 1.0).isfinite()
-    assert kept.tolist() == [True, True, False, False, False]
-    probs = logits.softmax(-1)  # ~[0.64, 0.24, 0.09, ...]
-    kept = _filter_top_k_top_p(logits, -1, 0.8).isfinite()
-    assert kept.tolist() == [True, True, False, False, False]
-    assert probs[0] < 0.8 < probs[0] + probs[1]
-    assert _filter_top_k_top_p(logits, -1, 0.5).isfinite().tolist() == [True] + [False] * 4
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent():
@@ -104,7 +93,8 @@ def test_a_biased_row_moves_only_itself_and_logprobs_stay_the_models():
 
 
 @pytest.mark.parametrize("kwargs", [
-    dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-5), dict(max_tokens=0),
+    dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(min_p=-0.1), dict(min_p=1.5), dict(top_k=-5),
+    dict(max_tokens=0),
     dict(max_tokens=1.5), dict(stop=[""]), dict(seed="x"), dict(repetition_penalty=0),
     dict(presence_penalty=3), dict(min_tokens=5, max_tokens=2), dict(top_k=True), dict(seed=2**70),
     dict(top_logprobs=21, logprobs=True), dict(top_logprobs=2), dict(logit_bias={3: 101}),

@@ -1,8 +1,8 @@
-"""Token sampling: constraint masks, penalties, temperature, top-k, top-p,
-per-request seeds.
+"""Token sampling: constraint masks, penalties, then greedy or a draw
+(temperature, min_p, top-k, top-p: layers/token_draw.py); per-request seeds.
 
-Rows are sampled one by one with their own generator when seeded, so a seeded
-request draws the same tokens whatever else shares its batch. A constrained
+Each sampled row draws one uniform from its own generator when seeded, so a
+seeded request draws the same tokens whatever else shares its batch. A constrained
 request's disallowed tokens are -inf before anything else (layers/token_mask.py),
 so every sampling mode, and the logprobs, see only what the grammar allows.
 """
@@ -14,6 +14,7 @@ import torch
 
 from qoqserve.errors import ConstraintDeadEndError
 from qoqserve.kernels.cpu import elementwise
+from qoqserve.layers.token_draw import draw_tokens
 from qoqserve.layers.token_mask import ConstraintMasks, TokenConstraint
 from qoqserve.sampling_params import SamplingParams
 
@@ -56,35 +57,6 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     if elementwise.argmax_takes(logits):
         return elementwise.argmax(logits)
     return logits.argmax(dim=-1)
-
-
-def _scaled(row: torch.Tensor, temperature: float) -> torch.Tensor:
-    """row / temperature, or where that overflows its limit. Both a temperature
-    and a repetition penalty need only be > 0, and a tiny one (5e-324, found by
-    schemathesis) turns logits into inf, softmax into nan and the step into a
-    failure; the limit of such a distribution is its top token(s) alone."""
-    out = row / temperature
-    # a token a constraint masked is -inf at every temperature
-    if (torch.isfinite(out) | torch.isneginf(row)).all():
-        return out  # the usual case, bit for bit as before
-    if torch.isposinf(row).any():  # the penalty overflowed already: the inf tokens share it
-        return torch.where(torch.isposinf(row), 0.0, float("-inf"))
-    # in float64: as a float32 the temperature itself may round to 0
-    return ((row.double() - row.max()) / temperature).to(row.dtype)  # the top token at 0, the rest <= 0
-
-
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # drop a token once the mass before it already reaches top_p
-        drop = probs.cumsum(-1) - probs >= top_p
-        drop[0] = False
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    return logits
 
 
 class Sampler:
@@ -171,19 +143,22 @@ class Sampler:
         # greedy rows without penalties: one argmax for the batch
         masked = any(c is not None for c in constraints)
         tokens = greedy.clone() if greedy is not None and not masked else _argmax(logits)
+        drawn: list[int] = []  # rows sampled from their distribution (token_draw.py), in one call
         for i, p in enumerate(params):
             if p.greedy and not p.has_penalties:
                 continue
-            row = logits[i]
             if p.has_penalties:
                 req = requests[i]
-                row = apply_penalties(row, p, req.token_ids[:req.num_prompt_tokens], req.output_counts)
+                logits[i] = apply_penalties(logits[i], p, req.token_ids[:req.num_prompt_tokens], req.output_counts)
             if p.greedy:
-                tokens[i] = row.argmax()
-                continue
-            row = _filter_top_k_top_p(_scaled(row, p.temperature), p.top_k, p.top_p)
-            gen = self._generator(requests[i], logits.device)
-            tokens[i] = torch.multinomial(row.softmax(-1), 1, generator=gen)[0]
+                tokens[i] = logits[i].argmax()
+            else:
+                drawn.append(i)
+        if drawn:
+            u = [float(torch.rand((), dtype=torch.float64, generator=self._generator(requests[i], logits.device),
+                                  device=logits.device)) for i in drawn]
+            tokens[drawn] = torch.tensor(draw_tokens(logits, drawn, [params[i] for i in drawn], u),
+                                         device=tokens.device)
         chosen = top = None
         if logprobs is not None:
             chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()

@@ -134,6 +134,7 @@ class SamplingFields(_Request):
     temperature: float | None = _float("temperature", "0 is greedy; default 1")
     top_p: float | None = _float("top_p", "nucleus sampling mass; default 1")
     top_k: int | None = Field(None, ge=-1, description="-1 or 0 disables")
+    min_p: float | None = _float("min_p", "drop tokens below min_p of the top token's probability; default 0")
     n: int = Field(1, ge=1, le=128, description="choices per prompt (each sampled apart; seeded: seed + i)")
     stream: bool = Field(False, description="server-sent events ending in `data: [DONE]`")
     stream_options: StreamOptions | None = None

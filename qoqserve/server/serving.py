@@ -94,6 +94,7 @@ class OpenAIServing:
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
                 top_k=-1 if req.top_k in (None, 0) else req.top_k,
+                min_p=0.0 if req.min_p is None else req.min_p,
                 max_tokens=max_tokens, min_tokens=req.min_tokens, seed=req.seed, stop=req.stop,
                 stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
                 logprobs=logprobs, top_logprobs=top_logprobs,
