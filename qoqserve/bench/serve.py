@@ -49,6 +49,11 @@ class LoadConfig:
     output_len: int = 128
     output_jitter: float = 0.0
     ignore_eos: bool = True
+    # what each request samples with (vLLM's bench serve flags); greedy by default
+    temperature: float = 0.0
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     seed: int = 0
     timeout_s: float = 600.0
     # a mixed load: this many more clients send long prompts back to back while
@@ -86,8 +91,9 @@ def make_requests(cfg: LoadConfig, long: bool = False) -> list[tuple[str, int]]:
 
 
 def _body(cfg: LoadConfig, model: str, prompt: str, max_tokens: int) -> dict:
-    body = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+    body = {"model": model, "max_tokens": max_tokens, "temperature": cfg.temperature, "stream": True,
             "stream_options": {"include_usage": True}}
+    body.update({k: v for k in ("top_p", "top_k", "min_p") if (v := getattr(cfg, k)) is not None})
     if cfg.ignore_eos:
         body["ignore_eos"] = True  # vLLM, llama.cpp and qoqserve all accept it
     if cfg.endpoint == "chat":

@@ -106,6 +106,10 @@ def register(sub) -> None:
     srv.add_argument("--output-len", type=int, default=128)
     srv.add_argument("--output-jitter", type=float, default=0.0)
     srv.add_argument("--no-ignore-eos", action="store_true")
+    srv.add_argument("--temperature", type=float, default=0.0, help="every request's (default 0: greedy)")
+    srv.add_argument("--top-p", type=float, default=None)
+    srv.add_argument("--top-k", type=int, default=None)
+    srv.add_argument("--min-p", type=float, default=None)
     srv.add_argument("--long-streams", type=int, default=0,
                      help="a mixed load: this many more clients send long prompts back to back "
                           "(latencies reported are the main load's)")
@@ -230,6 +234,7 @@ def run_serve_cmd(args) -> int:
                          concurrency=concurrency, request_rate=rate, input_words=args.input_words,
                          input_jitter=args.input_jitter, output_len=args.output_len,
                          output_jitter=args.output_jitter, ignore_eos=not args.no_ignore_eos,
+                         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                          seed=args.seed, long_streams=args.long_streams,
                          long_input_words=args.long_input_words)
         summary = run_load(cfg)
