@@ -152,3 +152,16 @@ def test_the_cpu_argmax_is_torchs_index_on_ties_nans_infs_and_tails():
         assert torch.equal(elementwise.argmax(x[::2]), x[::2].argmax(dim=-1))  # rows a stride apart
     with pytest.raises(ValueError):
         elementwise.argmax(torch.zeros(2, 3, dtype=torch.bfloat16))
+
+
+def test_penalized_rows_leave_the_callers_logits_as_they_were():
+    """A failed step is retried on the same logits: penalties must not land twice."""
+    logits = torch.randn(2, 50)
+    before = logits.clone()
+    params = [SamplingParams(temperature=0, repetition_penalty=3.0), SamplingParams(temperature=0.7, seed=4,
+                                                                                      presence_penalty=1.5)]
+    seqs = [Sequence("a", [int(logits[0].argmax())], params[0]), Sequence("b", [1, 2], params[1])]
+    seqs[1].output_counts = {int(logits[1].argmax()): 3}
+    first = Sampler()(logits, seqs)[0]
+    assert torch.equal(logits, before)
+    assert Sampler()(logits, seqs)[0] == first

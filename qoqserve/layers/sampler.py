@@ -144,6 +144,8 @@ class Sampler:
         masked = any(c is not None for c in constraints)
         tokens = greedy.clone() if greedy is not None and not masked else _argmax(logits)
         drawn: list[int] = []  # rows sampled from their distribution (token_draw.py), in one call
+        if any(p.has_penalties for p in params):
+            logits = logits.clone()  # penalized rows are written in place: not into the caller's (a retry reuses it)
         for i, p in enumerate(params):
             if p.greedy and not p.has_penalties:
                 continue
