@@ -70,7 +70,9 @@ def run_batch(llm, batch: int, input_len: int, output_len: int, seed: int | None
 
 def bench_decode(precisions: list[str], batches: list[int], input_len: int, output_len: int,
                  kv_budget_gb: float, compile: bool, threads_note: str = "",
-                 enforce_eager: bool = False) -> list[DecodeResult]:
+                 enforce_eager: bool = False, sampling: dict | None = None) -> list[DecodeResult]:
+    """sampling: every request's SamplingParams fields (e.g. temperature, top_p);
+    default greedy."""
 
     results = []
     for name in precisions:
@@ -87,7 +89,9 @@ def bench_decode(precisions: list[str], batches: list[int], input_len: int, outp
             run_batch(llm, b, input_len, 4, seed=10_000 + b)
         for b in batches:
             bandwidth = read_bandwidth()
-            prefill, decode, decoded = run_batch(llm, b, input_len, output_len)
+            params = ([SamplingParams(max_tokens=output_len, ignore_eos=True, seed=i, **sampling) for i in range(b)]
+                      if sampling else None)
+            prefill, decode, decoded = run_batch(llm, b, input_len, output_len, params=params)
             step_bytes = step_read_bytes(stats, b, input_len + output_len / 2)
             step_s = decode / (decoded / b)
             r = DecodeResult(name, b, prefill, decode, decoded / decode, stats["weight_bytes"] / 2**20,

@@ -32,6 +32,8 @@ def register(sub) -> None:
                      help="KV page pool per engine; also the budget of the max-batch column")
     dec.add_argument("--compile", action="store_true", help="torch.compile the decode attention")
     dec.add_argument("--enforce-eager", action="store_true", help="no captured decode steps (op by op)")
+    dec.add_argument("--temperature", type=float, default=0.0, help="every request's (default 0: greedy)")
+    dec.add_argument("--top-p", type=float, default=1.0)
     dec.add_argument("--json-out", default=None)
     dec.set_defaults(func=run_decode_cmd)
 
@@ -265,16 +267,17 @@ def run_decode_cmd(args) -> int:
     # lazy: CLI start-up (load what a subcommand needs when it runs)
     from qoqserve.bench.decode import as_dicts, bench_decode
 
+    sampling = {"temperature": args.temperature, "top_p": args.top_p} if args.temperature else None
     print(f"# {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
           f"input {args.input_len}, output {args.output_len}, compile={args.compile}, "
-          f"enforce_eager={args.enforce_eager}")
+          f"enforce_eager={args.enforce_eager}, sampling={sampling or 'greedy'}")
     results = bench_decode(args.precisions, args.batch_sizes, args.input_len, args.output_len,
-                           args.kv_budget_gb, args.compile, enforce_eager=args.enforce_eager)
+                           args.kv_budget_gb, args.compile, enforce_eager=args.enforce_eager, sampling=sampling)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"threads": torch.get_num_threads(), "torch": torch.__version__,
                        "input_len": args.input_len, "output_len": args.output_len,
-                       "compile": args.compile, "enforce_eager": args.enforce_eager,
+                       "compile": args.compile, "enforce_eager": args.enforce_eager, "sampling": sampling,
                        "results": as_dicts(results)}, f, indent=2)
     return 0
 

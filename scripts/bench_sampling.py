@@ -1,0 +1,42 @@
+#!/usr/bin/env python
+"""Decode step time by sampling mode: the embedded QoQ model (plain `LLM("qoq")`
+defaults), B requests of 80-token random prompts, 64 tokens each, EOS ignored,
+for greedy, temperature 0.8, and temperature 0.8 with top_p 0.95 / top_k 50 /
+top_p and a seed; the mean over the decode steps after the first.
+Only public APIs, so the same file times an older checkout:
+
+    PYTHONPATH=<tree> python scripts/bench_sampling.py 32
+"""
+import sys
+import time
+
+from qoqserve.bench.offline import make_prompts
+from qoqserve.llm import LLM
+from qoqserve.sampling_params import SamplingParams
+
+CASES = {"greedy": dict(temperature=0.0), "t0.8": dict(temperature=0.8),
+         "t0.8 top_p0.95": dict(temperature=0.8, top_p=0.95), "t0.8 top_k50": dict(temperature=0.8, top_k=50),
+         "t0.8 seeded top_p": dict(temperature=0.8, top_p=0.95, seed=1)}
+
+
+def main() -> None:
+    batch = int(sys.argv[1]) if len(sys.argv) > 1 else 32
+    engine = LLM("qoq").engine
+    for rep in range(2):  # the first round warms up
+        for name, kw in CASES.items():
+            params = SamplingParams(max_tokens=64, ignore_eos=True, **kw)
+            for i, p in enumerate(make_prompts(batch, 80, engine.arch.vocab_size, seed=rep)):
+                engine.add_request(f"{name}-{rep}-{i}", p, params)
+            steps, first = 0, None
+            while engine.has_unfinished():
+                engine.step()
+                steps += 1
+                if steps == 2:  # the prefill and the first token are behind
+                    first = time.perf_counter()
+            if rep:
+                print(f"{name:20s} batch {batch}: decode {(time.perf_counter() - first) * 1e3 / 62:.2f} ms/step",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
