@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Decode step time by sampling mode: the embedded QoQ model (plain `LLM("qoq")`
 defaults), B requests of 80-token random prompts, 64 tokens each, EOS ignored,
-for greedy, temperature 0.8, and temperature 0.8 with top_p 0.95 / top_k 50 /
-top_p and a seed; the mean over the decode steps after the first.
+for greedy, temperature 0.8, temperature 0.8 with top_p 0.95 / top_k 50 /
+top_p and a seed, and with penalties; the mean over the decode steps after
+the first.
 Only public APIs, so the same file times an older checkout:
 
     PYTHONPATH=<tree> python scripts/bench_sampling.py 32
@@ -16,7 +17,10 @@ from qoqserve.sampling_params import SamplingParams
 
 CASES = {"greedy": dict(temperature=0.0), "t0.8": dict(temperature=0.8),
          "t0.8 top_p0.95": dict(temperature=0.8, top_p=0.95), "t0.8 top_k50": dict(temperature=0.8, top_k=50),
-         "t0.8 seeded top_p": dict(temperature=0.8, top_p=0.95, seed=1)}
+         "t0.8 seeded top_p": dict(temperature=0.8, top_p=0.95, seed=1),
+         "greedy rep1.1": dict(temperature=0.0, repetition_penalty=1.1),
+         "t0.8 top_p rep1.1": dict(temperature=0.8, top_p=0.95, repetition_penalty=1.1),
+         "t0.8 presence/freq0.5": dict(temperature=0.8, presence_penalty=0.5, frequency_penalty=0.5)}
 
 
 def main() -> None:
@@ -34,7 +38,7 @@ def main() -> None:
                 if steps == 2:  # the prefill and the first token are behind
                     first = time.perf_counter()
             if rep:
-                print(f"{name:20s} batch {batch}: decode {(time.perf_counter() - first) * 1e3 / 62:.2f} ms/step",
+                print(f"{name:22s} batch {batch}: decode {(time.perf_counter() - first) * 1e3 / 62:.2f} ms/step",
                       flush=True)
 
 

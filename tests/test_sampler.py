@@ -154,14 +154,42 @@ def test_the_cpu_argmax_is_torchs_index_on_ties_nans_infs_and_tails():
         elementwise.argmax(torch.zeros(2, 3, dtype=torch.bfloat16))
 
 
-def test_penalized_rows_leave_the_callers_logits_as_they_were():
-    """A failed step is retried on the same logits: penalties must not land twice."""
-    logits = torch.randn(2, 50)
-    before = logits.clone()
+def test_penalized_rows_sample_as_apply_penalties_then_the_draw():
+    """The sampler penalizes rows in place (C on CPU) and samples them in one
+    call: greedy rows take the argmax of the penalized row, sampled ones draw
+    from it, whoever else shares the batch."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(4, 500, generator=g) * 3
     params = [SamplingParams(temperature=0, repetition_penalty=3.0), SamplingParams(temperature=0.7, seed=4,
-                                                                                      presence_penalty=1.5)]
-    seqs = [Sequence("a", [int(logits[0].argmax())], params[0]), Sequence("b", [1, 2], params[1])]
+                                                                                      presence_penalty=1.5),
+              SamplingParams(temperature=0), SamplingParams(temperature=0, frequency_penalty=2.0)]
+    seqs = [Sequence(f"r{i}", [int(logits[i].argmax()), 7], p) for i, p in enumerate(params)]
     seqs[1].output_counts = {int(logits[1].argmax()): 3}
-    first = Sampler()(logits, seqs)[0]
-    assert torch.equal(logits, before)
-    assert Sampler()(logits, seqs)[0] == first
+    seqs[3].output_counts = {int(logits[3].argmax()): 2}
+    toks = Sampler()(logits.clone(), seqs)[0]
+    for i in (0, 3):
+        ref = apply_penalties(logits[i], params[i], seqs[i].token_ids, seqs[i].output_counts)
+        assert toks[i] == int(ref.argmax()) and toks[i] != int(logits[i].argmax())
+    assert toks[2] == int(logits[2].argmax())
+    alone = Sampler()(logits[1:2].clone(), seqs[1:2])[0]
+    assert toks[1] == alone[0]
+
+
+@pytest.mark.parametrize("rep,presence,freq,bias", [
+    (1.3, 0.0, 0.0, None), (0.7, 0.5, 0.25, None), (1.0, -1.5, 2.0, {5: 3.5, 17: -100.0}),
+    (2.0, 0.3, 0.1, {3: 0.25}), (5e-324, 0.0, 0.0, None), (9.9, 2.0, -2.0, {0: 100.0}),
+])
+def test_the_c_penalties_are_apply_penalties_bit_for_bit(rep, presence, freq, bias):
+    from qoqserve.kernels.cpu import sample as cpu_sample
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 300, generator=g) * 4
+    logits[0, :4] = torch.tensor([0.0, -0.0, float("-inf"), 1e-30])
+    p = SamplingParams(temperature=0.5, repetition_penalty=rep, presence_penalty=presence,
+                       frequency_penalty=freq, logit_bias=bias)
+    prompts = [[0, 1, 2, 3, 3, 9], [5, 5, 5], list(range(0, 300, 7))]
+    outputs = [{3: 2, 40: 1}, {}, {17: 5, 0: 1, 299: 3}]
+    ref = torch.stack([apply_penalties(logits[i], p, prompts[i], outputs[i]) for i in range(3)])
+    got = logits.clone()
+    seen = [prompts[i] + [t for t, c in outputs[i].items() for _ in range(c)] for i in range(3)]
+    cpu_sample.penalize_rows(got, [0, 1, 2], seen, outputs, [bias] * 3, [rep] * 3, [presence] * 3, [freq] * 3)
+    assert torch.equal(got.view(torch.int32), ref.view(torch.int32))  # the same bits, signed zeros included

@@ -14,6 +14,7 @@ import torch
 
 from qoqserve.errors import ConstraintDeadEndError
 from qoqserve.kernels.cpu import elementwise
+from qoqserve.kernels.cpu import sample as cpu_sample
 from qoqserve.layers.token_draw import draw_tokens
 from qoqserve.layers.token_mask import ConstraintMasks, TokenConstraint
 from qoqserve.sampling_params import SamplingParams
@@ -121,13 +122,29 @@ class Sampler:
             self._undo.append((req.request_id, gen.get_state()))
         return gen
 
+    @staticmethod
+    def _penalize(logits: torch.Tensor, rows: list[int], requests: list[SamplingRequest]) -> None:
+        """apply_penalties on those rows, in place: in one C call on CPU (the
+        same bits), else row by row."""
+        if logits.device.type != "cpu" or logits.stride(1) != 1 or not cpu_sample.available():
+            for i, r in zip(rows, requests):
+                logits[i] = apply_penalties(logits[i], r.params, r.token_ids[:r.num_prompt_tokens], r.output_counts)
+            return
+        ps = [r.params for r in requests]
+        cpu_sample.penalize_rows(
+            logits, rows, [r.token_ids if p.repetition_penalty != 1.0 else [] for r, p in zip(requests, ps)],
+            [r.output_counts if p.presence_penalty or p.frequency_penalty else {} for r, p in zip(requests, ps)],
+            [p.logit_bias for p in ps], [p.repetition_penalty for p in ps], [p.presence_penalty for p in ps],
+            [p.frequency_penalty for p in ps])
+
     def __call__(self, logits: torch.Tensor, requests: list[SamplingRequest], greedy: torch.Tensor | None = None
                  ) -> tuple[list[int], list[float] | None, list[list[tuple[int, float]]] | None]:
         """logits [B, V] -> chosen token per row; when any row asks, each chosen token's
         logprob and each row's top_logprobs most likely (token, logprob) pairs.
         Logprobs are of the model's distribution (within what a constraint allows),
-        before penalties and temperature. Constrained rows of fp32 logits are
-        masked in place (the step's logits are not used after sampling).
+        before penalties and temperature. fp32 logits are modified in place
+        (constrained rows masked, penalized rows penalized): every step, and
+        every re-run of a failed one, computes them anew.
         greedy: each row's argmax of these logits, computed already (the
         captured step's); not used once a constraint has masked a row."""
         params = [r.params for r in requests]
@@ -143,19 +160,13 @@ class Sampler:
         # greedy rows without penalties: one argmax for the batch
         masked = any(c is not None for c in constraints)
         tokens = greedy.clone() if greedy is not None and not masked else _argmax(logits)
-        drawn: list[int] = []  # rows sampled from their distribution (token_draw.py), in one call
-        if any(p.has_penalties for p in params):
-            logits = logits.clone()  # penalized rows are written in place: not into the caller's (a retry reuses it)
-        for i, p in enumerate(params):
-            if p.greedy and not p.has_penalties:
-                continue
-            if p.has_penalties:
-                req = requests[i]
-                logits[i] = apply_penalties(logits[i], p, req.token_ids[:req.num_prompt_tokens], req.output_counts)
-            if p.greedy:
-                tokens[i] = logits[i].argmax()
-            else:
-                drawn.append(i)
+        penalized = [i for i, p in enumerate(params) if p.has_penalties]
+        if penalized:
+            self._penalize(logits, penalized, [requests[i] for i in penalized])
+            rows = [i for i in penalized if params[i].greedy]
+            if rows:
+                tokens[rows] = _argmax(logits if len(rows) == len(params) else logits[rows])
+        drawn = [i for i, p in enumerate(params) if not p.greedy]
         if drawn:
             u = [float(torch.rand((), dtype=torch.float64, generator=self._generator(requests[i], logits.device),
                                   device=logits.device)) for i in drawn]

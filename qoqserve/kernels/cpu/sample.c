@@ -20,7 +20,11 @@
  * of kept weights passes u * (their sum), u in [0, 1) the row's uniform (from
  * its own generator: a seeded request draws the same whatever the batch).
  * Sums run in 16 lanes, then in double; rows are independent (one thread
- * each), so a row's token depends only on its logits, its settings and u. */
+ * each), so a row's token depends only on its logits, its settings and u.
+ *
+ * penalize_rows applies the penalties before that, in place, with the
+ * operations and roundings of sampler.apply_penalties (build with
+ * -ffp-contract=off: each product and sum rounds on its own, as torch's). */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
@@ -160,4 +164,57 @@ int sample_rows(const float *logits, int64_t stride, int64_t V, const int64_t *r
         }
     }
     return status;
+}
+
+static __thread uint32_t *tl_stamp, tl_stamp_next;
+static __thread size_t tl_stamp_size;
+
+/* Row rows[j] of logits, in place: the repetition penalty rep[j] (!= 1: off
+ * when 1) on each distinct token of seen[j] (seen_len[j] ids: the prompt and
+ * the output), w > 0 divided by it, -inf kept, the rest multiplied; then
+ * w -= frequency[j] * count + presence[j] for each (out_tok, out_cnt) pair of
+ * the output; then w += bias for each (bias_tok, bias_val) pair. Returns 0,
+ * -1 for a token id outside [0, V), -2 out of memory. */
+int penalize_rows(float *logits, int64_t stride, int64_t V, const int64_t *rows, int64_t n,
+                  const int64_t *const *seen, const int64_t *seen_len, const int64_t *const *out_tok,
+                  const float *const *out_cnt, const int64_t *out_len, const int64_t *const *bias_tok,
+                  const float *const *bias_val, const int64_t *bias_len, const float *rep,
+                  const float *presence, const float *frequency) {
+    if ((size_t)V > tl_stamp_size) {  /* a stamp per token: "penalized in this row" without clearing */
+        free(tl_stamp);
+        tl_stamp = calloc((size_t)V, sizeof(uint32_t));
+        tl_stamp_size = tl_stamp ? (size_t)V : 0;
+        tl_stamp_next = 0;
+        if (!tl_stamp) return -2;
+    }
+    for (int64_t j = 0; j < n; j++) {
+        float *w = logits + rows[j] * stride;
+        if (rep[j] != 1.0f) {
+            if (++tl_stamp_next == 0) {  /* wrapped: old stamps could match again */
+                memset(tl_stamp, 0, (size_t)V * sizeof(uint32_t));
+                tl_stamp_next = 1;
+            }
+            for (int64_t i = 0; i < seen_len[j]; i++) {
+                const int64_t t = seen[j][i];
+                if (t < 0 || t >= V) return -1;
+                if (tl_stamp[t] == tl_stamp_next) continue;
+                tl_stamp[t] = tl_stamp_next;
+                const float v = w[t];
+                w[t] = v > 0.0f ? v / rep[j] : (v == -INFINITY ? v : v * rep[j]);
+            }
+        }
+        for (int64_t i = 0; i < out_len[j]; i++) {
+            const int64_t t = out_tok[j][i];
+            if (t < 0 || t >= V) return -1;
+            float d = frequency[j] * out_cnt[j][i];
+            d = d + presence[j];
+            w[t] = w[t] - d;
+        }
+        for (int64_t i = 0; i < bias_len[j]; i++) {
+            const int64_t t = bias_tok[j][i];
+            if (t < 0 || t >= V) return -1;
+            w[t] = w[t] + bias_val[j][i];
+        }
+    }
+    return 0;
 }

@@ -2,6 +2,7 @@
 min_p, top_k and top_p without sorting the vocabulary, one uniform per row."""
 from __future__ import annotations
 
+import array
 import ctypes
 
 import torch
@@ -9,11 +10,13 @@ import torch
 from qoqserve.kernels.cpu.build import load_library
 
 _P, _L = ctypes.c_void_p, ctypes.c_int64
-_SIGNATURES = {"sample_rows": (ctypes.c_int, [_P, _L, _L, _P, _L, _P, _P, _P, _P, _P, _P, ctypes.c_int])}
+_SIGNATURES = {"sample_rows": (ctypes.c_int, [_P, _L, _L, _P, _L, _P, _P, _P, _P, _P, _P, ctypes.c_int]),
+               "penalize_rows": (ctypes.c_int, [_P, _L, _L, _P, _L] + [_P] * 11)}
 
 
 def load():
-    return load_library("sample", [], _SIGNATURES, fallback="torch's sort-based sampling")
+    # -ffp-contract=off: penalize_rows rounds as torch does (each product and sum on its own)
+    return load_library("sample", ["-ffp-contract=off"], _SIGNATURES, fallback="the torch sampling path")
 
 
 def available() -> bool:
@@ -43,3 +46,38 @@ def sample_rows(logits: torch.Tensor, rows: list[int], temperature: list[float],
     if status == -1:
         raise ValueError("sample_rows: a row has no finite logit")
     return out.tolist()
+
+
+def _pointers(arrays: list[array.array]) -> tuple[ctypes.Array, ctypes.Array]:
+    """(a pointer to each array's items, their lengths) as C arrays."""
+    ptrs = (ctypes.c_void_p * len(arrays))(*(a.buffer_info()[0] for a in arrays))
+    lens = (ctypes.c_int64 * len(arrays))(*(len(a) for a in arrays))
+    return ptrs, lens
+
+
+def penalize_rows(logits: torch.Tensor, rows: list[int], seen: list[list[int]],
+                  outputs: list[dict[int, int]], biases: list[dict[int, float] | None],
+                  repetition: list[float], presence: list[float], frequency: list[float]) -> None:
+    """In place, rows rows[j] of fp32 CPU logits [B, V]: sampler.apply_penalties
+    bit for bit, for each row j: repetition[j] on the distinct tokens of seen[j]
+    (prompt and output), presence / frequency on the counts outputs[j], the
+    logit bias biases[j] last."""
+    if logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.stride(1) != 1:
+        raise ValueError("penalize_rows: fp32 CPU logits with unit column stride")
+    if not rows:
+        return
+    seen_a = [array.array("q", s) for s in seen]
+    tok_a = [array.array("q", o.keys()) for o in outputs]
+    cnt_a = [array.array("f", o.values()) for o in outputs]
+    btok_a = [array.array("q", (b or {}).keys()) for b in biases]
+    bval_a = [array.array("f", (b or {}).values()) for b in biases]
+    f32 = lambda v: (ctypes.c_float * len(v))(*v)  # noqa: E731
+    status = load().penalize_rows(
+        logits.data_ptr(), logits.stride(0), logits.shape[1], (ctypes.c_int64 * len(rows))(*rows), len(rows),
+        *_pointers(seen_a), _pointers(tok_a)[0], _pointers(cnt_a)[0], _pointers(tok_a)[1],
+        _pointers(btok_a)[0], _pointers(bval_a)[0], _pointers(btok_a)[1], f32(repetition), f32(presence),
+        f32(frequency))
+    if status == -1:
+        raise ValueError("penalize_rows: a token id outside the vocabulary")
+    if status == -2:
+        raise MemoryError("penalize_rows: out of memory")
