@@ -200,6 +200,12 @@ class SamplingParams:
         return self.greedy and not self.has_penalties and not self.logprobs
 
     @property
+    def burstable(self) -> bool:
+        """Its token is the step's argmax or a plain draw (temperature, min_p,
+        top_k, top_p), which a decode burst makes in C: no penalties, no logprobs."""
+        return not self.has_penalties and not self.logprobs
+
+    @property
     def has_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0 or bool(self.logit_bias))

@@ -1,6 +1,7 @@
-"""Decode bursts (engine/burst.py): several captured greedy decode steps run
-back to back from C give every request the tokens single steps give it,
-end each request where single steps end it, and hand every page back."""
+"""Decode bursts (engine/burst.py): several captured decode steps run back to
+back from C (greedy rows take the argmax, sampled ones a draw in C) give
+every request the tokens single steps give it, end each request where single
+steps end it, and hand every page back."""
 import gc
 
 import httpx
@@ -66,9 +67,11 @@ def test_a_burst_runs_only_where_it_cannot_change_a_request():
     assert burst.burst_length(decodes, False, 8, 33, 0.001) == 3  # the context window: 30 + 3 tokens
     seqs[0].token_ids += [1] * 47  # 47 of 50 tokens out
     assert burst.burst_length(decodes, False, 8, 1000, 0.001) == 3
-    for other in (dict(temperature=0.7), dict(logprobs=True), dict(presence_penalty=0.5)):
+    for other in (dict(logprobs=True), dict(presence_penalty=0.5), dict(temperature=0.7, logit_bias={3: 1.0})):
         mixed = ScheduledBatch([seqs[1], Sequence("x", [1, 2], SamplingParams(**{"temperature": 0.0, **other}))])
         assert burst.burst_length(mixed, False, 8, 1000, 0.001) == 1, other
+    sampled = Sequence("x", [1, 2], SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, max_tokens=50))
+    assert burst.burst_length(ScheduledBatch([seqs[0], sampled]), False, 8, 1000, 0.001) == 3  # seqs[0]'s cap
 
 
 def test_the_pages_of_a_burst_are_taken_all_or_none():
@@ -165,3 +168,32 @@ def test_a_stream_served_in_bursts_is_the_answer_of_single_steps(qoq_tiny, long_
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
     assert engine.stats()["decode_bursts"] >= 2
     assert len([c for c in chunks if c["choices"]]) < 30  # tokens arrived several to a chunk
+
+
+SAMPLED = [SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=24, ignore_eos=True),
+           SamplingParams(temperature=0.0, max_tokens=17, ignore_eos=True),
+           SamplingParams(temperature=1.2, top_k=20, min_p=0.05, seed=5, max_tokens=30, ignore_eos=True)]
+
+
+def test_seeded_sampled_requests_draw_the_same_tokens_in_bursts(qoq_tiny, long_bursts):
+    prompts = [[9, 8, 7, 6, 5], [4, 5, 6], [20, 21, 22, 23, 24, 25, 26]]
+    single, _ = _generate(qoq_tiny, prompts, SAMPLED, 1)
+    (outs, bursts), free = _generate(qoq_tiny, prompts, SAMPLED, 8)
+    assert outs == single[0] and bursts > 0 and free
+    assert len(set(single[0][0][0])) > 3  # really sampled, not stuck on one token
+    alone, _ = _generate(qoq_tiny, prompts[2:], SAMPLED[2:], 8)  # and whoever shares the burst
+    assert alone[0][0] == single[0][2]
+
+
+def test_a_sampled_burst_that_does_not_run_gives_its_draws_back(qoq_tiny, long_bursts, monkeypatch):
+    from qoqserve.engine.captured_step import CapturedDecode
+    prompts = [[9, 8, 7, 6, 5]]
+    single, _ = _generate(qoq_tiny, prompts, SAMPLED[:1], 1)
+
+    def draws_then_fails(self, decodes, n, draw=None):
+        if draw is not None:
+            draw(n)  # the uniforms are taken, then the replay fails
+        raise RuntimeError("CPU kernel sample_step failed during a replayed step")
+    monkeypatch.setattr(CapturedDecode, "burst", draws_then_fails)
+    (outs, bursts), free = _generate(qoq_tiny, prompts, SAMPLED[:1], 8)
+    assert outs == single[0] and bursts == 0 and free

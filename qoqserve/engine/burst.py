@@ -1,4 +1,4 @@
-"""Decode bursts: several greedy decode steps run back to back from C, with
+"""Decode bursts: several decode steps run back to back from C, with
 no Python between them (what vLLM called multi-step scheduling,
 `--num-scheduler-steps`).
 
@@ -6,18 +6,21 @@ A captured decode step at batch 1 replays in ~1.5-2 ms on this CPU, and the
 Python around it (scheduling, the sampler, detokenizing, stop checks, the
 outputs) adds ~0.1 ms, most of it cache misses after the step's weight
 stream has been through the caches (docs/runtime.md). When every running
-sequence decodes plainly greedily, the token of each step is the step's own
-argmax, so the step can feed it back as the next input itself
-(kernels/cpu/decode_advance.c) and run again: n steps cost one round of that
-Python, and the n tokens then go through the same per-token output path,
-one step after the other, as n single steps would have. The tokens are the
-same: every step is the same replayed calls on the same inputs.
+sequence's token is the step's own argmax or a plain draw (temperature,
+min_p, top_k, top_p: kernels/cpu/sample.c's sample_step, recorded after the
+LM head, with uniforms taken from each row's generator up front, one a step
+as single steps take them), the step can feed it back as the next input
+itself (kernels/cpu/decode_advance.c) and run again: n steps cost one round
+of that Python, and the n tokens then go through the same per-token output
+path, one step after the other, as n single steps would have. The tokens are
+the same: every step is the same replayed calls on the same inputs and the
+same uniforms (a burst that does not run gives its uniforms back).
 
 A burst runs only when it cannot change what a request gets:
 - nothing waits to be admitted and no prompt is being prefilled (a burst
   delays the next scheduling decision by its length);
-- every sequence is plain greedy (`SamplingParams.plain_greedy`) and
-  unconstrained: its token is the argmax, which the captured step computes;
+- every sequence is greedy or plainly sampled (`SamplingParams.burstable`:
+  no penalties, no logprobs) and unconstrained;
 - no sequence can reach max_tokens or the context window inside it; one
   that stops (EOS, a stop token or string) inside it ends at that token, and
   what the burst computed for it after that is dropped;
@@ -44,7 +47,7 @@ def burst_length(batch: ScheduledBatch, waiting: bool, max_steps: int, max_model
         return 1
     n = min(max_steps, int(budget_seconds / step_seconds))
     for seq in batch.decodes:
-        if not seq.params.plain_greedy or seq.constraint is not None:
+        if not seq.params.burstable or seq.constraint is not None:
             return 1
         n = min(n, max_model_len - len(seq))  # the step's token makes len(seq) + 1
         if seq.params.max_tokens is not None:

@@ -256,11 +256,30 @@ class ModelRunner:
         return self.sampler(self.model.compute_logits(hidden), batch.sampled)
 
     def run_burst(self, batch: ScheduledBatch, n: int) -> list[list[int]] | None:
-        """n greedy decode steps of batch's decodes at once (engine/burst.py):
-        their tokens [n][rows], or None where the batch cannot run so."""
+        """n decode steps of batch's decodes at once (engine/burst.py): their
+        tokens [n][rows], or None where the batch cannot run so. Sampled rows
+        take their n uniforms up front; a burst that does not run gives them back."""
         if self.captured is None or batch.prefills:
             return None
-        return self.captured.burst(batch.decodes, n)
+        decodes = batch.decodes
+        if all(s.params.greedy for s in decodes):
+            return self.captured.burst(decodes, n)
+
+        def draw(steps: int):
+            ps = [s.params for s in decodes]
+            u = [self.sampler.uniforms(s, steps) if not p.greedy else [0.0] * steps for s, p in zip(decodes, ps)]
+            return ([p.temperature for p in ps], [p.min_p for p in ps], [p.top_k for p in ps],
+                    [p.top_p for p in ps], [list(step) for step in zip(*u)])
+
+        self.sampler.begin()
+        try:
+            tokens = self.captured.burst(decodes, n, draw)
+        except Exception:
+            self.sampler.rollback()
+            raise
+        if tokens is None:
+            self.sampler.rollback()
+        return tokens
 
     def step_seconds(self, rows: int) -> float | None:
         """The last captured decode step of this many rows took (None: none yet)."""

@@ -122,6 +122,12 @@ class Sampler:
             self._undo.append((req.request_id, gen.get_state()))
         return gen
 
+    def uniforms(self, req: SamplingRequest, n: int, device: torch.device = torch.device("cpu")) -> list[float]:
+        """The request's next n uniforms in [0, 1): one a sampled token, whether
+        its steps run one by one or in a decode burst (the same draws either way)."""
+        gen = self._generator(req, device)
+        return [float(torch.rand((), dtype=torch.float64, generator=gen, device=device)) for _ in range(n)]
+
     @staticmethod
     def _penalize(logits: torch.Tensor, rows: list[int], requests: list[SamplingRequest]) -> None:
         """apply_penalties on those rows, in place: in one C call on CPU (the
@@ -168,8 +174,7 @@ class Sampler:
                 tokens[rows] = _argmax(logits if len(rows) == len(params) else logits[rows])
         drawn = [i for i, p in enumerate(params) if not p.greedy]
         if drawn:
-            u = [float(torch.rand((), dtype=torch.float64, generator=self._generator(requests[i], logits.device),
-                                  device=logits.device)) for i in drawn]
+            u = [self.uniforms(requests[i], 1, logits.device)[0] for i in drawn]
             tokens[drawn] = torch.tensor(draw_tokens(logits, drawn, [params[i] for i in drawn], u),
                                          device=tokens.device)
         chosen = top = None

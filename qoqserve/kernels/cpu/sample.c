@@ -166,6 +166,27 @@ int sample_rows(const float *logits, int64_t stride, int64_t V, const int64_t *r
     return status;
 }
 
+/* One step of a decode burst (engine/burst.py), recorded after the LM head:
+ * chosen[i] = greedy[i] where temperature[i] is 0, else the token drawn from
+ * row i of logits as sample_rows draws it, with u[*step * rows + i]. Rows in
+ * turn on the calling thread (a replayed step calls it from one thread of
+ * its team). Returns 0, -1 for a row with no finite logit, -2 out of memory. */
+int sample_step(const float *logits, int64_t stride, int64_t V, const int64_t *greedy, int64_t rows,
+                const float *temperature, const float *min_p, const int64_t *top_k, const float *top_p,
+                const double *u, const int64_t *step, int64_t *chosen) {
+    for (int64_t i = 0; i < rows; i++) {
+        if (temperature[i] == 0.0f) {
+            chosen[i] = greedy[i];
+            continue;
+        }
+        const int64_t t = sample_row(logits + i * stride, V, temperature[i], min_p[i], top_k[i], top_p[i],
+                                     u[*step * rows + i]);
+        if (t < 0) return (int)t;
+        chosen[i] = t;
+    }
+    return 0;
+}
+
 static __thread uint32_t *tl_stamp, tl_stamp_next;
 static __thread size_t tl_stamp_size;
 

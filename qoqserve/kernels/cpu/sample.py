@@ -7,16 +7,19 @@ import ctypes
 
 import torch
 
+from qoqserve.kernels.cpu import graph
 from qoqserve.kernels.cpu.build import load_library
 
 _P, _L = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {"sample_rows": (ctypes.c_int, [_P, _L, _L, _P, _L, _P, _P, _P, _P, _P, _P, ctypes.c_int]),
-               "penalize_rows": (ctypes.c_int, [_P, _L, _L, _P, _L] + [_P] * 11)}
+               "penalize_rows": (ctypes.c_int, [_P, _L, _L, _P, _L] + [_P] * 11),
+               "sample_step": (ctypes.c_int, [_P, _L, _L, _P, _L, _P, _P, _P, _P, _P, _P, _P])}
 
 
 def load():
     # -ffp-contract=off: penalize_rows rounds as torch does (each product and sum on its own)
-    return load_library("sample", ["-ffp-contract=off"], _SIGNATURES, fallback="the torch sampling path")
+    return load_library("sample", ["-ffp-contract=off"], _SIGNATURES, fallback="the torch sampling path",
+                        serial=("sample_step",))
 
 
 def available() -> bool:
@@ -81,3 +84,24 @@ def penalize_rows(logits: torch.Tensor, rows: list[int], seen: list[list[int]],
         raise ValueError("penalize_rows: a token id outside the vocabulary")
     if status == -2:
         raise MemoryError("penalize_rows: out of memory")
+
+
+def sample_step(logits: torch.Tensor, greedy: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor,
+                top_k: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor, step: torch.Tensor,
+                chosen: torch.Tensor) -> None:
+    """A decode burst's choice of each row's token (recorded into its plan):
+    chosen[i] = greedy[i] where temperature[i] is 0, else sample_rows' draw from
+    logits[i] with u[step[0], i]. Buffers: fp32 logits [rows, V], int64 greedy /
+    top_k / chosen / step [1], fp32 temperature / min_p / top_p, float64 u [steps, rows]."""
+    rows = chosen.shape[0]
+    typed = ((greedy, torch.int64), (top_k, torch.int64), (chosen, torch.int64), (step, torch.int64),
+             (temperature, torch.float32), (min_p, torch.float32), (top_p, torch.float32), (u, torch.float64))
+    if (logits.dtype != torch.float32 or logits.stride(1) != 1 or logits.shape[0] < rows or u.shape[1:] != (rows,)
+            or any(t.dtype != d or not t.is_contiguous() or (t is not u and t is not step and t.shape[0] < rows)
+                   for t, d in typed)):
+        raise ValueError("sample_step: fp32 logits rows, contiguous buffers of its rows, u [steps, rows] float64")
+    status = graph.launch(load().sample_step, logits.data_ptr(), logits.stride(0), logits.shape[1], greedy.data_ptr(),
+                          rows, temperature.data_ptr(), min_p.data_ptr(), top_k.data_ptr(), top_p.data_ptr(),
+                          u.data_ptr(), step.data_ptr(), chosen.data_ptr())
+    if status:
+        raise RuntimeError(f"sample_step failed ({status})")
