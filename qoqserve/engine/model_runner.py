@@ -264,16 +264,9 @@ class ModelRunner:
         decodes = batch.decodes
         if all(s.params.greedy for s in decodes):
             return self.captured.burst(decodes, n)
-
-        def draw(steps: int):
-            ps = [s.params for s in decodes]
-            u = [self.sampler.uniforms(s, steps) if not p.greedy else [0.0] * steps for s, p in zip(decodes, ps)]
-            return ([p.temperature for p in ps], [p.min_p for p in ps], [p.top_k for p in ps],
-                    [p.top_p for p in ps], [list(step) for step in zip(*u)])
-
         self.sampler.begin()
         try:
-            tokens = self.captured.burst(decodes, n, draw)
+            tokens = self.captured.burst(decodes, n, lambda steps: self.sampler.burst_draws(decodes, steps))
         except Exception:
             self.sampler.rollback()
             raise

@@ -128,6 +128,14 @@ class Sampler:
         gen = self._generator(req, device)
         return [float(torch.rand((), dtype=torch.float64, generator=gen, device=device)) for _ in range(n)]
 
+    def burst_draws(self, requests: list[SamplingRequest], steps: int) -> tuple[list, list, list, list, list]:
+        """What a decode burst's sample_step reads for these rows: (temperatures,
+        min_ps, top_ks, top_ps, uniforms [steps][rows]; greedy rows: temperature 0, u unused)."""
+        ps = [r.params for r in requests]
+        u = [self.uniforms(r, steps) if not p.greedy else [0.0] * steps for r, p in zip(requests, ps)]
+        return ([p.temperature for p in ps], [p.min_p for p in ps], [p.top_k for p in ps], [p.top_p for p in ps],
+                [list(step) for step in zip(*u)])
+
     @staticmethod
     def _penalize(logits: torch.Tensor, rows: list[int], requests: list[SamplingRequest]) -> None:
         """apply_penalties on those rows, in place: in one C call on CPU (the
