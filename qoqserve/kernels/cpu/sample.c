@@ -33,6 +33,9 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 #include "exp_f32.h"
 #include "thread_scratch.h"
@@ -55,9 +58,26 @@ static double mass_above(const float *w, int64_t n, float v) {
 }
 
 static int64_t count_at_least(const float *w, int64_t n, float v) {
-    int64_t c = 0;
-    for (int64_t i = 0; i < n; i++) c += w[i] >= v;
+    int32_t lanes[LANES] = {0};  /* lane by lane: the loop vectorizes (a row is far below 2^31 per lane) */
+    int64_t i = 0, c = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++) lanes[l] += w[i + l] >= v;
+    for (; i < n; i++) c += w[i] >= v;
+    for (int l = 0; l < LANES; l++) c += lanes[l];
     return c;
+}
+
+/* the largest of l[0..n), NaN skipped (-inf when all are NaN or -inf), lane by lane */
+static float row_max(const float *l, int64_t n) {
+    float lanes[LANES];
+    for (int k = 0; k < LANES; k++) lanes[k] = -INFINITY;
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int k = 0; k < LANES; k++) lanes[k] = l[i + k] > lanes[k] ? l[i + k] : lanes[k];
+    float m = -INFINITY;
+    for (; i < n; i++) m = l[i] > m ? l[i] : m;
+    for (int k = 0; k < LANES; k++) m = lanes[k] > m ? lanes[k] : m;
+    return m;
 }
 
 /* the k-th largest of w[0..n) (k < number of w > 0): the largest v with k of w >= v */
@@ -83,10 +103,26 @@ static float top_p_threshold(const float *w, int64_t n, double total, float p) {
     return float_of(lo);
 }
 
-/* w[i] >= floor (> 0), as (weight, token) pairs in vocabulary order; their count */
+/* w[i] >= floor (> 0), as (weight, token) pairs in vocabulary order; their
+ * count. cw and ci have room for V + 16 (AVX-512 stores whole vectors). */
 static int64_t gather(const float *w, int64_t V, float floor, float *cw, int32_t *ci) {
-    int64_t n = 0;
-    for (int64_t i = 0; i < V; i++)
+    int64_t n = 0, i = 0;
+#ifdef __AVX512F__
+    /* compress in registers, then a whole-vector store: the memory form of
+     * vcompressps is microcoded on some AMD cores */
+    const __m512 f = _mm512_set1_ps(floor);
+    __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i step = _mm512_set1_epi32(16);
+    for (; i + 16 <= V; i += 16, idx = _mm512_add_epi32(idx, step)) {
+        const __m512 x = _mm512_loadu_ps(w + i);
+        const __mmask16 k = _mm512_cmp_ps_mask(x, f, _CMP_GE_OQ);
+        if (!k) continue;
+        _mm512_storeu_ps(cw + n, _mm512_maskz_compress_ps(k, x));
+        _mm512_storeu_si512(ci + n, _mm512_maskz_compress_epi32(k, idx));
+        n += __builtin_popcount(k);
+    }
+#endif
+    for (; i < V; i++)
         if (w[i] >= floor) cw[n] = w[i], ci[n++] = (int32_t)i;
     return n;
 }
@@ -105,11 +141,10 @@ static __thread size_t tl_w_size, tl_cw_size, tl_ci_size;
 /* One row; returns the token, -1 when every logit is -inf or NaN, -2 out of memory */
 static int64_t sample_row(const float *l, int64_t V, float T, float min_p, int64_t top_k, float top_p, double u) {
     float *w = grow_scratch(&tl_w, &tl_w_size, sizeof(float) * (size_t)V);
-    float *cw = grow_scratch(&tl_cw, &tl_cw_size, sizeof(float) * (size_t)V);
-    int32_t *ci = grow_scratch(&tl_ci, &tl_ci_size, sizeof(int32_t) * (size_t)V);
+    float *cw = grow_scratch(&tl_cw, &tl_cw_size, sizeof(float) * (size_t)(V + 16));
+    int32_t *ci = grow_scratch(&tl_ci, &tl_ci_size, sizeof(int32_t) * (size_t)(V + 16));
     if (!w || !cw || !ci) return -2;
-    float m = -INFINITY;
-    for (int64_t i = 0; i < V; i++) m = l[i] > m ? l[i] : m;
+    const float m = row_max(l, V);
     if (m == -INFINITY) return -1;
     if (m == INFINITY) {  /* a penalty overflowed: the +inf tokens share the draw */
         for (int64_t i = 0; i < V; i++) w[i] = l[i] == INFINITY ? 1.0f : 0.0f;
