@@ -9,9 +9,9 @@ token while the weight heavier than it is below top_p of the rest (ties
 together); the token is the first, in vocabulary order, where the running
 sum of kept weights passes u times their sum.
 
-On CPU the C kernel runs them without sorting the vocabulary (~30 us a row
-of 49k tokens; torch's sort-based filters took ~1-4 ms a row); elsewhere
-(CUDA) the same rules run batched in torch.
+On CPU the C kernel runs them without sorting the vocabulary (docs/runtime.md
+has its cost beside torch's sort-based filters); elsewhere (CUDA) the same
+rules run batched in torch.
 """
 from __future__ import annotations
 
