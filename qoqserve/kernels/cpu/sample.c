@@ -11,8 +11,10 @@
  *          of a descending sort and its cumulative sum, ties kept together.
  * The k-th weight and the top_p threshold are found by bisection on the
  * bits of a non-negative float (its order is its bits' order): about 30
- * passes of a vectorizable count or sum, over the row for top_k, and for
- * top_p over the tokens that can be kept at all, gathered in one pass (of
+ * passes of a vectorizable count or sum, for top_k over the tokens at or
+ * above a floor that a few passes over the row find (weights 256x apart
+ * until k tokens reach it), for top_p over the tokens that can be kept at
+ * all, gathered in one pass (of
  * the S a row's weights sum to, a token lighter than f = (1 - top_p) S / V
  * has at most V f = (1 - top_p) S at or below its weight, so at least
  * top_p S above it: it goes).
