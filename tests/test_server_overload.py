@@ -103,20 +103,20 @@ def test_a_steps_outputs_reach_their_streams_in_one_wake_of_the_loop():
     # one call_soon_threadsafe per event loop and step (each is a pipe write
     # waking the loop while the engine thread still needs the GIL), every
     # output in its stream's queue, in order
-    from qoqserve.server.async_engine import _put_all, _Stream
+    from qoqserve.server.streams import Stream, put_all
 
     loop = asyncio.new_event_loop()
     try:
         calls = []
         real = loop.call_soon_threadsafe
         loop.call_soon_threadsafe = lambda *a: (calls.append(a), real(*a))[1]
-        streams = [_Stream(loop, asyncio.Queue()) for _ in range(3)]
-        _put_all([(streams[0], "a0"), (streams[1], "b0"), (streams[0], "a1"), (streams[2], "c0")])
+        streams = [Stream(loop, asyncio.Queue()) for _ in range(3)]
+        put_all([(streams[0], "a0"), (streams[1], "b0"), (streams[0], "a1"), (streams[2], "c0")])
         assert len(calls) == 1
         loop.run_until_complete(asyncio.sleep(0))
         got = [[s.queue.get_nowait() for _ in range(s.queue.qsize())] for s in streams]
         assert got == [["a0", "a1"], ["b0"], ["c0"]]
-        _put_all([])
+        put_all([])
         assert len(calls) == 1
     finally:
         loop.close()

@@ -23,56 +23,18 @@ import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
 from qoqserve.engine.llm_engine import LLMEngine, PreparedRequest
 from qoqserve.engine.output import RequestOutput
 from qoqserve.errors import QueueFullError, WorkerFailedError
 from qoqserve.sampling_params import SamplingParams
+from qoqserve.server.streams import Stream, put_all, rss_bytes
 
 log = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
     pass
-
-
-def rss_bytes() -> int | None:
-    """This process's resident memory (Linux /proc; None elsewhere): /health
-    reports it so a soak run can watch it without access to the server's host."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-
-    def put(self, item) -> None:
-        _put_all([(self, item)])
-
-
-def _deliver(items: list[tuple[asyncio.Queue, object]]) -> None:
-    for q, item in items:
-        q.put_nowait(item)
-
-
-def _put_all(items: list[tuple[_Stream, object]]) -> None:
-    """One wake-up of each event loop for a whole step's outputs: a
-    call_soon_threadsafe per stream would wake the loop (a pipe write each)
-    once per sequence while the engine thread still needs the GIL."""
-    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-    for stream, item in items:
-        by_loop.setdefault(stream.loop, []).append((stream.queue, item))
-    for loop, batch in by_loop.items():
-        loop.call_soon_threadsafe(_deliver, batch)
 
 
 class _Waiting:
@@ -106,7 +68,7 @@ class AsyncEngine:
         self.vocab_size = engine.arch.vocab_size
         self._on_step = on_step
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, Stream] = {}
         self._stopping = False
         self._loop_faults = 0  # engine.step() itself raised (beyond what it isolates)
         self._last_loop_fault: str | None = None
@@ -165,7 +127,7 @@ class AsyncEngine:
 
     async def _outputs(self, request_id: str, request: PreparedRequest,
                        place: _Waiting) -> AsyncIterator[RequestOutput]:
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._inbox.put(("add", request_id, request, stream))
         finished = False
         try:
@@ -189,7 +151,7 @@ class AsyncEngine:
         (a scored pass over the prompt, as long as one prefill of it)."""
         if not self.is_alive:
             raise EngineDeadError("the engine is not running")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._inbox.put(("score", token_ids, top_k, stream))
         result = await stream.queue.get()
         if isinstance(result, BaseException):
@@ -312,7 +274,7 @@ class AsyncEngine:
             ready.append((stream, out))
             if out.finished:
                 del self._streams[out.request_id]
-        _put_all(ready)
+        put_all(ready)
         self._refresh_stats(outputs)
 
     def _abort_all(self, error: BaseException | None) -> None:
@@ -322,7 +284,7 @@ class AsyncEngine:
             ended.append((stream, error if error is not None else RequestOutput(
                 request_id=rid, prompt_token_ids=[], token_ids=[], text="", delta_text="",
                 delta_token_ids=[], finished=True, finish_reason="abort")))
-        _put_all(ended)
+        put_all(ended)
         self._streams.clear()
         self._refresh_stats([])
 
