@@ -27,10 +27,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from qoqserve.engine.admission import PreparedRequest
 from qoqserve.engine.output import RequestOutput
 from qoqserve.errors import InvalidRequestError
-from qoqserve.model_loader.chat_template import ChatTemplateError
 from qoqserve.sampling_params import SamplingParams, StructuredOutputs
 from qoqserve.server import choices as joined
 from qoqserve.server.async_engine import AsyncEngine
+from qoqserve.server.chat_prompt import chat_prompt_ids
 from qoqserve.server.choices import Choice
 from qoqserve.server.config import ServerConfig
 from qoqserve.server.formats import ChatFormat, CompletionFormat, Format, ranked_prompt_logprobs
@@ -45,8 +45,6 @@ from qoqserve.server.protocol import (
 from qoqserve.server.structured import requested_structure, spec_or_400
 from qoqserve.server.tools import (
     ToolCallParser,
-    template_messages,
-    template_speaks_tools,
     tool_structural_tag,
 )
 
@@ -190,30 +188,9 @@ class OpenAIServing:
 
     def chat_prompt(self, req: ChatTemplateFields, messages: list, tools: list[dict],
                     add_special_tokens: bool = False) -> list[int]:
-        """The conversation through the chat template (the model's, or the
-        request's where the server trusts those), as token ids (the template
-        already carries BOS where the model wants one)."""
-        template = self.tokenizer.chat_template
-        if req.chat_template is not None:
-            if not self.trust_request_chat_template:
-                raise APIError(400, "this server does not take chat templates from requests (start it with "
-                                    "--trust-request-chat-template)", param="chat_template")
-            template = req.chat_template
-        if template is None:
-            raise APIError(400, "this model has no chat template (start the server with --chat-template, or "
-                                "send a plain prompt to /v1/completions)", param="messages")
-        native = template_speaks_tools(template)
-        turns = template_messages([self._message(m) for m in messages], tools, native)
-        extra = {"tools": [{"type": "function", "function": f} for f in tools]} if tools and native else {}
-        try:
-            text = self.tokenizer.apply_chat_template(
-                turns, req.add_generation_prompt, continue_final_message=req.continue_final_message,
-                chat_template=template, template_kwargs=req.chat_template_kwargs, **extra)
-        except ChatTemplateError as e:  # the request's options or template
-            raise APIError(400, str(e), param=e.option) from None
-        except Exception as e:  # templates raise on e.g. roles out of order
-            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        """The conversation's prompt ids (server/chat_prompt.py), as this server renders it."""
+        return chat_prompt_ids(self.tokenizer, req, messages, tools, self.trust_request_chat_template,
+                               add_special_tokens)
 
     @staticmethod
     def _tool_choice(req: ChatCompletionRequest) -> tuple[list[dict], str | dict]:
@@ -231,17 +208,6 @@ class OpenAIServing:
                 raise APIError(400, f"tool_choice names {choice['function']['name']!r}, which is not in tools",
                                param="tool_choice")
         return tools, choice
-
-    @staticmethod
-    def _message(m) -> dict:
-        d = {"role": m.role, "content": m.text()}
-        if m.tool_calls:
-            d["tool_calls"] = m.tool_calls
-        for key in ("tool_call_id", "name"):
-            v = getattr(m, key, None) or (m.model_extra or {}).get(key)
-            if isinstance(v, str):
-                d[key] = v
-        return d
 
     # ---- running ----------------------------------------------------------------
 
