@@ -72,27 +72,18 @@ class Sampler:
     row) and rollback() restores them. The engine-wide generator of unseeded
     rows is not rolled back: their draws depend on the batch anyway.
 
-    Everything runs on the logits' device; only the chosen ids and the
-    requested logprobs come back to the host (a few bytes per row, not the
-    [B, vocab] logits), so a CUDA step does not copy its logits out."""
+    Everything but the draws' uniforms runs on the logits' device; only the
+    chosen ids and the requested logprobs come back to the host (a few bytes
+    per row, not the [B, vocab] logits), so a CUDA step does not copy its
+    logits out. The generators are CPU ones: a sampled row takes one number
+    a step from them."""
 
     def __init__(self, seed: int = 0):
         self.seed = seed
-        self._engine_generators: dict[torch.device, torch.Generator] = {}
+        self.generator = torch.Generator().manual_seed(seed)  # the engine-wide one: unseeded requests
         self._generators: dict[str, torch.Generator] = {}
         self._undo: list[tuple[str, torch.Tensor | None]] = []
         self.masks = ConstraintMasks()
-
-    @property
-    def generator(self) -> torch.Generator:
-        """The engine-wide generator of the CPU (unseeded requests sampled there)."""
-        return self._engine_generator(torch.device("cpu"))
-
-    def _engine_generator(self, device: torch.device) -> torch.Generator:
-        gen = self._engine_generators.get(device)
-        if gen is None:
-            gen = self._engine_generators[device] = torch.Generator(device=device).manual_seed(self.seed)
-        return gen
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
@@ -110,23 +101,25 @@ class Sampler:
                 self._generators[rid].set_state(state)
         self._undo.clear()
 
-    def _generator(self, req: SamplingRequest, device: torch.device) -> torch.Generator:
+    def _generator(self, req: SamplingRequest) -> torch.Generator:
         if req.params.seed is None:
-            return self._engine_generator(device)
+            return self.generator
         gen = self._generators.get(req.request_id)
         if gen is None:
-            gen = torch.Generator(device=device).manual_seed(req.params.seed)
+            gen = torch.Generator().manual_seed(req.params.seed)
             self._generators[req.request_id] = gen
             self._undo.append((req.request_id, None))
         else:
             self._undo.append((req.request_id, gen.get_state()))
         return gen
 
-    def uniforms(self, req: SamplingRequest, n: int, device: torch.device = torch.device("cpu")) -> list[float]:
+    def uniforms(self, req: SamplingRequest, n: int) -> list[float]:
         """The request's next n uniforms in [0, 1): one a sampled token, whether
-        its steps run one by one or in a decode burst (the same draws either way)."""
-        gen = self._generator(req, device)
-        return [float(torch.rand((), dtype=torch.float64, generator=gen, device=device)) for _ in range(n)]
+        its steps run one by one or in a decode burst (the same draws either way).
+        From CPU generators whatever the logits' device: a number a row, no
+        device round trip each."""
+        gen = self._generator(req)
+        return [float(torch.rand((), dtype=torch.float64, generator=gen)) for _ in range(n)]
 
     def burst_draws(self, requests: list[SamplingRequest], steps: int) -> tuple[list, list, list, list, list]:
         """What a decode burst's sample_step reads for these rows: (temperatures,
@@ -182,7 +175,7 @@ class Sampler:
                 tokens[rows] = _argmax(logits if len(rows) == len(params) else logits[rows])
         drawn = [i for i, p in enumerate(params) if not p.greedy]
         if drawn:
-            u = [self.uniforms(requests[i], 1, logits.device)[0] for i in drawn]
+            u = [self.uniforms(requests[i], 1)[0] for i in drawn]
             tokens[drawn] = torch.tensor(draw_tokens(logits, drawn, [params[i] for i in drawn], u),
                                          device=tokens.device)
         chosen = top = None
