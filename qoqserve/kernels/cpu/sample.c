@@ -40,6 +40,7 @@
 #endif
 
 #include "exp_f32.h"
+#include "team.h"
 #include "thread_scratch.h"
 
 #define LANES 16
@@ -203,25 +204,36 @@ int sample_rows(const float *logits, int64_t stride, int64_t V, const int64_t *r
     return status;
 }
 
+/* *status = v from any thread (shared in the kernel's own region) */
+static inline void set_status(int *status, int v) {
+#pragma omp atomic write
+    *status = v;
+}
+
 /* One step of a decode burst (engine/burst.py), recorded after the LM head:
  * chosen[i] = greedy[i] where temperature[i] is 0, else the token drawn from
- * row i of logits as sample_rows draws it, with u[*step * rows + i]. Rows in
- * turn on the calling thread (a replayed step calls it from one thread of
- * its team). Returns 0, -1 for a row with no finite logit, -2 out of memory. */
+ * row i of logits as sample_rows draws it, with u[*step * rows + i]. The
+ * rows split between the threads (team.h: a replayed step's team, or a
+ * region of `threads`). Returns 0, -1 for a row with no finite logit, -2 out
+ * of memory (on the thread that met it). */
 int sample_step(const float *logits, int64_t stride, int64_t V, const int64_t *greedy, int64_t rows,
                 const float *temperature, const float *min_p, const int64_t *top_k, const float *top_p,
-                const double *u, const int64_t *step, int64_t *chosen) {
-    for (int64_t i = 0; i < rows; i++) {
+                const double *u, const int64_t *step, int64_t *chosen, int threads) {
+    int status = 0;
+    TEAM_RUN(threads, rows > 1, for (int64_t i = rows * tm.t / tm.T; i < rows * (tm.t + 1) / tm.T; i++) {
         if (temperature[i] == 0.0f) {
             chosen[i] = greedy[i];
             continue;
         }
         const int64_t t = sample_row(logits + i * stride, V, temperature[i], min_p[i], top_k[i], top_p[i],
                                      u[*step * rows + i]);
-        if (t < 0) return (int)t;
+        if (t < 0) {
+            set_status(&status, (int)t);
+            break;
+        }
         chosen[i] = t;
-    }
-    return 0;
+    });
+    return status;
 }
 
 static __thread uint32_t *tl_stamp, tl_stamp_next;

@@ -13,13 +13,13 @@ from qoqserve.kernels.cpu.build import load_library
 _P, _L = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {"sample_rows": (ctypes.c_int, [_P, _L, _L, _P, _L, _P, _P, _P, _P, _P, _P, ctypes.c_int]),
                "penalize_rows": (ctypes.c_int, [_P, _L, _L, _P, _L] + [_P] * 11),
-               "sample_step": (ctypes.c_int, [_P, _L, _L, _P, _L, _P, _P, _P, _P, _P, _P, _P])}
+               "sample_step": (ctypes.c_int, [_P, _L, _L, _P, _L, _P, _P, _P, _P, _P, _P, _P, ctypes.c_int])}
 
 
 def load():
     # -ffp-contract=off: penalize_rows rounds as torch does (each product and sum on its own)
     return load_library("sample", ["-ffp-contract=off"], _SIGNATURES, fallback="the torch sampling path",
-                        serial=("sample_step",))
+                        team_aware=("sample_step",))
 
 
 def available() -> bool:
@@ -102,6 +102,6 @@ def sample_step(logits: torch.Tensor, greedy: torch.Tensor, temperature: torch.T
         raise ValueError("sample_step: fp32 logits rows, contiguous buffers of its rows, u [steps, rows] float64")
     status = graph.launch(load().sample_step, logits.data_ptr(), logits.stride(0), logits.shape[1], greedy.data_ptr(),
                           rows, temperature.data_ptr(), min_p.data_ptr(), top_k.data_ptr(), top_p.data_ptr(),
-                          u.data_ptr(), step.data_ptr(), chosen.data_ptr())
+                          u.data_ptr(), step.data_ptr(), chosen.data_ptr(), torch.get_num_threads())
     if status:
         raise RuntimeError(f"sample_step failed ({status})")
