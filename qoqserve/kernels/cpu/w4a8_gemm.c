@@ -61,7 +61,7 @@
 /* Rows of the tile that unpacks the codes when more tiles follow: beside its
  * accumulators it keeps each block's s2 and zero-point vectors (8 zmm), and
  * at 6 rows GCC spills accumulators to the stack in the inner loop; 4 rows
- * fit (docs/runtime.md). */
+ * fit (docs/benchmarks.md, "The W4A8 GEMM's first row tile"). */
 #define PACKED_MR 4
 /* The SIMD loops that read the packed codes use each code byte for only a
  * few rows' products, so they ask for lines faster than the hardware
