@@ -61,6 +61,20 @@ def test_streaming_chat_concatenates_to_the_full_answer(client, model_id):
     assert len([c for c in chunks if c.choices]) > 3  # it really streamed
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client, model_id):
+    """vLLM's stream option: each content chunk carries the usage up to it."""
+    chunks = list(client.chat.completions.create(
+        model=model_id, messages=CHAT, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    content = [c for c in chunks if c.choices]
+    done = [c.usage.completion_tokens for c in content]
+    assert all(c.usage is not None and c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in content)
+    assert done == sorted(done) and done[-1] == chunks[-1].usage.completion_tokens == 12 and done[0] < 12
+    plain = list(client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=4, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))
+    assert all(c.usage is None for c in plain if c.choices)  # only the last chunk, without the option
+
+
 def test_streaming_completion_matches_non_streaming(client, model_id):
     full = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=16, temperature=0)
     chunks = list(client.completions.create(model=model_id, prompt=PROMPT, max_tokens=16,

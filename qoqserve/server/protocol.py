@@ -100,6 +100,8 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = Field(False, description="end the stream with a chunk holding `usage`")
+    continuous_usage_stats: bool = Field(False, description="vLLM's: with include_usage, every chunk "
+                                                            "also holds the usage so far")
 
 
 class StructuredOutputsField(_Request):

@@ -228,8 +228,10 @@ class OpenAIServing:
     async def _respond(self, choices: list[Choice], req: SamplingFields, raw: Request):
         outputs = joined.merged(choices, stagger=self.engine.shares_prefixes)
         if req.stream:
-            usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._sse(outputs, choices, usage), media_type="text/event-stream",
+            opts = req.stream_options
+            usage = bool(opts and opts.include_usage)
+            return StreamingResponse(self._sse(outputs, choices, usage, usage and opts.continuous_usage_stats),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         finals = await self._collect(outputs, len(choices), raw)
         return JSONResponse(joined.response(choices, finals))
@@ -264,7 +266,7 @@ class OpenAIServing:
                 task.cancel()  # the generator's cleanup aborts the requests and frees their pages
 
     async def _sse(self, outputs: AsyncIterator[tuple[Choice, RequestOutput]], choices: list[Choice],
-                   include_usage: bool):
+                   include_usage: bool, continuous_usage: bool = False):
         last: dict[int, RequestOutput] = {}
         try:
             async for c, out in outputs:
@@ -273,6 +275,8 @@ class OpenAIServing:
                     raise _failed(out)
                 chunk = c.fmt.chunk(out)
                 if chunk is not None:
+                    if continuous_usage:
+                        chunk["usage"] = joined.usage(choices, last)
                     yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
             if include_usage and last:
                 yield f"data: {json.dumps(joined.usage_chunk(choices, last))}\n\n"
