@@ -122,6 +122,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True  # False: the output text spells special tokens (e.g. <|im_end|>) out
     structured_outputs: StructuredOutputs | None = None  # constrain the output (a grammar)
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI: -100..100)
 
@@ -185,7 +186,7 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
             raise InvalidSamplingParams("structured_outputs must be a StructuredOutputs",
                                         param="structured_outputs")
-        for name in ("ignore_eos", "logprobs", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "logprobs", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 bad(f"{name} must be true or false, got {getattr(self, name)!r}")
 

@@ -177,3 +177,15 @@ def test_health_and_metrics_count_the_work(server, client, model_id):
                  "vllm:time_to_first_token_seconds_sum", "vllm:time_per_output_token_seconds_sum",
                  "vllm:num_preemptions_total", "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total"):
         assert name in after
+
+
+def test_skip_special_tokens_false_writes_them_out(server, reference_llm):
+    """vLLM's field: the end-of-turn token, forced by a logit bias and kept
+    going by ignore_eos, is spelled out only when asked."""
+    tok = reference_llm.engine.tokenizer
+    eos = tok.eos_token_ids[0]
+    body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "logit_bias": {str(eos): 100}}
+    ask = lambda **kw: httpx.post(server.base + "/v1/completions", json={**body, **kw}, timeout=60,  # noqa: E731
+                                  headers={"Authorization": "Bearer test-key"}).json()["choices"][0]["text"]
+    assert ask() == ""
+    assert ask(skip_special_tokens=False) == tok.token_to_str(eos) * 3

@@ -36,7 +36,7 @@ class OutputTracker:
         # one list for every output of the request: copying the prompt per step
         # cost O(prompt) per request and step
         self.prompt_ids = seq.token_ids[:seq.num_prompt_tokens]
-        self.detok = IncrementalDetokenizer(tokenizer, self.prompt_ids)
+        self.detok = IncrementalDetokenizer(tokenizer, self.prompt_ids, skip_special_tokens=params.skip_special_tokens)
         self.text = ""
         self.released = 0
         self.stop_token_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_ids)

@@ -150,6 +150,7 @@ class SamplingFields(_Request):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = Field(True, description="vLLM's: false writes special tokens out in the text")
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=(
         "vLLM's: each prompt token's logprob and rank and the N most likely at its position (not with stream)"))
     logit_bias: dict[Text, float] | None = Field(

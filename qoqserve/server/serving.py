@@ -100,6 +100,7 @@ class OpenAIServing:
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
                 include_stop_str_in_output=req.include_stop_str_in_output, structured_outputs=spec,
+                skip_special_tokens=req.skip_special_tokens,
                 logit_bias=req.token_biases())
             if spec is None:
                 return self.engine.prepare_request(prompt, params, max_tokens_must_fit=True)
