@@ -15,7 +15,7 @@ import torch
 from qoqserve.errors import ConstraintDeadEndError
 from qoqserve.kernels.cpu import elementwise
 from qoqserve.kernels.cpu import sample as cpu_sample
-from qoqserve.layers.token_draw import draw_tokens
+from qoqserve.layers.token_draw import draw_settings, draw_tokens
 from qoqserve.layers.token_mask import ConstraintMasks, TokenConstraint
 from qoqserve.sampling_params import SamplingParams
 
@@ -126,8 +126,7 @@ class Sampler:
         min_ps, top_ks, top_ps, uniforms [steps][rows]; greedy rows: temperature 0, u unused)."""
         ps = [r.params for r in requests]
         u = [self.uniforms(r, steps) if not p.greedy else [0.0] * steps for r, p in zip(requests, ps)]
-        return ([p.temperature for p in ps], [p.min_p for p in ps], [p.top_k for p in ps], [p.top_p for p in ps],
-                [list(step) for step in zip(*u)])
+        return (*draw_settings(ps), [list(step) for step in zip(*u)])
 
     @staticmethod
     def _penalize(logits: torch.Tensor, rows: list[int], requests: list[SamplingRequest]) -> None:

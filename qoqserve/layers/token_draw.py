@@ -21,11 +21,16 @@ from qoqserve.kernels.cpu import sample as cpu_sample
 from qoqserve.sampling_params import SamplingParams
 
 
+def draw_settings(params: list[SamplingParams]) -> tuple[list[float], list[float], list[int], list[float]]:
+    """(temperatures, min_ps, top_ks, top_ps) of these rows, as the kernels take them."""
+    return ([p.temperature for p in params], [p.min_p for p in params], [p.top_k for p in params],
+            [p.top_p for p in params])
+
+
 def draw_tokens(logits: torch.Tensor, rows: list[int], params: list[SamplingParams], u: list[float]) -> list[int]:
     """The token of each row rows[j] of fp32 logits [B, V], drawn by params[j]
     (temperature > 0) with uniform u[j]."""
-    settings = ([p.temperature for p in params], [p.min_p for p in params], [p.top_k for p in params],
-                [p.top_p for p in params])
+    settings = draw_settings(params)
     if logits.device.type == "cpu" and logits.stride(1) == 1 and cpu_sample.available():
         return cpu_sample.sample_rows(logits, rows, *settings, u)
     return draw_torch(logits[rows], *settings, u)

@@ -184,6 +184,12 @@ static int64_t sample_row(const float *l, int64_t V, float T, float min_p, int64
     return ci[n - 1];  /* u * sum rounded up to the sum itself */
 }
 
+/* *status = v from any thread (shared in the kernel's own region) */
+static inline void set_status(int *status, int v) {
+#pragma omp atomic write
+    *status = v;
+}
+
 /* For each j < n: out[j] = the token drawn from row rows[j] of logits [*, V]
  * (row stride `stride` floats) with temperature[j] > 0, min_p[j] in [0, 1],
  * top_k[j] (<= 0: off), top_p[j] in (0, 1] and u[j] in [0, 1). Returns 0;
@@ -196,18 +202,9 @@ int sample_rows(const float *logits, int64_t stride, int64_t V, const int64_t *r
     for (int64_t j = 0; j < n; j++) {
         const int64_t t = sample_row(logits + rows[j] * stride, V, temperature[j], min_p[j], top_k[j], top_p[j], u[j]);
         out[j] = t < 0 ? -1 : t;
-        if (t < 0) {
-#pragma omp atomic write
-            status = t == -2 ? -2 : -1;
-        }
+        if (t < 0) set_status(&status, (int)t);
     }
     return status;
-}
-
-/* *status = v from any thread (shared in the kernel's own region) */
-static inline void set_status(int *status, int v) {
-#pragma omp atomic write
-    *status = v;
 }
 
 /* One step of a decode burst (engine/burst.py), recorded after the LM head:

@@ -75,11 +75,11 @@ def penalize_rows(logits: torch.Tensor, rows: list[int], seen: list[list[int]],
     btok_a = [array.array("q", (b or {}).keys()) for b in biases]
     bval_a = [array.array("f", (b or {}).values()) for b in biases]
     f32 = lambda v: (ctypes.c_float * len(v))(*v)  # noqa: E731
+    (tok_p, out_len), (btok_p, bias_len) = _pointers(tok_a), _pointers(btok_a)
     status = load().penalize_rows(
         logits.data_ptr(), logits.stride(0), logits.shape[1], (ctypes.c_int64 * len(rows))(*rows), len(rows),
-        *_pointers(seen_a), _pointers(tok_a)[0], _pointers(cnt_a)[0], _pointers(tok_a)[1],
-        _pointers(btok_a)[0], _pointers(bval_a)[0], _pointers(btok_a)[1], f32(repetition), f32(presence),
-        f32(frequency))
+        *_pointers(seen_a), tok_p, _pointers(cnt_a)[0], out_len, btok_p, _pointers(bval_a)[0], bias_len,
+        f32(repetition), f32(presence), f32(frequency))
     if status == -1:
         raise ValueError("penalize_rows: a token id outside the vocabulary")
     if status == -2:
