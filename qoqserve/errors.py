@@ -28,11 +28,23 @@ class ConstraintDeadEndError(InvalidRequestError):
     next (e.g. a choice holding bytes the tokenizer has no token for): found
     while sampling, their own fault; the step goes on without them."""
 
-    def __init__(self, request_ids: list[str]):
-        super().__init__("the output constraint cannot be continued: no token of this model's vocabulary "
-                         "produces what it requires next (text the tokenizer cannot spell?)",
-                         param="structured_outputs", code="constraint_dead_end")
+    def __init__(self, request_ids: list[str],
+                 message: str = "the output constraint cannot be continued: no token of this model's "
+                                "vocabulary produces what it requires next (text the tokenizer cannot spell?)",
+                 param: str | None = "structured_outputs", code: str = "constraint_dead_end"):
+        super().__init__(message, param=param, code=code)
         self.request_ids = list(request_ids)
+
+
+class BannedEverythingError(ConstraintDeadEndError):
+    """Requests left with no token to pick once their banned tokens are out
+    (layers/token_bans.py): what allowed_token_ids or a grammar allows, all
+    banned by bad_words or as stop tokens before min_tokens are out."""
+
+    def __init__(self, request_ids: list[str]):
+        super().__init__(request_ids, "no token is left to pick at this step: what allowed_token_ids (or the "
+                         "output constraint) allows is all banned, by bad_words or as tokens that would end "
+                         "the output before min_tokens", param=None, code="no_token_allowed")
 
 
 class QueueFullError(RuntimeError):

@@ -125,6 +125,9 @@ class SamplingParams:
     skip_special_tokens: bool = True  # False: the output text spells special tokens (e.g. <|im_end|>) out
     structured_outputs: StructuredOutputs | None = None  # constrain the output (a grammar)
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI: -100..100)
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be picked
+    bad_words: list[str] | None = None  # vLLM's: words the output must not hold (as whole token runs)
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: all that fit)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -135,9 +138,15 @@ class SamplingParams:
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
             raise InvalidSamplingParams("stop_token_ids must be a list of integers", param="stop_token_ids")
         self.stop_token_ids = list(self.stop_token_ids or [])
+        for name in ("allowed_token_ids", "bad_words"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, (list, tuple)):
+                raise InvalidSamplingParams(f"{name} must be a list", param=name)
+            setattr(self, name, None if v is None else list(v))
         if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
             raise InvalidSamplingParams("logit_bias must map token ids to numbers", param="logit_bias")
         self.validate()
+        self.bad_words = self.bad_words or None  # an empty list is none
         if self.logit_bias is not None:  # an empty one is none
             self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()} or None
         for name in FLOAT_RANGES:  # ints are accepted, floats are stored
@@ -170,6 +179,17 @@ class SamplingParams:
             if not (isinstance(b, (int, float)) and not isinstance(b, bool) and -100 <= b <= 100):
                 raise InvalidSamplingParams(f"logit_bias values must be numbers in [-100, 100], got {b!r}",
                                             param="logit_bias")
+        if self.allowed_token_ids is not None and not (
+                self.allowed_token_ids and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)):
+            bad("allowed_token_ids must be a non-empty list of token ids (integers >= 0)")
+        if self.bad_words is not None and not all(
+                isinstance(w, str) and w.strip() and is_valid_text(w) for w in self.bad_words):
+            bad("bad_words must be a list of strings holding more than white space")
+        if self.truncate_prompt_tokens is not None and (
+                not _is_int(self.truncate_prompt_tokens) or not (self.truncate_prompt_tokens >= 1
+                                                             or self.truncate_prompt_tokens == -1)):
+            bad(f"truncate_prompt_tokens must be -1 (all that fit) or a positive integer, "
+                f"got {self.truncate_prompt_tokens!r}")
         if self.seed is not None and (not _is_int(self.seed)
                                       or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
             bad(f"seed must be an integer in [-2^63, 2^64 - 1], got {self.seed!r}")
@@ -198,13 +218,15 @@ class SamplingParams:
     def plain_greedy(self) -> bool:
         """The argmax of the model's logits is the token, and nothing else of
         them is wanted (no penalties, no logprobs)."""
-        return self.greedy and not self.has_penalties and not self.logprobs
+        return self.greedy and self.burstable
 
     @property
     def burstable(self) -> bool:
         """Its token is the step's argmax or a plain draw (temperature, min_p,
-        top_k, top_p), which a decode burst makes in C: no penalties, no logprobs."""
-        return not self.has_penalties and not self.logprobs
+        top_k, top_p), which a decode burst makes in C: no penalties, no
+        logprobs, no banned tokens (min_tokens is the sequence's to judge:
+        engine.Sequence.bans_tokens)."""
+        return not self.has_penalties and not self.logprobs and not self.allowed_token_ids and not self.bad_words
 
     @property
     def has_penalties(self) -> bool:

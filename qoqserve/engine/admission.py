@@ -22,6 +22,7 @@ class PreparedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     grammar: Any = None  # xgrammar.CompiledGrammar
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()  # each bad word's token runs (bad_words_ids())
 
 
 class Admission:
@@ -58,9 +59,15 @@ class Admission:
         # was built, and the engine must not see later changes either
         params = dataclasses.replace(params) if params is not None else SamplingParams()
         ids = self.tokenize(prompt)
-        n = len(ids)
-        if n == 0:
+        if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
+        keep = params.truncate_prompt_tokens
+        if keep is not None:  # vLLM's: the prompt's last tokens (-1: as many as are accepted)
+            if keep > self.max_prompt_tokens:
+                raise InvalidRequestError(f"truncate_prompt_tokens must be at most {self.max_prompt_tokens} "
+                                          "(the prompt tokens accepted), or -1", param="truncate_prompt_tokens")
+            ids = ids[-(self.max_prompt_tokens if keep == -1 else keep):]
+        n = len(ids)
         if n > self.max_prompt_tokens:
             window = (f"the context window is {self.max_model_len} tokens (prompt plus at least one "
                       "generated token must fit)") if self.max_prompt_tokens == self.max_model_len - 1 \
@@ -86,9 +93,26 @@ class Admission:
         if not all(t < self.vocab_size for t in params.logit_bias or ()):
             raise InvalidRequestError(f"logit_bias token ids must be below the vocabulary size {self.vocab_size}",
                                       param="logit_bias")
+        if not all(t < self.vocab_size for t in params.allowed_token_ids or ()):
+            raise InvalidRequestError(f"allowed_token_ids must be below the vocabulary size {self.vocab_size}",
+                                      param="allowed_token_ids")
+        bad_words = self.bad_words_ids(params.bad_words or ())
         grammar = None
         if params.structured_outputs is not None:  # last: the other checks are cheap
             if self.grammars is None:
                 raise InvalidRequestError("structured outputs are not available", param="structured_outputs")
             grammar = self.grammars.compile(params.structured_outputs)
-        return PreparedRequest(ids, params, grammar)
+        return PreparedRequest(ids, params, grammar, bad_words)
+
+    def bad_words_ids(self, words) -> tuple[tuple[int, ...], ...]:
+        """Each bad word's token run as vLLM tokenizes it: the word as written
+        (left-stripped), and with a space before it when that spells the word
+        as another first token in as many tokens (the word inside a text)."""
+        runs: list[tuple[int, ...]] = []
+        for word in words:
+            plain = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            for run in (plain, spaced) if spaced[0] != plain[0] and len(spaced) == len(plain) else (plain,):
+                if run not in runs:
+                    runs.append(run)
+        return tuple(runs)

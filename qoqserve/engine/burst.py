@@ -20,7 +20,9 @@ A burst runs only when it cannot change what a request gets:
 - nothing waits to be admitted and no prompt is being prefilled (a burst
   delays the next scheduling decision by its length);
 - every sequence is greedy or plainly sampled (`SamplingParams.burstable`:
-  no penalties, no logprobs) and unconstrained;
+  no penalties, no logprobs), unconstrained, and bans no token
+  (`Sequence.bans_tokens`: min_tokens not yet out, allowed_token_ids,
+  bad_words);
 - no sequence can reach max_tokens or the context window inside it; one
   that stops (EOS, a stop token or string) inside it ends at that token, and
   what the burst computed for it after that is dropped;
@@ -47,7 +49,7 @@ def burst_length(batch: ScheduledBatch, waiting: bool, max_steps: int, max_model
         return 1
     n = min(max_steps, int(budget_seconds / step_seconds))
     for seq in batch.decodes:
-        if not seq.params.burstable or seq.constraint is not None:
+        if not seq.params.burstable or seq.constraint is not None or seq.bans_tokens:
             return 1
         n = min(n, max_model_len - len(seq))  # the step's token makes len(seq) + 1
         if seq.params.max_tokens is not None:

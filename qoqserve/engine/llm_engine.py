@@ -94,8 +94,11 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         req = prompt if isinstance(prompt, PreparedRequest) else self.prepare_request(prompt, params)
         seq = Sequence(request_id, list(req.prompt_token_ids), req.params,
-                       constraint=GrammarConstraint(req.grammar) if req.grammar is not None else None)
-        self.trackers[request_id] = OutputTracker(seq, self.tokenizer, self.eos_ids, self.max_model_len)
+                       constraint=GrammarConstraint(req.grammar) if req.grammar is not None else None,
+                       bad_words_ids=req.bad_words_ids)
+        tracker = self.trackers[request_id] = OutputTracker(seq, self.tokenizer, self.eos_ids, self.max_model_len)
+        if req.params.min_tokens:
+            seq.stop_bans = tuple(sorted(tracker.stop_token_ids))
         self.scheduler.add(seq)
         return seq.token_ids[:seq.num_prompt_tokens]
 

@@ -42,6 +42,10 @@ class Sequence:
     # so far (engine/structured.py); a preempted sequence keeps it, since
     # recomputing changes no token
     constraint: TokenConstraint | None = None
+    # the token runs of its bad_words (engine/admission.py), and the tokens that
+    # would end it, banned until min_tokens are out (layers/token_bans.py)
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    stop_bans: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
@@ -57,6 +61,12 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def bans_tokens(self) -> bool:
+        """Its next token has tokens banned (layers/token_bans.py)."""
+        return bool(self.params.allowed_token_ids or self.bad_words_ids
+                    or (self.stop_bans and self.num_output_tokens < self.params.min_tokens))
 
     @property
     def is_prefilling(self) -> bool:

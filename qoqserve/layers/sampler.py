@@ -1,5 +1,6 @@
-"""Token sampling: constraint masks, penalties, then greedy or a draw
-(temperature, min_p, top-k, top-p: layers/token_draw.py); per-request seeds.
+"""Token sampling: constraint masks, penalties and banned tokens
+(layers/token_bans.py), then greedy or a draw (temperature, min_p, top-k,
+top-p: layers/token_draw.py); per-request seeds.
 
 Each sampled row draws one uniform from its own generator when seeded, so a
 seeded request draws the same tokens whatever else shares its batch. A constrained
@@ -12,15 +13,16 @@ from typing import Protocol
 
 import torch
 
-from qoqserve.errors import ConstraintDeadEndError
+from qoqserve.errors import BannedEverythingError, ConstraintDeadEndError
 from qoqserve.kernels.cpu import elementwise
 from qoqserve.kernels.cpu import sample as cpu_sample
+from qoqserve.layers.token_bans import BanningRequest, TokenBans
 from qoqserve.layers.token_draw import draw_settings, draw_tokens
 from qoqserve.layers.token_mask import ConstraintMasks, TokenConstraint
 from qoqserve.sampling_params import SamplingParams
 
 
-class SamplingRequest(Protocol):
+class SamplingRequest(BanningRequest, Protocol):
     """What the sampler reads of a request (engine.Sequence has it)."""
     request_id: str
     params: SamplingParams
@@ -84,9 +86,11 @@ class Sampler:
         self._generators: dict[str, torch.Generator] = {}
         self._undo: list[tuple[str, torch.Tensor | None]] = []
         self.masks = ConstraintMasks()
+        self.bans = TokenBans()
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self.bans.release(request_id)
 
     def begin(self) -> None:
         """A new step: forget the previous one's undo log."""
@@ -148,14 +152,16 @@ class Sampler:
         """logits [B, V] -> chosen token per row; when any row asks, each chosen token's
         logprob and each row's top_logprobs most likely (token, logprob) pairs.
         Logprobs are of the model's distribution (within what a constraint allows),
-        before penalties and temperature. fp32 logits are modified in place
-        (constrained rows masked, penalized rows penalized): every step, and
+        before penalties, banned tokens and temperature. fp32 logits are modified in
+        place (constrained rows masked, penalized rows penalized): every step, and
         every re-run of a failed one, computes them anew.
         greedy: each row's argmax of these logits, computed already (the
         captured step's); not used once a constraint has masked a row."""
         params = [r.params for r in requests]
         constraints = [r.constraint for r in requests]
-        if greedy is not None and all(p.plain_greedy for p in params) and all(c is None for c in constraints):
+        banning = [i for i, r in enumerate(requests) if r.bans_tokens]
+        if (greedy is not None and not banning and all(p.plain_greedy for p in params)
+                and all(c is None for c in constraints)):
             return greedy.tolist(), None, None  # the step's argmax is every row's token: nothing else to do
         logits = logits.float()
         dead = self.masks.apply(logits, constraints)
@@ -169,9 +175,13 @@ class Sampler:
         penalized = [i for i, p in enumerate(params) if p.has_penalties]
         if penalized:
             self._penalize(logits, penalized, [requests[i] for i in penalized])
-            rows = [i for i in penalized if params[i].greedy]
-            if rows:
-                tokens[rows] = _argmax(logits if len(rows) == len(params) else logits[rows])
+        if banning:
+            dead = self.bans.apply(logits, banning, [requests[i] for i in banning])
+            if dead:
+                raise BannedEverythingError([requests[i].request_id for i in dead])
+        rows = [i for i in sorted(set(penalized) | set(banning)) if params[i].greedy]
+        if rows:
+            tokens[rows] = _argmax(logits if len(rows) == len(params) else logits[rows])
         drawn = [i for i, p in enumerate(params) if not p.greedy]
         if drawn:
             u = [self.uniforms(requests[i], 1)[0] for i in drawn]

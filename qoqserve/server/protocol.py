@@ -155,6 +155,11 @@ class SamplingFields(_Request):
         "vLLM's: each prompt token's logprob and rank and the N most likely at its position (not with stream)"))
     logit_bias: dict[Text, float] | None = Field(
         None, description='{"token id": bias in [-100, 100]}, added to the logits before sampling')
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, description="vLLM's: only these tokens may be picked")
+    bad_words: list[Text] | None = Field(None, description="vLLM's: words the output must not hold")
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=-1, description="vLLM's: keep only the prompt's last k tokens (-1: as many as fit)")
     user: Text | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = Field(

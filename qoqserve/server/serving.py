@@ -101,7 +101,8 @@ class OpenAIServing:
                 frequency_penalty=req.frequency_penalty or 0.0,
                 include_stop_str_in_output=req.include_stop_str_in_output, structured_outputs=spec,
                 skip_special_tokens=req.skip_special_tokens,
-                logit_bias=req.token_biases())
+                logit_bias=req.token_biases(), allowed_token_ids=req.allowed_token_ids,
+                bad_words=req.bad_words, truncate_prompt_tokens=req.truncate_prompt_tokens)
             if spec is None:
                 return self.engine.prepare_request(prompt, params, max_tokens_must_fit=True)
             return await asyncio.to_thread(self.engine.prepare_request, prompt, params, True)
@@ -135,7 +136,8 @@ class OpenAIServing:
         rid, created, choices = f"cmpl-{uuid.uuid4().hex}", int(time.time()), []
         for p, (prompt, request) in enumerate(zip(prompts, prepared)):
             ids = request.prompt_token_ids
-            echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)) if req.echo else ""
+            echo = ((prompt if isinstance(prompt, str) and req.truncate_prompt_tokens is None
+                     else self.tokenizer.decode(ids)) if req.echo else "")
             scored, ranked = await self._scored_prompt(req, ids, req.logprobs if req.echo else None)
             choices += self._choices(
                 request, req.n, p, lambda i, p=p, n=len(ids), echo=echo, scored=scored, ranked=ranked:
