@@ -2,7 +2,7 @@
 """Decode step time by sampling mode: the embedded QoQ model (plain `LLM("qoq")`
 defaults), B requests of 80-token random prompts, 64 tokens each, EOS ignored,
 for greedy, temperature 0.8, temperature 0.8 with top_p 0.95 / top_k 50 /
-top_p and a seed, and with penalties; the mean over the decode steps after
+top_p and a seed, with penalties, and with logprobs; the mean over the decode steps after
 the first.
 Only public APIs, so the same file times an older checkout:
 
@@ -21,7 +21,10 @@ CASES = {"greedy": dict(temperature=0.0), "t0.8": dict(temperature=0.8),
          "t0.8 seeded top_p": dict(temperature=0.8, top_p=0.95, seed=1),
          "greedy rep1.1": dict(temperature=0.0, repetition_penalty=1.1),
          "t0.8 top_p rep1.1": dict(temperature=0.8, top_p=0.95, repetition_penalty=1.1),
-         "t0.8 presence/freq0.5": dict(temperature=0.8, presence_penalty=0.5, frequency_penalty=0.5)}
+         "t0.8 presence/freq0.5": dict(temperature=0.8, presence_penalty=0.5, frequency_penalty=0.5),
+         "greedy logprobs": dict(temperature=0.0, logprobs=True),
+         "greedy top_logprobs5": dict(temperature=0.0, logprobs=True, top_logprobs=5),
+         "t0.8 top_p logprobs": dict(temperature=0.8, top_p=0.95, logprobs=True)}
 
 
 def kernel() -> None:

@@ -193,3 +193,64 @@ def test_the_c_penalties_are_apply_penalties_bit_for_bit(rep, presence, freq, bi
     seen = [prompts[i] + [t for t, c in outputs[i].items() for _ in range(c)] for i in range(3)]
     cpu_sample.penalize_rows(got, [0, 1, 2], seen, outputs, [bias] * 3, [rep] * 3, [presence] * 3, [freq] * 3)
     assert torch.equal(got.view(torch.int32), ref.view(torch.int32))  # the same bits, signed zeros included
+
+
+@pytest.mark.parametrize("vocab", [50, 1000, 49157])  # 49157: a tail past the last 16-wide block
+def test_c_logprobs_are_log_softmax_and_its_topk(vocab):
+    """logprobs.c against torch: every logprob within 4e-6 (a few ulp of
+    logits ~10: the sums run in another order), the top ids exactly (ties:
+    lower id first), masked -inf tokens at -inf."""
+    from qoqserve.kernels.cpu import logprobs as cpu_logprobs
+
+    torch.manual_seed(vocab)
+    x = torch.randn(6, vocab) * 3
+    x[1, ::7] = float("-inf")
+    x[2, 10:14] = x[2].max() + 1  # four tied top tokens
+    rows = [5, 1, 2, 0]
+    shift, logsum, ids, lps = cpu_logprobs.logprob_rows(x, rows, 20)
+    ref = torch.log_softmax(x[rows], -1)
+    got = (x[rows] - shift[:, None]) - logsum[:, None]
+    assert torch.equal(torch.isneginf(got), torch.isneginf(ref))
+    fin = torch.isfinite(ref)
+    assert (got[fin] - ref[fin]).abs().max() < 4e-6
+    order = torch.stack([torch.tensor(sorted(range(vocab), key=lambda t: (-float(x[i, t]), t))[:20]) for i in rows])
+    assert torch.equal(ids, order) and ids[2, :4].tolist() == [10, 11, 12, 13]
+    assert (lps - ref.gather(1, ids)).abs().max() < 4e-6
+    assert cpu_logprobs.logprob_rows(x, rows, 0)[2].shape == (4, 0)
+
+
+def test_logprobs_of_penalized_rows_are_the_models():
+    """The sampler changes a penalized row's logits in place; the chosen
+    token's logprob is still that of the logits it was given."""
+    torch.manual_seed(1)
+    logits = torch.randn(2, 300)
+    ref = torch.log_softmax(logits, -1)
+    second = [int(r.topk(2).indices[1]) for r in logits]  # positive logits: boosted by a penalty below 1
+    params = [SamplingParams(temperature=0, repetition_penalty=0.1, logprobs=True, top_logprobs=3),
+              SamplingParams(temperature=0.7, seed=2, logit_bias={second[1]: 100}, logprobs=True)]
+    seqs = [Sequence("r0", [second[0]], params[0]), Sequence("r1", [1], params[1])]
+    toks, lps, top = Sampler()(logits.clone(), seqs)
+    assert toks == second  # the penalties chose them: their logits changed before the choice
+    assert lps == pytest.approx([float(ref[i, t]) for i, t in enumerate(toks)], rel=1e-5)
+    assert [t for t, _ in top[0]] == ref[0].topk(3).indices.tolist() and top[1] == []
+
+
+def test_step_logprobs_torch_path_equals_the_c_path():
+    """The path CUDA takes (torch's log_softmax and topk over the asking rows),
+    run here on logits whose column stride the C kernel does not take."""
+    from qoqserve.layers.token_logprobs import StepLogprobs
+
+    torch.manual_seed(2)
+    logits = torch.randn(4, 500)
+    strided = logits.t().contiguous().t()
+    tokens = torch.tensor([3, 1, 4, 1])
+    c, t = (StepLogprobs(x, [0, 2, 3], [2, 0, 5], set()) for x in (logits, strided))
+    assert c.on_cpu and not t.on_cpu
+    (c_lp, c_top), (t_lp, t_top) = c.results(tokens, 4), t.results(tokens, 4)
+    assert c_lp[1] is None and t_lp[1] is None and c_top[1] is None
+    assert [v for v in c_lp if v is not None] == pytest.approx([v for v in t_lp if v is not None], abs=4e-6)
+    for a, b in zip(c_top, t_top):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert [i for i, _ in a] == [i for i, _ in b]
+            assert [v for _, v in a] == pytest.approx([v for _, v in b], abs=4e-6)

@@ -18,6 +18,7 @@ from qoqserve.kernels.cpu import elementwise
 from qoqserve.kernels.cpu import sample as cpu_sample
 from qoqserve.layers.token_bans import BanningRequest, TokenBans
 from qoqserve.layers.token_draw import draw_settings, draw_tokens
+from qoqserve.layers.token_logprobs import StepLogprobs
 from qoqserve.layers.token_mask import ConstraintMasks, TokenConstraint
 from qoqserve.sampling_params import SamplingParams
 
@@ -167,12 +168,13 @@ class Sampler:
         dead = self.masks.apply(logits, constraints)
         if dead:  # nothing to sample from: those requests end (engine/isolation.py), the rest go on
             raise ConstraintDeadEndError([requests[i].request_id for i in dead])
-        want_logprobs = any(p.logprobs for p in params)
-        logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        penalized = [i for i, p in enumerate(params) if p.has_penalties]
+        asking = [i for i, p in enumerate(params) if p.logprobs]
+        logprobs = StepLogprobs(logits, asking, [params[i].top_logprobs for i in asking],
+                                set(penalized) | set(banning)) if asking else None
         # greedy rows without penalties: one argmax for the batch
         masked = any(c is not None for c in constraints)
         tokens = greedy.clone() if greedy is not None and not masked else _argmax(logits)
-        penalized = [i for i, p in enumerate(params) if p.has_penalties]
         if penalized:
             self._penalize(logits, penalized, [requests[i] for i in penalized])
         if banning:
@@ -187,13 +189,5 @@ class Sampler:
             u = [self.uniforms(requests[i], 1)[0] for i in drawn]
             tokens[drawn] = torch.tensor(draw_tokens(logits, drawn, [params[i] for i in drawn], u),
                                          device=tokens.device)
-        chosen = top = None
-        if logprobs is not None:
-            chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
-            k = max(p.top_logprobs for p in params)
-            if k:
-                vals, ids = logprobs.topk(k, dim=-1)
-                ids, vals = ids.tolist(), vals.tolist()
-                top = [list(zip(ids[i][:p.top_logprobs], vals[i][:p.top_logprobs]))
-                       for i, p in enumerate(params)]
+        chosen, top = logprobs.results(tokens, len(params)) if logprobs is not None else (None, None)
         return tokens.tolist(), chosen, top
