@@ -189,3 +189,43 @@ def test_skip_special_tokens_false_writes_them_out(server, reference_llm):
                                   headers={"Authorization": "Bearer test-key"}).json()["choices"][0]["text"]
     assert ask() == ""
     assert ask(skip_special_tokens=False) == tok.token_to_str(eos) * 3
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(server, reference_llm):
+    """vLLM's field: every token logprobs name (chosen and top, both
+    endpoints) is "token_id:N", N the token that the plain request names by text."""
+    post = lambda path, **kw: httpx.post(server.base + path, timeout=60, headers={"Authorization": "Bearer test-key"},  # noqa: E731
+                                         json={"max_tokens": 4, "temperature": 0, **kw}).json()["choices"][0]
+    tok = reference_llm.engine.tokenizer
+    plain = post("/v1/completions", prompt=PROMPT, logprobs=2)["logprobs"]
+    named = post("/v1/completions", prompt=PROMPT, logprobs=2, return_tokens_as_token_ids=True)["logprobs"]
+    ids = [int(t.removeprefix("token_id:")) for t in named["tokens"]]
+    assert [tok.token_to_str(t) for t in ids] == plain["tokens"] and named["text_offset"] == plain["text_offset"]
+    assert [[tok.token_to_str(int(k.removeprefix("token_id:"))) for k in top] for top in named["top_logprobs"]] \
+        == [list(top) for top in plain["top_logprobs"]]
+    chat = post("/v1/chat/completions", messages=CHAT, logprobs=True, top_logprobs=2,
+                return_tokens_as_token_ids=True)["logprobs"]["content"]
+    assert all(e["token"].startswith("token_id:") and all(t["token"].startswith("token_id:") for t in e["top_logprobs"])
+               for e in chat)
+
+
+def test_add_special_tokens_puts_bos_where_the_request_says(reference_llm, monkeypatch):
+    """vLLM's field, on a tokenizer that wants BOS (the embedded one does not:
+    made to here): completions add it unless told not to, chat (whose template
+    carries its own) only when told to."""
+    from conftest import in_process_server
+
+    tok = reference_llm.engine.tokenizer
+    monkeypatch.setattr(tok, "_add_bos", True)
+    bos = tok.bos_token_id
+    with in_process_server(reference_llm.engine) as (base, _):
+        def ask(path, **kw):
+            body = httpx.post(base + path, timeout=60, json={"max_tokens": 1, "temperature": 0, **kw}).json()
+            return body["usage"]["prompt_tokens"]
+
+        n = len(tok.encode(PROMPT, add_special_tokens=False))
+        assert ask("/v1/completions", prompt=PROMPT) == n + 1
+        assert ask("/v1/completions", prompt=PROMPT, add_special_tokens=False) == n
+        chat = ask("/v1/chat/completions", messages=CHAT)
+        assert ask("/v1/chat/completions", messages=CHAT, add_special_tokens=True) == chat + 1
+        assert reference_llm.engine.prepare_request(PROMPT, add_special_tokens=True).prompt_token_ids[0] == bos

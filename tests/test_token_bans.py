@@ -179,6 +179,10 @@ def test_the_fields_over_http_as_offline(server, reference_llm):
     assert body["usage"]["prompt_tokens"] == 2
     assert body["choices"][0]["text"] == (reference_llm.engine.tokenizer.decode(ids)
                                           + greedy(reference_llm, ids, max_tokens=12).text)
+    chat = httpx.post(server.base + "/v1/chat/completions", timeout=60, headers={"Authorization": "Bearer test-key"},
+                      json={"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2,
+                            "truncate_prompt_tokens": 5, "prompt_logprobs": 0}).json()
+    assert chat["usage"]["prompt_tokens"] == 5 and len(chat["prompt_logprobs"]) == 5
     for bad in (dict(allowed_token_ids=[10**6]), dict(bad_words=[" "]), dict(truncate_prompt_tokens=0),
                 dict(allowed_token_ids=[])):
         code, body = ask(**bad)

@@ -50,15 +50,16 @@ class Admission:
         return list(prompt)
 
     def prepare(self, prompt: str | list[int], params: SamplingParams | None = None,
-                max_tokens_must_fit: bool = False) -> PreparedRequest:
+                max_tokens_must_fit: bool = False, add_special_tokens: bool = True) -> PreparedRequest:
         """max_tokens_must_fit: refuse a max_tokens the context cannot hold (the
-        OpenAI API's rule) instead of stopping at the context window (LLM's)."""
+        OpenAI API's rule) instead of stopping at the context window (LLM's).
+        add_special_tokens: a text prompt gets BOS (etc.) where the model wants it."""
         if params is not None and not isinstance(params, SamplingParams):
             raise InvalidRequestError("params must be a SamplingParams", param="params")
         # a copy, validated again: the caller may have changed its object since it
         # was built, and the engine must not see later changes either
         params = dataclasses.replace(params) if params is not None else SamplingParams()
-        ids = self.tokenize(prompt)
+        ids = self.tokenize(prompt, add_special_tokens)
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         keep = params.truncate_prompt_tokens

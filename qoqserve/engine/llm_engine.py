@@ -82,10 +82,10 @@ class LLMEngine:
         return self.admission.tokenize(prompt)
 
     def prepare_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                        max_tokens_must_fit: bool = False) -> PreparedRequest:
+                        max_tokens_must_fit: bool = False, add_special_tokens: bool = True) -> PreparedRequest:
         """Admission checks without queueing (pure: any thread may call it); raises
         InvalidRequestError. add_request takes the result without checking again."""
-        return self.admission.prepare(prompt, params, max_tokens_must_fit)
+        return self.admission.prepare(prompt, params, max_tokens_must_fit, add_special_tokens)
 
     def add_request(self, request_id: str, prompt: str | list[int] | PreparedRequest,
                     params: SamplingParams | None = None) -> list[int]:

@@ -48,7 +48,8 @@ class Format:
     chunk_object_name = ""
 
     def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, num_prompt_tokens: int,
-                 index: int = 0, created: int | None = None, ranked_prompt: list | None = None):
+                 index: int = 0, created: int | None = None, ranked_prompt: list | None = None,
+                 tokens_as_ids: bool = False):
         self.id = request_id
         self.model = model
         self.tokenizer = tokenizer
@@ -56,6 +57,11 @@ class Format:
         self.index = index  # of this choice in the response
         self.created = int(time.time()) if created is None else created
         self.ranked_prompt = ranked_prompt  # vLLM's prompt_logprobs, when asked for
+        self.tokens_as_ids = tokens_as_ids  # vLLM's return_tokens_as_token_ids
+
+    def token_name(self, t: int) -> str:
+        """A token as logprobs name it: its text, or "token_id:N"."""
+        return f"token_id:{t}" if self.tokens_as_ids else self.tokenizer.token_to_str(t)
 
     def response_fields(self) -> dict:
         """What the whole response carries beside its choices."""
@@ -90,14 +96,14 @@ class CompletionFormat(Format):
         if entries is None:
             return None
         ids, lps, tops = entries
-        tokens = [self.tokenizer.token_to_str(t) for t in ids]
         offsets = []
-        for s in tokens:
+        for t in ids:  # in the text, whatever the tokens are named
             offsets.append(start)
-            start += len(s)
-        return {"tokens": tokens, "token_logprobs": [_finite(lp) for lp in lps], "text_offset": offsets,
-                "top_logprobs": [None if top is None else {self.tokenizer.token_to_str(t): _finite(lp)
-                                                           for t, lp in top} for top in tops]}
+            start += len(self.tokenizer.token_to_str(t))
+        return {"tokens": [self.token_name(t) for t in ids], "token_logprobs": [_finite(lp) for lp in lps],
+                "text_offset": offsets,
+                "top_logprobs": [None if top is None else {self.token_name(t): _finite(lp) for t, lp in top}
+                                 for top in tops]}
 
     def _after_prompt(self, lp: dict | None) -> dict | None:
         """The echoed prompt's entries, then the output's."""
@@ -142,7 +148,7 @@ class ChatFormat(Format):
         ids, lps, tops = entries
 
         def entry(t: int, lp: float) -> dict:
-            s = self.tokenizer.token_to_str(t)
+            s = self.token_name(t)
             return {"token": s, "logprob": _finite(lp), "bytes": list(s.encode("utf-8"))}
 
         return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in top]}

@@ -151,6 +151,8 @@ class SamplingFields(_Request):
     min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = Field(True, description="vLLM's: false writes special tokens out in the text")
+    return_tokens_as_token_ids: bool = Field(False, description=(
+        'vLLM\'s: logprobs name each token "token_id:N" (for tokens that are not text on their own)'))
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=(
         "vLLM's: each prompt token's logprob and rank and the N most likely at its position (not with stream)"))
     logit_bias: dict[Text, float] | None = Field(
@@ -188,6 +190,7 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
                                  description="also return this many most likely tokens per step")
     echo: bool = Field(False, description="the prompt before the output; with logprobs, its tokens' logprobs too")
+    add_special_tokens: bool = Field(True, description="vLLM's: BOS (etc.) where the model wants one")
     best_of: int | None = Field(None, description="must be 1")
     suffix: Text | None = Field(None, description="not supported: refused when set")
 
@@ -258,6 +261,8 @@ class ChatTemplateFields(_Request):
     chat_template: Text | None = Field(None, description="a Jinja template in place of the model's (the "
                                                          "server must trust request templates)")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="more variables for the template")
+    add_special_tokens: bool = Field(False, description="BOS (etc.) on the rendered text: the template "
+                                                        "already carries them")
 
 
 class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
@@ -285,7 +290,6 @@ class TokenizeChatRequest(ChatTemplateFields):
     model: Text | None = None
     messages: list[ChatMessage]
     tools: list[Tool] | None = None
-    add_special_tokens: bool = Field(False, description="the template already carries BOS")
     return_token_strs: bool = False
 
 

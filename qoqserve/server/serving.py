@@ -79,8 +79,8 @@ class OpenAIServing:
 
     async def _prepare(self, req: SamplingFields, prompt: str | list[int], max_tokens: int | None,
                        prompt_param: str, logprobs: bool = False, top_logprobs: int = 0,
-                       structure: tuple[StructuredOutputs | None, str | None] = (None, None)
-                       ) -> PreparedRequest:
+                       structure: tuple[StructuredOutputs | None, str | None] = (None, None),
+                       add_special_tokens: bool = True) -> PreparedRequest:
         """The engine's admission of this request; its errors as OpenAI 400s.
         structure: (the output's constraint, the request field it came from).
         A constrained request is admitted on a worker thread: compiling its
@@ -104,8 +104,8 @@ class OpenAIServing:
                 logit_bias=req.token_biases(), allowed_token_ids=req.allowed_token_ids,
                 bad_words=req.bad_words, truncate_prompt_tokens=req.truncate_prompt_tokens)
             if spec is None:
-                return self.engine.prepare_request(prompt, params, max_tokens_must_fit=True)
-            return await asyncio.to_thread(self.engine.prepare_request, prompt, params, True)
+                return self.engine.prepare_request(prompt, params, True, add_special_tokens)
+            return await asyncio.to_thread(self.engine.prepare_request, prompt, params, True, add_special_tokens)
         except InvalidRequestError as e:
             param = prompt_param if e.param == "prompt" else e.param
             if param and param.startswith("structured_outputs") and spec_param:
@@ -131,6 +131,7 @@ class OpenAIServing:
         score_only = req.max_tokens == 0  # echo (with logprobs: the prompt's), nothing generated
         prepared = [await self._prepare(req, prompt, 1 if score_only else req.max_tokens, "prompt",
                                         logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0,
+                                        add_special_tokens=req.add_special_tokens,
                                         structure=requested_structure(req))
                     for prompt in prompts]  # all admitted before any starts
         rid, created, choices = f"cmpl-{uuid.uuid4().hex}", int(time.time()), []
@@ -142,7 +143,8 @@ class OpenAIServing:
             choices += self._choices(
                 request, req.n, p, lambda i, p=p, n=len(ids), echo=echo, scored=scored, ranked=ranked:
                 CompletionFormat(rid, self.model_name, self.tokenizer, n, index=p * req.n + i, created=created,
-                                 echo_text=echo, prompt_logprobs=scored, ranked_prompt=ranked),
+                                 echo_text=echo, prompt_logprobs=scored, ranked_prompt=ranked,
+                                 tokens_as_ids=req.return_tokens_as_token_ids),
                 start=not score_only)
         return await self._respond(choices, req, raw)
 
@@ -161,15 +163,16 @@ class OpenAIServing:
         if calls:
             tag = tool_structural_tag(tools, choice, req.parallel_tool_calls)
             structure = spec_or_400({"structural_tag": tag}, "tools"), "tools"
-        ids = self.chat_prompt(req, req.messages, tools)
+        ids = self.chat_prompt(req, req.messages, tools, req.add_special_tokens)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         prepared = await self._prepare(req, ids, max_tokens, "messages", logprobs=req.logprobs,
                                        top_logprobs=req.top_logprobs or 0, structure=structure)
+        ids = prepared.prompt_token_ids  # truncate_prompt_tokens may have cut it
         _, ranked = await self._scored_prompt(req, ids)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         choices = self._choices(prepared, req.n, 0, lambda i: ChatFormat(
             rid, self.model_name, self.tokenizer, len(ids), index=i, created=created, ranked_prompt=ranked,
-            tool_parser=ToolCallParser() if calls else None))
+            tool_parser=ToolCallParser() if calls else None, tokens_as_ids=req.return_tokens_as_token_ids))
         return await self._respond(choices, req, raw)
 
     async def _scored_prompt(self, req: SamplingFields, ids: list[int], echo_top: int | None = None
