@@ -90,14 +90,15 @@ def hf_gguf_tokenizer(default_gguf_path):
 class ServerProcess:
     """`qoqserve serve` in a subprocess on a free 127.0.0.1 port."""
 
-    def __init__(self, args: list[str], api_key: str | None = None, env: dict | None = None):
+    def __init__(self, args: list[str], api_key: str | None = None, env: dict | None = None,
+                 scheme: str = "http"):
         import subprocess
         import sys
         import tempfile
 
         self.port = free_port()
         self.api_key = api_key
-        self.base = f"http://127.0.0.1:{self.port}"
+        self.base = f"{scheme}://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "qoqserve.cli.main", "serve", *args, "--port", str(self.port)]
         if api_key:
@@ -116,7 +117,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
             try:
-                if httpx.get(self.base + "/health", timeout=1.0).status_code == 200:
+                if httpx.get(self.base + "/health", timeout=1.0, verify=False).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

@@ -1,6 +1,8 @@
 """`qoqserve serve [MODEL]`: the OpenAI-compatible HTTP server."""
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import sys
 
@@ -26,8 +28,26 @@ def register(sub) -> None:
                         "Retry-After (0: unbounded; default 1024)")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat_template (otherwise a 400)")
+    for name, what in (("origins", "origins"), ("methods", "methods"), ("headers", "request headers")):
+        p.add_argument(f"--allowed-{name}", type=_json_list, default=["*"],
+                       help=f'CORS: the {what} browsers may call from, a JSON list (default ["*"])')
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    p.add_argument("--ssl-keyfile", default=None, help="with --ssl-certfile: serve HTTPS")
+    p.add_argument("--ssl-certfile", default=None)
+    p.add_argument("--ssl-ca-certs", default=None, help="CA certificates file")
+    p.add_argument("--root-path", default="", help="the path prefix a proxy serves the API under")
     add_engine_args(p)
     p.set_defaults(func=run)
+
+
+def _json_list(text: str) -> list[str]:
+    try:
+        v = json.loads(text)
+    except ValueError:
+        v = None
+    if not (isinstance(v, list) and all(isinstance(s, str) for s in v)):
+        raise argparse.ArgumentTypeError(f'expected a JSON list of strings such as ["*"], got {text!r}')
+    return v
 
 
 def run(args) -> int:
@@ -42,11 +62,17 @@ def run(args) -> int:
                           served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
                           graceful_shutdown_s=args.graceful_shutdown_s,
                           max_waiting_queue_length=args.max_waiting_queue_length,
-                          trust_request_chat_template=args.trust_request_chat_template)
+                          trust_request_chat_template=args.trust_request_chat_template,
+                          allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
+                          allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
+                          ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+                          ssl_ca_certs=args.ssl_ca_certs, root_path=args.root_path)
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
     engine = make_engine(args, model)
     s = engine.stats()
     print(f"qoqserve: serving {config.served_model_name or engine.model_name} on "
-          f"http://{config.host}:{config.port}/v1 ({s['dtype']}, KV {s['kv_layout']}, "
+          f"{config.scheme}://{config.host}:{config.port}/v1 ({s['dtype']}, KV {s['kv_layout']}, "
           f"{s['num_kv_blocks']} pages x {s['block_size']}, context {engine.max_model_len})",
           file=sys.stderr, flush=True)
     serve(engine, config, log_level="info" if args.verbose else "warning")

@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -110,6 +111,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str,
     app = FastAPI(title="qoqserve", description="OpenAI-compatible W4A8KV4 serving", lifespan=lifespan,
                   docs_url="/docs", redoc_url=None, strict_content_type=False)
     app.add_middleware(GuardMiddleware, config=config)
+    # outside the guard: a browser's preflight carries no API key
+    app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=config.allowed_methods,
+                       allow_headers=config.allowed_headers, allow_credentials=config.allow_credentials)
     _install_error_handlers(app)
 
     @app.get("/health", response_model=Health,

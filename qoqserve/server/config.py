@@ -1,7 +1,7 @@
 """HTTP server settings (the engine's are in qoqserve.config)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -20,3 +20,17 @@ class ServerConfig:
     # a request's own chat_template runs in Jinja's sandbox, yet it is code the
     # operator did not choose: off unless asked for (vLLM's flag, vLLM's default)
     trust_request_chat_template: bool = False
+    # CORS, vLLM's flags and defaults (llama.cpp's server allows every origin too):
+    # browser clients may call the API; the API key still guards /v1
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+    ssl_keyfile: str | None = None   # with ssl_certfile: HTTPS
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    root_path: str = ""              # behind a proxy that serves the API under a path prefix
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.ssl_certfile else "http"

@@ -52,7 +52,9 @@ def serve(llm_engine, config: ServerConfig, log_level: str = "warning") -> None:
     # where it installs no signal handlers, so the main thread forwards them.
     app, engine = build_server(llm_engine, config, own_thread=False)
     uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
-                        timeout_graceful_shutdown=config.graceful_shutdown_s + 5.0)
+                        timeout_graceful_shutdown=config.graceful_shutdown_s + 5.0, root_path=config.root_path,
+                        ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile,
+                        ssl_ca_certs=config.ssl_ca_certs)
     server = _DrainingServer(uv, engine, config.graceful_shutdown_s)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, server.handle_exit)

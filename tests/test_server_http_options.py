@@ -1,0 +1,55 @@
+"""The server's HTTP options as vLLM's flags name them: CORS (every origin
+by default, as vLLM and llama.cpp's server; a preflight needs no API key),
+HTTPS from a key and certificate, and the flags' errors."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+import pytest
+from conftest import ServerProcess, in_process_server
+
+from qoqserve.server.config import ServerConfig
+
+
+def test_cors_allows_browsers_by_default_and_only_the_given_origins_when_told(reference_llm):
+    pre = {"Origin": "http://app.example", "Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "authorization,content-type"}
+    with in_process_server(reference_llm.engine, ServerConfig(api_key="k")) as (base, _):
+        r = httpx.options(base + "/v1/chat/completions", headers=pre)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+        r = httpx.get(base + "/v1/models", headers={"Origin": "http://app.example", "Authorization": "Bearer k"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+        assert httpx.get(base + "/v1/models", headers={"Origin": "http://app.example"}).status_code == 401
+    only = ServerConfig(allowed_origins=["http://ok.example"])
+    with in_process_server(reference_llm.engine, only) as (base, _):
+        assert httpx.options(base + "/v1/completions", headers=pre).status_code == 400
+        ok = httpx.options(base + "/v1/completions", headers={**pre, "Origin": "http://ok.example"})
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://ok.example"
+
+
+def test_https_with_a_key_and_certificate(tmp_path):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1"], check=True, capture_output=True)
+    server = ServerProcess(["synthetic:tiny", "--ssl-keyfile", str(key), "--ssl-certfile", str(cert)],
+                           scheme="https")
+    try:
+        assert server.base.startswith("https://")
+        r = httpx.post(server.base + "/v1/completions", verify=False, timeout=60,
+                       json={"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        with pytest.raises(httpx.HTTPError):  # no plain HTTP on that port
+            httpx.get(server.base.replace("https", "http") + "/health", timeout=5)
+    finally:
+        assert server.stop() == 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--allowed-origins", "*"], "JSON list"),
+    (["--ssl-keyfile", "k.pem"], "both --ssl-keyfile and --ssl-certfile")])
+def test_bad_flags_say_what_is_wrong(args, message):
+    r = subprocess.run([sys.executable, "-m", "qoqserve.cli.main", "serve", "synthetic:tiny", *args],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and message in r.stderr
