@@ -46,6 +46,19 @@ def test_https_with_a_key_and_certificate(tmp_path):
         assert server.stop() == 0
 
 
+def test_root_path_names_the_proxys_prefix_and_keeps_the_key():
+    """Behind a proxy that serves the API under /api and strips it (uvicorn's
+    root_path: the prefix is in each request's path as the app sees it)."""
+    server = ServerProcess(["synthetic:tiny", "--root-path", "/api"], api_key="k")
+    try:
+        assert httpx.get(server.base + "/v1/models").status_code == 401
+        r = httpx.get(server.base + "/v1/models", headers={"Authorization": "Bearer k"})
+        assert r.status_code == 200 and r.json()["data"]
+        assert httpx.get(server.base + "/openapi.json").json()["servers"] == [{"url": "/api"}]
+    finally:
+        assert server.stop() == 0
+
+
 @pytest.mark.parametrize("args, message", [
     (["--allowed-origins", "*"], "JSON list"),
     (["--ssl-keyfile", "k.pem"], "both --ssl-keyfile and --ssl-certfile")])

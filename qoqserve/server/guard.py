@@ -31,7 +31,10 @@ class GuardMiddleware:
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         key = self.config.api_key
-        if key and scope["path"].startswith("/v1"):
+        path, root = scope["path"], scope.get("root_path", "")
+        if root and path.startswith(root):  # uvicorn's path holds --root-path's prefix
+            path = path[len(root):]
+        if key and path.startswith("/v1"):
             scheme, _, token = headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
                 err = APIError(401, "invalid or missing API key; send 'Authorization: Bearer <key>'",
