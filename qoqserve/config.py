@@ -126,6 +126,12 @@ class EngineConfig:
     chat_template: str | None = opt(
         None, "Jinja chat template in place of the model's own (needed for models without one): a "
               "file, or the template itself (text holding '{', '}' or a newline)")
+    generation_config: str = opt(
+        "auto", "sampling defaults for what a request leaves out (vLLM's flag): auto, the model's "
+                "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
+                "max_new_tokens); vllm, none; or a folder holding a generation_config.json")
+    override_generation_config: str | dict | None = opt(
+        None, 'sampling defaults set over --generation-config\'s, a JSON object such as {"temperature": 0.5}')
     structured_outputs_max_whitespace: int = opt(
         8, "JSON constrained by a schema or json_object: most whitespace characters between two "
            "of its tokens, so a small model cannot pad a gap with newlines until max_tokens "

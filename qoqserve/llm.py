@@ -45,13 +45,20 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a prompt without its own SamplingParams gets (vLLM's): the model's
+        generation config's sampling defaults (EngineConfig.generation_config)."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def generate(self, prompts: str | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Run prompts to completion with continuous batching; outputs in prompt order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if not isinstance(params, list):
+            params = [params or self.get_default_sampling_params()] * len(prompts)
+        params_list = params
         if len(params_list) != len(prompts):
             raise ValueError("need one SamplingParams per prompt")
         order = {}

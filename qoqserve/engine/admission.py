@@ -28,8 +28,9 @@ class PreparedRequest:
 class Admission:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
                  max_prompt_tokens: int | None = None, max_tokens_limit: int | None = None,
-                 grammars: GrammarCompiler | None = None):
+                 grammars: GrammarCompiler | None = None, defaults: dict | None = None):
         self.tokenizer = tokenizer
+        self.defaults = defaults or {}  # SamplingParams fields of a request that brings none
         self.grammars = grammars
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -58,7 +59,7 @@ class Admission:
             raise InvalidRequestError("params must be a SamplingParams", param="params")
         # a copy, validated again: the caller may have changed its object since it
         # was built, and the engine must not see later changes either
-        params = dataclasses.replace(params) if params is not None else SamplingParams()
+        params = dataclasses.replace(params) if params is not None else SamplingParams(**self.defaults)
         ids = self.tokenize(prompt, add_special_tokens)
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")

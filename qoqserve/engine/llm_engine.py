@@ -19,6 +19,7 @@ from qoqserve.engine.structured import GrammarCompiler, GrammarConstraint
 from qoqserve.errors import InvalidRequestError
 from qoqserve.model_loader import load_model_source
 from qoqserve.model_loader.chat_template import load_chat_template
+from qoqserve.model_loader.generation_config import sampling_defaults
 from qoqserve.model_loader.schema import check_parallel_fit
 from qoqserve.sampling_params import SamplingParams
 
@@ -36,6 +37,12 @@ class LLMEngine:
         if config.chat_template is not None:  # read and compiled now: a bad one fails the start, naming it
             self.tokenizer.chat_template = load_chat_template(config.chat_template)
         self.arch = source.arch
+        # what a request leaves out of its sampling settings (checked now: a bad file fails the start)
+        self.sampling_defaults = sampling_defaults(config.generation_config, source.generation_config,
+                                                   config.override_generation_config)
+        if self.sampling_defaults:
+            log.info("sampling defaults from the generation config: %s (--generation-config vllm "
+                     "ignores them)", self.sampling_defaults)
         context = context_len(config, self.arch)
         self.quant_config = source.quant_config
         self.executor = None
@@ -63,7 +70,8 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size, sorted(self.eos_ids),
                                         max_whitespace=config.structured_outputs_max_whitespace)
         self.admission = Admission(self.tokenizer, self.arch.vocab_size, self.max_model_len,
-                                   sched.max_prompt_tokens, sched.max_tokens_limit, self.grammars)
+                                   sched.max_prompt_tokens, sched.max_tokens_limit, self.grammars,
+                                   self.sampling_defaults)
         self.trackers: dict[str, OutputTracker] = {}
         self.isolation = StepIsolation(self.runner)
         # failures of steps: pinned on (and ended only) one request, or not

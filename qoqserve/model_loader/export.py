@@ -9,6 +9,7 @@ import os
 import torch
 from safetensors.torch import save_file
 
+from .generation_config import write_generation_config
 from .source import load_model_source
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -27,5 +28,6 @@ def export_hf_dir(model: str | None, out_dir: str, dtype: str = "bfloat16") -> s
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(source.arch.to_hf_config(dtype), f, indent=2)
+    write_generation_config(out_dir, source)
     source.tokenizer.save(out_dir)
     return out_dir

@@ -14,7 +14,8 @@ from qoqserve.errors import ModelLoadError
 from qoqserve.layers.quantization import config_from_file
 from qoqserve.models.arch import ModelArchConfig
 
-from .base import ModelSource, TensorIter
+from .base import ModelSource, TensorIter, read_json_object
+from .generation_config import sampling_keys
 from .lazy import LazyTensor
 from .schema import check_inventory
 from .tokenizer import tokenizer_from_hf_dir
@@ -26,17 +27,6 @@ _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 # buffers some exporters save that are recomputed at runtime
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 _MAX_HEADER = 100 << 20
-
-
-def _read_json(path: str) -> dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"{path}: cannot read JSON ({e})") from e
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{path}: expected a JSON object")
-    return data
 
 
 def read_safetensors_header(path: str) -> dict[str, tuple[str, tuple[int, ...], int]]:
@@ -84,7 +74,7 @@ def _weight_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     single = os.path.join(path, "model.safetensors")
     if os.path.isfile(index):
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ModelLoadError(f"{index}: no weight_map")
         files = list(dict.fromkeys(weight_map.values()))
@@ -122,22 +112,22 @@ def load_hf_dir(path: str) -> ModelSource:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise ModelLoadError(f"{cfg_path}: missing; not a Hugging Face model directory")
-    cfg = _read_json(cfg_path)
+    cfg = read_json_object(cfg_path)
     try:
         arch = ModelArchConfig.from_hf_config(cfg)
     except (KeyError, TypeError) as e:
         raise ModelLoadError(f"{cfg_path}: missing or invalid field {e}") from e
 
-    gen_path = os.path.join(path, "generation_config.json")
+    gen_path, gen = os.path.join(path, "generation_config.json"), {}
     if os.path.isfile(gen_path):
-        gen = _read_json(gen_path)
+        gen = read_json_object(gen_path)
         arch.eos_token_ids = list(dict.fromkeys(arch.eos_token_ids
                                                 + _token_ids(gen.get("eos_token_id"))))
         if arch.bos_token_id is None and isinstance(gen.get("bos_token_id"), int):
             arch.bos_token_id = gen["bos_token_id"]
 
     quant_path = os.path.join(path, "quant_config.json")
-    quant_file = _read_json(quant_path) if os.path.isfile(quant_path) else None
+    quant_file = read_json_object(quant_path) if os.path.isfile(quant_path) else None
     quant = config_from_file(quant_file, quant_path)
 
     files = _weight_files(path)
@@ -185,4 +175,5 @@ def load_hf_dir(path: str) -> ModelSource:
 
     return ModelSource(path=path, name=_display_name(path), arch=arch, tokenizer=tokenizer,
                        tensor_iter_factory=iter_tensors, quant_config=quant,
-                       lazy_iter_factory=functools.partial(iter_tensors, lazy=True))
+                       lazy_iter_factory=functools.partial(iter_tensors, lazy=True),
+                       generation_config=sampling_keys(gen))

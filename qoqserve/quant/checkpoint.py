@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 from qoqserve.layers.quantization import QoQConfig
+from qoqserve.model_loader.generation_config import write_generation_config
 from qoqserve.model_loader.schema import expected_tensors
 from qoqserve.quant.calibration import CalibrationSet
 from qoqserve.quant.config import QuantConfig
@@ -59,4 +60,5 @@ def save_checkpoint(result: QuantResult, source, calib: CalibrationSet, out_dir:
     }
     with open(os.path.join(out_dir, "quant_config.json"), "w") as f:
         json.dump(quant, f, indent=2)
+    write_generation_config(out_dir, source)
     source.tokenizer.save(out_dir)

@@ -65,6 +65,7 @@ class AsyncEngine:
         self.num_refused = 0
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        self.sampling_defaults = engine.sampling_defaults
         self.vocab_size = engine.arch.vocab_size
         self._on_step = on_step
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

@@ -68,6 +68,7 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
         self.max_model_len = engine.max_model_len
+        self.defaults = engine.sampling_defaults  # the model's generation config (vLLM's default)
         self.trust_request_chat_template = config.trust_request_chat_template
 
     # ---- validation -----------------------------------------------------------
@@ -87,16 +88,17 @@ class OpenAIServing:
         grammar (cached per spec) may take a while, and must stall neither
         the event loop nor the engine."""
         spec, spec_param = structure
+        given = {k: getattr(req, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+        given["max_tokens"] = max_tokens
+        # what the request leaves out: the model's default, else SamplingParams' own
+        sampling = {k: v if v is not None else self.defaults[k] for k, v in given.items()
+                    if v is not None or k in self.defaults}
+        sampling.setdefault("max_tokens", None)  # None: the rest of the context window
         try:
             params = SamplingParams(
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=-1 if req.top_k in (None, 0) else req.top_k,
-                min_p=0.0 if req.min_p is None else req.min_p,
-                max_tokens=max_tokens, min_tokens=req.min_tokens, seed=req.seed, stop=req.stop,
-                stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
+                **sampling, min_tokens=req.min_tokens, seed=req.seed,
+                stop=req.stop, stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
                 logprobs=logprobs, top_logprobs=top_logprobs,
-                repetition_penalty=req.repetition_penalty or 1.0,
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
                 include_stop_str_in_output=req.include_stop_str_in_output, structured_outputs=spec,
