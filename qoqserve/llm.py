@@ -58,11 +58,10 @@ class LLM:
             prompts = [prompts]
         if not isinstance(params, list):
             params = [params or self.get_default_sampling_params()] * len(prompts)
-        params_list = params
-        if len(params_list) != len(prompts):
+        if len(params) != len(prompts):
             raise ValueError("need one SamplingParams per prompt")
         order = {}
-        for prompt, p in zip(prompts, params_list):
+        for prompt, p in zip(prompts, params):
             rid = f"offline-{next(self._ids)}"
             self.engine.add_request(rid, prompt, p)
             order[rid] = len(order)
