@@ -103,12 +103,13 @@ def bound_generation(body):
     """Keep valid requests short: a few new tokens, never "the rest of the context"."""
     if not isinstance(body, dict):
         return body
-    for key in ("max_tokens", "max_completion_tokens"):
+    limits = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+    for key in limits:
         v = body.get(key)
         if isinstance(v, int) and not isinstance(v, bool) and v > MAX_NEW:
             body[key] = 1 + v % MAX_NEW
-    if not any(isinstance(body.get(k), int) for k in ("max_tokens", "max_completion_tokens")):
-        body["max_tokens"] = MAX_NEW
+    if not any(isinstance(body.get(k), int) for k in limits):
+        body["max_output_tokens" if "input" in body else "max_tokens"] = MAX_NEW
     if isinstance(body.get("min_tokens"), int) and not isinstance(body["min_tokens"], bool):
         body["min_tokens"] = min(body["min_tokens"], 10**6)  # large ones stay invalid
     if isinstance(body.get("n"), int) and not isinstance(body["n"], bool) and 2 < body["n"] <= 128:
@@ -125,13 +126,17 @@ def check(r: httpx.Response, stream: bool, what: str):
         assert err.message and err.type == ("not_found_error" if r.status_code == 404 and err.code
                                             != "model_not_found" else "invalid_request_error"), what
         return
+    responses = r.request.url.path == "/v1/responses"
     if stream:
         lines = [ln for ln in r.text.splitlines() if ln.startswith("data: ")]
+        if responses:  # no [DONE]: the last event ends it
+            assert json.loads(lines[-1][6:])["type"] in ("response.completed", "response.incomplete"), what
+            return
         assert lines[-1] == "data: [DONE]", what
         for ln in lines[:-1]:
             assert "error" not in json.loads(ln[6:]), f"{what}: {ln}"
     else:
-        assert r.json()["choices"], what
+        assert r.json()["output" if responses else "choices"], what
 
 
 def test_schema_driven_fuzz_never_gets_a_5xx(server, reference_llm):
@@ -142,7 +147,7 @@ def test_schema_driven_fuzz_never_gets_a_5xx(server, reference_llm):
         if post and "requestBody" in post and path.startswith("/v1/"):  # the generation endpoints
             ref = post["requestBody"]["content"]["application/json"]["schema"]["$ref"]
             targets.append((path, ref.rsplit("/", 1)[1]))
-    assert sorted(p for p, _ in targets) == ["/v1/chat/completions", "/v1/completions"]
+    assert sorted(p for p, _ in targets) == ["/v1/chat/completions", "/v1/completions", "/v1/responses"]
     gen = Gen(spec, random.Random(SEED))
     seen = {"valid": 0, "broken": 0, "raw": 0}
     statuses: dict[int, int] = {}

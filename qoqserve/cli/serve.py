@@ -36,6 +36,8 @@ def register(sub) -> None:
     p.add_argument("--ssl-certfile", default=None)
     p.add_argument("--ssl-ca-certs", default=None, help="CA certificates file")
     p.add_argument("--root-path", default="", help="the path prefix a proxy serves the API under")
+    p.add_argument("--responses-store-size", type=int, default=256,
+                   help="stored /v1/responses (store: true) kept in memory for previous_response_id and GET")
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -66,7 +68,8 @@ def run(args) -> int:
                           allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
                           allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
                           ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
-                          ssl_ca_certs=args.ssl_ca_certs, root_path=args.root_path)
+                          ssl_ca_certs=args.ssl_ca_certs, root_path=args.root_path,
+                          responses_store_size=args.responses_store_size)
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
     engine = make_engine(args, model)

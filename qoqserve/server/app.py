@@ -46,6 +46,8 @@ from qoqserve.server.responses import (
     ModelList,
     TokenizeResponse,
 )
+from qoqserve.server.responses_api import ResponsesServing
+from qoqserve.server.responses_protocol import ResponsesRequest
 from qoqserve.server.serving import ClientGone, OpenAIServing
 from qoqserve.version import __version__
 
@@ -98,6 +100,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str,
               metrics: ServerMetrics | None = None) -> FastAPI:
     serving = OpenAIServing(engine, config, model_name)
+    responses = ResponsesServing(serving, config.responses_store_size)
     started = int(time.time())
 
     @asynccontextmanager
@@ -144,6 +147,19 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str,
               description=STREAM)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await serving.chat(body, request)
+
+    @app.post("/v1/responses", responses=ERRORS, description=STREAM)
+    async def create_response(body: ResponsesRequest, request: Request):
+        """OpenAI's Responses API (server/responses_api.py says what of it)."""
+        return await responses.create(body, request)
+
+    @app.get("/v1/responses/{response_id}", responses=ERRORS)
+    async def get_response(response_id: str):
+        return responses.get(response_id)
+
+    @app.delete("/v1/responses/{response_id}", responses=ERRORS)
+    async def delete_response(response_id: str):
+        return responses.delete(response_id)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
     async def tokenize(body: TokenizeRequest):

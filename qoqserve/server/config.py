@@ -30,6 +30,7 @@ class ServerConfig:
     ssl_certfile: str | None = None
     ssl_ca_certs: str | None = None
     root_path: str = ""              # behind a proxy that serves the API under a path prefix
+    responses_store_size: int = 256  # stored /v1/responses kept in memory, newest first
 
     @property
     def scheme(self) -> str:

@@ -53,7 +53,7 @@ class ClientGone(Exception):
     pass
 
 
-def _failed(out: RequestOutput) -> APIError:
+def failed_output(out: RequestOutput) -> APIError:
     """A request the engine ended because a step failed on it: the server's
     fault, unless the engine found the request's own (error_code)."""
     if out.error_code is not None:
@@ -151,6 +151,10 @@ class OpenAIServing:
         return await self._respond(choices, req, raw)
 
     async def chat(self, req: ChatCompletionRequest, raw: Request):
+        return await self._respond(await self.chat_choices(req), req, raw)
+
+    async def chat_choices(self, req: ChatCompletionRequest) -> list[Choice]:
+        """The request's choices, admitted and started (the Responses API's too)."""
         self.check_model(req.model)
         if not req.messages:
             raise APIError(400, "messages must not be empty", param="messages")
@@ -175,7 +179,7 @@ class OpenAIServing:
         choices = self._choices(prepared, req.n, 0, lambda i: ChatFormat(
             rid, self.model_name, self.tokenizer, len(ids), index=i, created=created, ranked_prompt=ranked,
             tool_parser=ToolCallParser() if calls else None, tokens_as_ids=req.return_tokens_as_token_ids))
-        return await self._respond(choices, req, raw)
+        return choices
 
     async def _scored_prompt(self, req: SamplingFields, ids: list[int], echo_top: int | None = None
                              ) -> tuple[tuple | None, list | None]:
@@ -241,10 +245,10 @@ class OpenAIServing:
             return StreamingResponse(self._sse(outputs, choices, usage, usage and opts.continuous_usage_stats),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        finals = await self._collect(outputs, len(choices), raw)
+        finals = await self.collect(outputs, len(choices), raw)
         return JSONResponse(joined.response(choices, finals))
 
-    async def _collect(self, outputs: AsyncIterator[tuple[Choice, RequestOutput]], choices: int,
+    async def collect(self, outputs: AsyncIterator[tuple[Choice, RequestOutput]], choices: int,
                        raw: Request) -> dict[int, RequestOutput]:
         """Each choice's final output, by index; aborts the requests if the
         client hangs up while waiting."""
@@ -253,7 +257,7 @@ class OpenAIServing:
             try:
                 async for c, out in outputs:
                     if out.finish_reason == "error":
-                        raise _failed(out)
+                        raise failed_output(out)
                     last[c.fmt.index] = out
             finally:
                 await outputs.aclose()  # one choice failed: the others are aborted now
@@ -280,7 +284,7 @@ class OpenAIServing:
             async for c, out in outputs:
                 last[c.fmt.index] = out
                 if out.finish_reason == "error":  # what was streamed stands; the error ends it
-                    raise _failed(out)
+                    raise failed_output(out)
                 chunk = c.fmt.chunk(out)
                 if chunk is not None:
                     if continuous_usage:

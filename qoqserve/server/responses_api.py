@@ -1,0 +1,255 @@
+"""POST /v1/responses (OpenAI's Responses API), GET and DELETE
+/v1/responses/{id}: a response runs as the chat completion it asks for
+(server/responses_protocol.py) and its output is written as Responses
+output items: the text as one `message` item, each tool call as a
+`function_call` item; streamed as the Responses events (response.created,
+output_item.added, output_text.delta, function_call_arguments.delta, ...,
+response.completed), each with its sequence_number.
+
+Stored responses (`store`, OpenAI's default) are kept in memory, the newest
+`responses_store_size` of them, with the conversation that led to them, so
+`previous_response_id` continues one and GET returns it; a server restart
+forgets them.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from qoqserve.engine.output import RequestOutput
+from qoqserve.server import choices as joined
+from qoqserve.server.protocol import APIError, ChatCompletionRequest, from_validation_errors
+from qoqserve.server.responses_protocol import ResponsesRequest
+from qoqserve.server.serving import OpenAIServing, failed_output
+
+
+@dataclass
+class Stored:
+    body: dict            # the response as returned
+    messages: list[dict]  # the conversation up to and with its output, as chat messages
+
+
+class ResponsesServing:
+    def __init__(self, serving: OpenAIServing, store_size: int = 256):
+        self.serving = serving
+        self.store_size = store_size
+        self.stored: OrderedDict[str, Stored] = OrderedDict()
+
+    def get(self, response_id: str) -> dict:
+        return self._stored(response_id, None).body
+
+    def delete(self, response_id: str) -> dict:
+        self._stored(response_id, None)
+        del self.stored[response_id]
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    def _stored(self, response_id: str, param: str | None) -> Stored:
+        s = self.stored.get(response_id)
+        if s is None:
+            raise APIError(404, f"Response with id '{response_id}' not found.", param=param,
+                           type="not_found_error")
+        return s
+
+    async def create(self, req: ResponsesRequest, raw: Request):
+        history = ([] if req.previous_response_id is None
+                   else self._stored(req.previous_response_id, "previous_response_id").messages)
+        try:
+            chat = ChatCompletionRequest.model_validate(req.chat_fields(history))
+        except ValidationError as e:
+            raise from_validation_errors(list(e.errors())) from None
+        choices = await self.serving.chat_choices(chat)
+        run = Run(self, req, chat, f"resp_{uuid.uuid4().hex}", int(time.time()))
+        outputs = joined.merged(choices, stagger=False)
+        if req.stream:
+            return StreamingResponse(run.events(outputs), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        final = (await self.serving.collect(outputs, 1, raw))[0]
+        return JSONResponse(run.finish(output_items(choices[0].fmt.choice(final)), final))
+
+    def keep(self, body: dict, messages: list[dict]) -> None:
+        self.stored[body["id"]] = Stored(body, messages)
+        while len(self.stored) > self.store_size:
+            self.stored.popitem(last=False)
+
+
+class Run:
+    """One response: its request, the items its output becomes, its events."""
+
+    def __init__(self, owner: ResponsesServing, req: ResponsesRequest, chat: ChatCompletionRequest,
+                 response_id: str, created: int):
+        self.owner, self.req, self.chat, self.id, self.created = owner, req, chat, response_id, created
+        self.seq = 0
+
+    def body(self, status: str, output: list[dict], final: RequestOutput | None = None) -> dict:
+        req = self.req
+        fmt = req.text.format if req.text is not None and req.text.format is not None else None
+        body = {
+            "id": self.id, "object": "response", "created_at": self.created, "status": status,
+            "error": None, "incomplete_details": None, "model": self.owner.serving.model_name, "output": output,
+            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+            "parallel_tool_calls": req.parallel_tool_calls, "previous_response_id": req.previous_response_id,
+            "temperature": req.temperature, "top_p": req.top_p, "store": req.store,
+            "tool_choice": (req.tool_choice if isinstance(req.tool_choice, str) or req.tool_choice is None
+                            else req.tool_choice.model_dump()) or ("auto" if req.tools else "none"),
+            "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
+            "text": {"format": fmt.model_dump(exclude_none=True, by_alias=True) if fmt else {"type": "text"}},
+            "metadata": req.metadata or {}, "truncation": "disabled", "usage": None}
+        if final is not None:
+            n_in, n_out = len(final.prompt_token_ids), len(final.token_ids)
+            body["usage"] = {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": final.num_cached_tokens},
+                             "output_tokens": n_out, "output_tokens_details": {"reasoning_tokens": 0},
+                             "total_tokens": n_in + n_out}
+            if final.finish_reason == "length":
+                body["status"], body["incomplete_details"] = "incomplete", {"reason": "max_output_tokens"}
+        return body
+
+    def finish(self, output: list[dict], final: RequestOutput) -> dict:
+        """The response of these output items, stored when asked."""
+        body = self.body("completed", output, final)
+        if self.req.store:
+            self.owner.keep(body, self.chat.model_dump(exclude_unset=True)["messages"] + [turn(output)])
+        return body
+
+    def event(self, kind: str, **fields) -> str:
+        self.seq += 1
+        data = json.dumps({"type": kind, "sequence_number": self.seq - 1, **fields}, ensure_ascii=False)
+        return f"event: {kind}\ndata: {data}\n\n"
+
+    async def events(self, outputs):
+        stream = EventWriter(self, trim=bool(self.chat.tools) and self.chat.tool_choice != "none")
+        yield self.event("response.created", response=self.body("in_progress", []))
+        yield self.event("response.in_progress", response=self.body("in_progress", []))
+        try:
+            async for c, out in outputs:
+                if out.finish_reason == "error":
+                    raise failed_output(out)
+                delta = c.fmt.delta_choice(out)
+                if delta is not None:
+                    for e in stream.delta(delta):
+                        yield e
+                if out.finished:
+                    for e in stream.close_all():
+                        yield e
+                    body = self.finish(stream.items or [message_item("", None, "completed")], out)
+                    yield self.event(f"response.{body['status']}", response=body)  # completed or incomplete
+        except Exception as e:  # headers are gone: the failure travels in the stream
+            err = e if isinstance(e, APIError) else APIError(500, str(e), type="server_error")
+            failed = self.body("failed", stream.items)
+            failed["error"] = {"code": err.code or err.type, "message": err.message}
+            yield self.event("response.failed", response=failed)
+        finally:
+            await outputs.aclose()  # a client that left mid-stream frees its pages now
+
+
+def output_items(choice: dict) -> list[dict]:
+    """A finished chat choice ({"message", "logprobs"}) as output items."""
+    message = choice["message"]
+    output = []
+    if message.get("content") or not message.get("tool_calls"):
+        logprobs = (choice.get("logprobs") or {}).get("content")
+        output.append(message_item(message.get("content") or "", logprobs, "completed"))
+    return output + [call_item(c["id"], c["function"]["name"], c["function"]["arguments"], "completed")
+                     for c in message.get("tool_calls") or []]
+
+
+def turn(output: list[dict]) -> dict:
+    """Output items as the assistant's chat turn (what previous_response_id continues)."""
+    text = "".join(p["text"] for item in output if item["type"] == "message" for p in item["content"])
+    calls = [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
+             for i in output if i["type"] == "function_call"]
+    return {"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}
+
+
+def message_item(text: str, logprobs: list | None, status: str, item_id: str | None = None) -> dict:
+    part = {"type": "output_text", "text": text, "annotations": []}
+    if logprobs is not None:
+        part["logprobs"] = logprobs
+    return {"id": item_id or f"msg_{uuid.uuid4().hex}", "type": "message", "status": status,
+            "role": "assistant", "content": [part] if status == "completed" or text else []}
+
+
+def call_item(call_id: str, name: str, arguments: str, status: str, item_id: str | None = None) -> dict:
+    return {"id": item_id or f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": status,
+            "call_id": call_id, "name": name, "arguments": arguments}
+
+
+class EventWriter:
+    """Chat deltas -> Responses events: an open message item takes text; a
+    tool call's first delta opens a function_call item (ending what was
+    open), the rest are its arguments. With tools, white space around text
+    is held back and dropped at an item's ends, as the whole response's
+    message text is stripped (server/formats.py)."""
+
+    def __init__(self, run: Run, trim: bool):
+        self.run, self.trim = run, trim
+        self.items: list[dict] = []     # every item opened so far, as it stands
+        self.text: dict | None = None   # the open message item
+        self.call: dict | None = None   # the open function_call item
+        self.held = ""                  # white space not sent yet
+
+    def delta(self, choice: dict) -> list[str]:
+        ev, d = [], choice["delta"]
+        content = d.get("content") or ""
+        if self.trim:
+            content, self.held = self.held + content, ""
+            body = content.rstrip()
+            content, self.held = body if self.text is not None else body.lstrip(), content[len(body):]
+        if content:
+            if self.text is None:
+                ev += self._close_call()
+                self.text = message_item("", None, "in_progress")
+                ev += self._added(self.text)
+                ev.append(self._at(self.text, "response.content_part.added",
+                                   part={"type": "output_text", "text": "", "annotations": []}))
+                self.text["content"] = [{"type": "output_text", "text": "", "annotations": []}]
+            self.text["content"][0]["text"] += content
+            lp = (choice.get("logprobs") or {}).get("content") or []
+            ev.append(self._at(self.text, "response.output_text.delta", delta=content, logprobs=lp))
+        for call in d.get("tool_calls") or []:
+            if call.get("id") is not None:
+                ev += self._close_text() + self._close_call()
+                self.held = ""
+                self.call = call_item(call["id"], call["function"]["name"], "", "in_progress")
+                ev += self._added(self.call)
+            args = call["function"]["arguments"]
+            if args and self.call is not None:
+                self.call["arguments"] += args
+                ev.append(self._at(self.call, "response.function_call_arguments.delta", delta=args))
+        return ev
+
+    def close_all(self) -> list[str]:
+        return self._close_text() + self._close_call()
+
+    def _added(self, item: dict) -> list[str]:
+        self.items.append(item)
+        return [self.run.event("response.output_item.added", output_index=len(self.items) - 1, item=item)]
+
+    def _at(self, item: dict, kind: str, **fields) -> str:
+        extra = {"content_index": 0} if item["type"] == "message" else {}
+        return self.run.event(kind, item_id=item["id"], output_index=self.items.index(item), **extra, **fields)
+
+    def _done(self, item: dict) -> str:
+        item["status"] = "completed"
+        return self.run.event("response.output_item.done", output_index=self.items.index(item), item=item)
+
+    def _close_text(self) -> list[str]:
+        item, self.text = self.text, None
+        if item is None:
+            return []
+        part = item["content"][0]
+        return [self._at(item, "response.output_text.done", text=part["text"], logprobs=[]),
+                self._at(item, "response.content_part.done", part=part), self._done(item)]
+
+    def _close_call(self) -> list[str]:
+        item, self.call = self.call, None
+        if item is None:
+            return []
+        return [self._at(item, "response.function_call_arguments.done", arguments=item["arguments"]),
+                self._done(item)]
