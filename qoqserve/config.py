@@ -72,6 +72,9 @@ class SchedulerConfig:
     max_prompt_tokens: int | None = opt(None, "longest prompt accepted (default: the context "
                                               "window minus one)")
     max_tokens_limit: int | None = opt(None, "largest max_tokens accepted (default: the context window)")
+    scheduling_policy: str = opt("fcfs", "fcfs: requests in arrival order; priority: by each request's "
+                                          "priority (lower first, vLLM's), then arrival, and a full page pool "
+                                          "preempts the lowest priority first", choices=("fcfs", "priority"))
     num_scheduler_steps: int = opt(8, "most decode steps run back to back in one burst when every "
                                       "running request decodes greedily and none waits (1: never; "
                                       "engine/burst.py)")

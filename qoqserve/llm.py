@@ -52,18 +52,19 @@ class LLM:
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run prompts to completion with continuous batching; outputs in prompt order."""
+                 use_tqdm: bool = False, priority: list[int] | None = None) -> list[RequestOutput]:
+        """Run prompts to completion with continuous batching; outputs in prompt order.
+        priority: one per prompt, with the priority scheduling policy (lower first)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(params, list):
             params = [params or self.get_default_sampling_params()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError("need one SamplingParams per prompt")
+        if len(params) != len(prompts) or (priority is not None and len(priority) != len(prompts)):
+            raise ValueError("need one SamplingParams (and one priority, if any) per prompt")
         order = {}
-        for prompt, p in zip(prompts, params):
+        for prompt, p, rank in zip(prompts, params, priority or [0] * len(prompts)):
             rid = f"offline-{next(self._ids)}"
-            self.engine.add_request(rid, prompt, p)
+            self.engine.add_request(rid, prompt, p, rank)
             order[rid] = len(order)
         results: list[RequestOutput | None] = [None] * len(order)
         bar = None

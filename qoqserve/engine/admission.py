@@ -23,13 +23,16 @@ class PreparedRequest:
     params: SamplingParams
     grammar: Any = None  # xgrammar.CompiledGrammar
     bad_words_ids: tuple[tuple[int, ...], ...] = ()  # each bad word's token runs (bad_words_ids())
+    priority: int = 0  # the priority policy's order: lower first
 
 
 class Admission:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
                  max_prompt_tokens: int | None = None, max_tokens_limit: int | None = None,
-                 grammars: GrammarCompiler | None = None, defaults: dict | None = None):
+                 grammars: GrammarCompiler | None = None, defaults: dict | None = None,
+                 by_priority: bool = False):
         self.tokenizer = tokenizer
+        self.by_priority = by_priority  # the scheduler orders by priority (else every priority must be 0)
         self.defaults = defaults or {}  # SamplingParams fields of a request that brings none
         self.grammars = grammars
         self.vocab_size = vocab_size
@@ -51,12 +54,18 @@ class Admission:
         return list(prompt)
 
     def prepare(self, prompt: str | list[int], params: SamplingParams | None = None,
-                max_tokens_must_fit: bool = False, add_special_tokens: bool = True) -> PreparedRequest:
+                max_tokens_must_fit: bool = False, add_special_tokens: bool = True,
+                priority: int = 0) -> PreparedRequest:
         """max_tokens_must_fit: refuse a max_tokens the context cannot hold (the
         OpenAI API's rule) instead of stopping at the context window (LLM's).
         add_special_tokens: a text prompt gets BOS (etc.) where the model wants it."""
         if params is not None and not isinstance(params, SamplingParams):
             raise InvalidRequestError("params must be a SamplingParams", param="params")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r}", param="priority")
+        if priority and not self.by_priority:
+            raise InvalidRequestError("priority needs the priority scheduling policy (--scheduling-policy "
+                                      "priority)", param="priority")
         # a copy, validated again: the caller may have changed its object since it
         # was built, and the engine must not see later changes either
         params = dataclasses.replace(params) if params is not None else SamplingParams(**self.defaults)
@@ -104,7 +113,7 @@ class Admission:
             if self.grammars is None:
                 raise InvalidRequestError("structured outputs are not available", param="structured_outputs")
             grammar = self.grammars.compile(params.structured_outputs)
-        return PreparedRequest(ids, params, grammar, bad_words)
+        return PreparedRequest(ids, params, grammar, bad_words, priority)
 
     def bad_words_ids(self, words) -> tuple[tuple[int, ...], ...]:
         """Each bad word's token run as vLLM tokenizes it: the word as written

@@ -71,7 +71,7 @@ class LLMEngine:
                                         max_whitespace=config.structured_outputs_max_whitespace)
         self.admission = Admission(self.tokenizer, self.arch.vocab_size, self.max_model_len,
                                    sched.max_prompt_tokens, sched.max_tokens_limit, self.grammars,
-                                   self.sampling_defaults)
+                                   self.sampling_defaults, sched.scheduling_policy == "priority")
         self.trackers: dict[str, OutputTracker] = {}
         self.isolation = StepIsolation(self.runner)
         # failures of steps: pinned on (and ended only) one request, or not
@@ -90,20 +90,23 @@ class LLMEngine:
         return self.admission.tokenize(prompt)
 
     def prepare_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                        max_tokens_must_fit: bool = False, add_special_tokens: bool = True) -> PreparedRequest:
+                        max_tokens_must_fit: bool = False, add_special_tokens: bool = True,
+                        priority: int = 0) -> PreparedRequest:
         """Admission checks without queueing (pure: any thread may call it); raises
         InvalidRequestError. add_request takes the result without checking again."""
-        return self.admission.prepare(prompt, params, max_tokens_must_fit, add_special_tokens)
+        return self.admission.prepare(prompt, params, max_tokens_must_fit, add_special_tokens, priority)
 
     def add_request(self, request_id: str, prompt: str | list[int] | PreparedRequest,
-                    params: SamplingParams | None = None) -> list[int]:
-        """Queue a request; returns its prompt token ids. Raises InvalidRequestError."""
+                    params: SamplingParams | None = None, priority: int = 0) -> list[int]:
+        """Queue a request; returns its prompt token ids. Raises InvalidRequestError.
+        priority: with the priority policy, lower runs first (vLLM's)."""
         if request_id in self.trackers:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        req = prompt if isinstance(prompt, PreparedRequest) else self.prepare_request(prompt, params)
+        req = (prompt if isinstance(prompt, PreparedRequest)
+               else self.prepare_request(prompt, params, priority=priority))
         seq = Sequence(request_id, list(req.prompt_token_ids), req.params,
                        constraint=GrammarConstraint(req.grammar) if req.grammar is not None else None,
-                       bad_words_ids=req.bad_words_ids)
+                       bad_words_ids=req.bad_words_ids, priority=req.priority)
         tracker = self.trackers[request_id] = OutputTracker(seq, self.tokenizer, self.eos_ids, self.max_model_len)
         if req.params.min_tokens:
             seq.stop_bans = tuple(sorted(tracker.stop_token_ids))

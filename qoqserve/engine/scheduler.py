@@ -1,5 +1,5 @@
-"""FCFS scheduler with a per-step token budget, chunked prefill and recompute
-preemption.
+"""FCFS (or priority) scheduler with a per-step token budget, chunked prefill
+and recompute preemption.
 
 Each step spends a token budget (max_num_batched_tokens), as vLLM does by
 default: first one token for every running sequence that is decoding, then
@@ -15,9 +15,15 @@ When the page pool cannot give a decoding sequence its next slot, the most
 recently admitted sequence is preempted: its pages are freed and it goes back
 to the front of the queue, to be recomputed (largely from the prefix cache)
 when room returns.
+
+With the priority policy (vLLM's `--scheduling-policy priority`) the queue is
+kept in order of (priority, arrival), lower first, a preempted sequence goes
+back to its place in it, and the running sequence preempted is the one last
+in that order.
 """
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -65,12 +71,22 @@ class Scheduler:
             raise ValueError("max_num_batched_tokens must be at least 1")
         self.long_prefill_token_threshold = config.long_prefill_token_threshold or None
         self.block_manager = block_manager
+        if config.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {config.scheduling_policy!r}")
+        self.by_priority = config.scheduling_policy == "priority"
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
 
+    @staticmethod
+    def _rank(seq: Sequence) -> tuple[int, float]:
+        return seq.priority, seq.arrival_time
+
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        if self.by_priority:
+            self.waiting.insert(bisect.bisect_right(self.waiting, self._rank(seq), key=self._rank), seq)
+        else:
+            self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -92,11 +108,15 @@ class Scheduler:
                 kept.append(seq)
                 continue
             while not bm.can_append(seq):
-                if queue:
-                    self._preempt(queue.pop())
-                else:
+                victim = self._victim(seq, queue)
+                if victim is seq:
                     self._preempt(seq)
                     break
+                if victim is queue[-1]:
+                    queue.pop()
+                else:
+                    queue.remove(victim)
+                self._preempt(victim)
             else:
                 bm.may_append(seq)
                 batch.decodes.append(seq)
@@ -146,7 +166,18 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.block_manager.deallocate(seq)
-        self.waiting.appendleft(seq)
+        if self.by_priority:
+            self.add(seq)
+        else:
+            self.waiting.appendleft(seq)
+
+    def _victim(self, seq: Sequence, queue: deque[Sequence]) -> Sequence:
+        """Whom to preempt for seq's next slot, of seq and the running sequences
+        not yet scheduled this step: the newest admitted (FCFS), or the last in
+        priority order."""
+        if not queue:
+            return seq
+        return max([seq, *queue], key=self._rank) if self.by_priority else queue[-1]
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark seq finished and release its pages (from any queue)."""

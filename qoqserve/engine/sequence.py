@@ -32,6 +32,7 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     num_preemptions: int = 0
+    priority: int = 0  # the priority policy's order: lower first (vLLM's)
     arrival_time: float = field(default_factory=time.monotonic)
     scheduled_time: float | None = None  # first admitted to a step (queue time ends)
     first_token_time: float | None = None

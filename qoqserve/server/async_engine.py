@@ -105,9 +105,10 @@ class AsyncEngine:
                 "rss_bytes": rss_bytes(), "gc_frozen_objects": gc.get_freeze_count()}
 
     def prepare_request(self, prompt: str | list[int], params: SamplingParams,
-                        max_tokens_must_fit: bool = False, add_special_tokens: bool = True) -> PreparedRequest:
+                        max_tokens_must_fit: bool = False, add_special_tokens: bool = True,
+                        priority: int = 0) -> PreparedRequest:
         """The engine's admission checks (pure, so any thread may call them)."""
-        return self.engine.prepare_request(prompt, params, max_tokens_must_fit, add_special_tokens)
+        return self.engine.prepare_request(prompt, params, max_tokens_must_fit, add_special_tokens, priority)
 
     def generate(self, request_id: str, request: PreparedRequest) -> AsyncIterator[RequestOutput]:
         """The request's outputs, as steps produce them. Raises at once (before a

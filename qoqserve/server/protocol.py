@@ -162,6 +162,7 @@ class SamplingFields(_Request):
     bad_words: list[Text] | None = Field(None, description="vLLM's: words the output must not hold")
     truncate_prompt_tokens: int | None = Field(
         None, ge=-1, description="vLLM's: keep only the prompt's last k tokens (-1: as many as fit)")
+    priority: int = Field(0, description="vLLM's: with --scheduling-policy priority, lower runs first")
     user: Text | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = Field(

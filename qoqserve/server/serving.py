@@ -105,9 +105,10 @@ class OpenAIServing:
                 skip_special_tokens=req.skip_special_tokens,
                 logit_bias=req.token_biases(), allowed_token_ids=req.allowed_token_ids,
                 bad_words=req.bad_words, truncate_prompt_tokens=req.truncate_prompt_tokens)
+            args = (prompt, params, True, add_special_tokens, req.priority)
             if spec is None:
-                return self.engine.prepare_request(prompt, params, True, add_special_tokens)
-            return await asyncio.to_thread(self.engine.prepare_request, prompt, params, True, add_special_tokens)
+                return self.engine.prepare_request(*args)
+            return await asyncio.to_thread(self.engine.prepare_request, *args)
         except InvalidRequestError as e:
             param = prompt_param if e.param == "prompt" else e.param
             if param and param.startswith("structured_outputs") and spec_param:
