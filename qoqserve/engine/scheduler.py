@@ -99,8 +99,10 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         bm = self.block_manager
-        # 1. one token for every decoding sequence, preempting the newest when full
-        queue, kept = self.running, deque()
+        # 1. one token for every decoding sequence, preempting the newest (or the
+        # last in priority order, served last) when full
+        queue = deque(sorted(self.running, key=self._rank)) if self.by_priority else self.running
+        kept: deque[Sequence] = deque()
         self.running = kept
         while queue:
             seq = queue.popleft()
@@ -108,15 +110,10 @@ class Scheduler:
                 kept.append(seq)
                 continue
             while not bm.can_append(seq):
-                victim = self._victim(seq, queue)
-                if victim is seq:
-                    self._preempt(seq)
+                # the last of the queue: the newest admitted, or the last in priority order
+                self._preempt(queue.pop() if queue else seq)
+                if seq.status != SequenceStatus.RUNNING:
                     break
-                if victim is queue[-1]:
-                    queue.pop()
-                else:
-                    queue.remove(victim)
-                self._preempt(victim)
             else:
                 bm.may_append(seq)
                 batch.decodes.append(seq)
@@ -170,14 +167,6 @@ class Scheduler:
             self.add(seq)
         else:
             self.waiting.appendleft(seq)
-
-    def _victim(self, seq: Sequence, queue: deque[Sequence]) -> Sequence:
-        """Whom to preempt for seq's next slot, of seq and the running sequences
-        not yet scheduled this step: the newest admitted (FCFS), or the last in
-        priority order."""
-        if not queue:
-            return seq
-        return max([seq, *queue], key=self._rank) if self.by_priority else queue[-1]
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark seq finished and release its pages (from any queue)."""
