@@ -114,7 +114,9 @@ class Run:
         """The response of these output items, stored when asked."""
         body = self.body("completed", output, final)
         if self.req.store:
-            self.owner.keep(body, self.chat.model_dump(exclude_unset=True)["messages"] + [turn(output)])
+            # OpenAI's rule: a response that continues this one does not inherit its instructions
+            messages = self.chat.model_dump(exclude_unset=True)["messages"][self.req.instructions is not None:]
+            self.owner.keep(body, messages + [turn(output)])
         return body
 
     def event(self, kind: str, **fields) -> str:
