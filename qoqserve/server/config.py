@@ -1,36 +1,66 @@
-"""HTTP server settings (the engine's are in qoqserve.config)."""
+"""HTTP server settings (the engine's are in qoqserve.config); `qoqserve
+serve`'s flags are generated from these fields (cli/config_args.py)."""
 from __future__ import annotations
 
+import argparse
+import json
 from dataclasses import dataclass, field
+
+from qoqserve.config import opt
+
+
+def _every() -> list[str]:
+    return ["*"]
+
+
+def json_list(text: str) -> list[str]:
+    """A flag's JSON list of strings, e.g. '["*"]'."""
+    try:
+        v = json.loads(text)
+    except ValueError:
+        v = None
+    if not (isinstance(v, list) and all(isinstance(s, str) for s in v)):
+        raise argparse.ArgumentTypeError(f'expected a JSON list of strings such as ["*"], got {text!r}')
+    return v
+
+
+def _cors(what: str):
+    return field(default_factory=_every, metadata={"help": f"CORS: {what}, a JSON list", "type": json_list})
 
 
 @dataclass
 class ServerConfig:
-    host: str = "127.0.0.1"        # loopback unless the operator opens it up
-    port: int = 8000
-    api_key: str | None = None     # Bearer token required on /v1/* when set
-    served_model_name: str | None = None  # default: the model's own name
-    max_body_bytes: int = 4 * 2**20
-    graceful_shutdown_s: float = 30.0     # on SIGTERM, in-flight requests get this long to finish
-    log_level: str = "info"
-    # waiting requests (admitted, no token yet) before new ones get a 429; generous,
-    # so normal use never meets it: it is there to stop a flood, not to shape load
-    max_waiting_queue_length: int | None = 1024
-    retry_after_s: int = 1                # the 429's Retry-After
+    host: str = opt("127.0.0.1", "address to listen on (loopback unless the operator opens it up)")
+    port: int = opt(8000, "port to listen on")
+    api_key: str | None = opt(None, "require 'Authorization: Bearer KEY' on /v1/* (default: $QOQSERVE_API_KEY)",
+                              env="QOQSERVE_API_KEY")
+    served_model_name: str | None = opt(None, "model id clients send (default: its name)")
+    max_body_bytes: int = opt(4 * 2**20, "larger request bodies get a 413 before they are read (default 4 MiB)")
+    graceful_shutdown_s: float = opt(30.0, "on SIGTERM, how long in-flight requests may take to finish before abort")
+    # generous, so normal use never meets it: it is there to stop a flood, not to shape load
+    max_waiting_queue_length: int | None = opt(
+        1024, "requests waiting for their first token beyond which new ones get a 429 with Retry-After "
+              "(0: unbounded)")
+    retry_after_s: int = opt(1, "the 429's Retry-After", cli=False)
     # a request's own chat_template runs in Jinja's sandbox, yet it is code the
     # operator did not choose: off unless asked for (vLLM's flag, vLLM's default)
-    trust_request_chat_template: bool = False
+    trust_request_chat_template: bool = opt(False, "let requests bring their own chat_template (else a 400)")
     # CORS, vLLM's flags and defaults (llama.cpp's server allows every origin too):
     # browser clients may call the API; the API key still guards /v1
-    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
-    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
-    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
-    allow_credentials: bool = False
-    ssl_keyfile: str | None = None   # with ssl_certfile: HTTPS
-    ssl_certfile: str | None = None
-    ssl_ca_certs: str | None = None
-    root_path: str = ""              # behind a proxy that serves the API under a path prefix
-    responses_store_size: int = 256  # stored /v1/responses kept in memory, newest first
+    allowed_origins: list[str] = _cors("the origins browsers may call from")
+    allowed_methods: list[str] = _cors("the methods allowed")
+    allowed_headers: list[str] = _cors("the request headers allowed")
+    allow_credentials: bool = opt(False, "CORS: allow credentials")
+    ssl_keyfile: str | None = opt(None, "with --ssl-certfile: serve HTTPS")
+    ssl_certfile: str | None = opt(None, "the certificate for HTTPS")
+    ssl_ca_certs: str | None = opt(None, "CA certificates file")
+    root_path: str = opt("", "the path prefix under which a proxy serves the API (and strips)")
+    responses_store_size: int = opt(256, "stored /v1/responses (store: true) kept in memory for "
+                                         "previous_response_id and GET")
+
+    def __post_init__(self) -> None:
+        if bool(self.ssl_keyfile) != bool(self.ssl_certfile):
+            raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
 
     @property
     def scheme(self) -> str:
