@@ -2,7 +2,7 @@
 
 These dataclasses are the one place engine options and their defaults are
 written: the command line's engine flags are generated from their fields
-(qoqserve/cli/engine_args.py), with the help text from each field's metadata.
+(qoqserve/cli/config_args.py), with the help text from each field's metadata.
 """
 from __future__ import annotations
 
