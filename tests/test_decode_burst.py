@@ -67,9 +67,13 @@ def test_a_burst_runs_only_where_it_cannot_change_a_request():
     assert burst.burst_length(decodes, False, 8, 33, 0.001) == 3  # the context window: 30 + 3 tokens
     seqs[0].token_ids += [1] * 47  # 47 of 50 tokens out
     assert burst.burst_length(decodes, False, 8, 1000, 0.001) == 3
-    for other in (dict(logprobs=True), dict(presence_penalty=0.5), dict(temperature=0.7, logit_bias={3: 1.0})):
-        mixed = ScheduledBatch([seqs[1], Sequence("x", [1, 2], SamplingParams(**{"temperature": 0.0, **other}))])
-        assert burst.burst_length(mixed, False, 8, 1000, 0.001) == 1, other
+    for other in (dict(presence_penalty=0.5), dict(temperature=0.7, logit_bias={3: 1.0}), dict(bad_words=["x"]),
+                  dict(allowed_token_ids=[1, 2]), dict(min_tokens=5)):
+        x = Sequence("x", [1, 2], SamplingParams(**{"temperature": 0.0, **other}), bad_words_ids=((3,),) * (
+            "bad_words" in other), stop_bans=(0,) * ("min_tokens" in other))
+        assert burst.burst_length(ScheduledBatch([seqs[1], x]), False, 8, 1000, 0.001) == 1, other
+    logprobs = Sequence("x", [1, 2], SamplingParams(temperature=0.0, logprobs=True, top_logprobs=2, max_tokens=50))
+    assert burst.burst_length(ScheduledBatch([seqs[1], logprobs]), False, 8, 1000, 0.001) == 8
     sampled = Sequence("x", [1, 2], SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, max_tokens=50))
     assert burst.burst_length(ScheduledBatch([seqs[0], sampled]), False, 8, 1000, 0.001) == 3  # seqs[0]'s cap
 
@@ -93,7 +97,8 @@ def _generate(model, prompts, params, steps, **kw):
     assert llm.engine.burst_seconds == burst.OFFLINE_BURST_SECONDS  # no stream waits on its tokens
     outs = llm.generate(prompts, params)
     engine = llm.engine
-    result = [(o.token_ids, o.text, o.finish_reason) for o in outs], engine.stats()["decode_bursts"]
+    result = ([(o.token_ids, o.text, o.finish_reason, o.logprobs, o.top_logprobs) for o in outs],
+              engine.stats()["decode_bursts"])
     free = engine.block_manager.num_free_blocks == engine.runner.num_blocks
     del llm, engine
     gc.collect()
@@ -114,7 +119,7 @@ def test_bursts_give_each_request_the_tokens_single_steps_give_it(qoq_tiny, long
     assert outs == single[0] and bursts > 0 and free
     # a stop token the single steps met in the middle of a burst, and a
     # stop string, end the request at the same token
-    tokens, text, _ = single[0][4]
+    tokens, text = single[0][4][:2]
     stops = [SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[tokens[13]]),
              SamplingParams(temperature=0.0, max_tokens=40, stop=[text[len(text) // 2:][:3]])]
     single, _ = _generate(qoq_tiny, [prompts[4]] * 2, stops, 1)
@@ -123,16 +128,22 @@ def test_bursts_give_each_request_the_tokens_single_steps_give_it(qoq_tiny, long
     assert outs == single[0] and bursts > 0 and free
 
 
-def test_a_request_that_wants_more_than_the_argmax_gets_single_steps(qoq_tiny, long_bursts):
-    prompts = [[7, 8, 9, 10], [11, 12, 13]]
+def test_logprobs_in_bursts_are_those_of_single_steps_and_penalties_get_single_steps(qoq_tiny, long_bursts):
+    """A burst records each step's logprobs after the draw (logprob_step): the
+    same values, bit for bit, as single steps give; a penalized request still
+    runs single steps, and its batch with it."""
+    prompts = [[7, 8, 9, 10], [11, 12, 13], [20, 21, 22, 23]]
     params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
-              SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=True)]
+              SamplingParams(temperature=0.0, max_tokens=15, ignore_eos=True, logprobs=True, top_logprobs=3),
+              SamplingParams(temperature=0.9, seed=4, max_tokens=18, ignore_eos=True, logprobs=True)]
     single, _ = _generate(qoq_tiny, prompts, params, 1)
-    (outs, bursts), _ = _generate(qoq_tiny, prompts, params, 8)
-    assert outs == single[0]
-    assert bursts > 0  # only once the logprobs request has ended
-    (_, bursts), _ = _generate(qoq_tiny, prompts[1:], params[1:], 8)
-    assert bursts == 0
+    (outs, bursts), free = _generate(qoq_tiny, prompts, params, 8)
+    assert outs == single[0] and bursts > 0 and free
+    assert len(outs[1][3]) == 15 and [len(t) for t in outs[1][4]] == [3] * 15 and outs[2][4] is None
+    penalized = [SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, repetition_penalty=1.3)]
+    single, _ = _generate(qoq_tiny, prompts[1:2], penalized, 1)
+    (outs, bursts), _ = _generate(qoq_tiny, prompts[1:2], penalized, 8)
+    assert outs == single[0] and bursts == 0
 
 
 def test_a_burst_that_fails_runs_as_a_single_step(qoq_tiny, long_bursts, monkeypatch):
@@ -186,14 +197,14 @@ def test_seeded_sampled_requests_draw_the_same_tokens_in_bursts(qoq_tiny, long_b
 
 
 def test_a_sampled_burst_that_does_not_run_gives_its_draws_back(qoq_tiny, long_bursts, monkeypatch):
-    from qoqserve.engine.captured_step import CapturedDecode
+    from qoqserve.engine.captured_burst import CapturedBursts
     prompts = [[9, 8, 7, 6, 5]]
     single, _ = _generate(qoq_tiny, prompts, SAMPLED[:1], 1)
 
-    def draws_then_fails(self, decodes, n, draw=None):
+    def draws_then_fails(self, decodes, n, draw=None, top_k=None):
         if draw is not None:
             draw(n)  # the uniforms are taken, then the replay fails
         raise RuntimeError("CPU kernel sample_step failed during a replayed step")
-    monkeypatch.setattr(CapturedDecode, "burst", draws_then_fails)
+    monkeypatch.setattr(CapturedBursts, "run", draws_then_fails)
     (outs, bursts), free = _generate(qoq_tiny, prompts, SAMPLED[:1], 8)
     assert outs == single[0] and bursts == 0 and free

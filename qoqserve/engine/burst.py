@@ -19,8 +19,8 @@ same uniforms (a burst that does not run gives its uniforms back).
 A burst runs only when it cannot change what a request gets:
 - nothing waits to be admitted and no prompt is being prefilled (a burst
   delays the next scheduling decision by its length);
-- every sequence is greedy or plainly sampled (`SamplingParams.burstable`:
-  no penalties, no logprobs), unconstrained, and bans no token
+- every sequence is greedy or plainly sampled, logprobs or not
+  (`SamplingParams.burstable`: no penalties), unconstrained, and bans no token
   (`Sequence.bans_tokens`: min_tokens not yet out, allowed_token_ids,
   bad_words);
 - no sequence can reach max_tokens or the context window inside it; one

@@ -23,9 +23,8 @@ greedy token (the argmax of its logits) is computed in the step by the
 threads that wrote each share of the logits: the sampler reading all of a
 row after the step finds it cold in the other core's cache.
 
-A decode burst (engine/burst.py) replays a row count's step and then
-decode_advance, which feeds each row's greedy token back as its next input,
-several times in one call; the tokens come back from a history buffer.
+Decode bursts (engine/burst.py) replay these steps several times in one call
+(engine/captured_burst.py).
 
 Every graph's intermediate buffers are placed in one arena (buffer_plan.py:
 buffers not in use at once share memory), so a step writes a few buffers
@@ -44,9 +43,9 @@ import time
 
 import torch
 
+from qoqserve.engine.captured_burst import CapturedBursts
 from qoqserve.engine.sequence import Sequence
-from qoqserve.kernels.cpu import decode_advance, elementwise, graph
-from qoqserve.kernels.cpu import sample as cpu_sample
+from qoqserve.kernels.cpu import elementwise, graph
 from qoqserve.kernels.cpu.buffer_plan import Arena
 from qoqserve.layers.attention import AttentionMetadata
 
@@ -104,16 +103,11 @@ class CapturedDecode:
         self.arena = Arena()  # every graph's intermediate buffers (they replay one at a time)
         self.heads: dict[int, graph.StepGraph] = {}  # per row count (module docstring)
         self.steps: dict[int, graph.StepGraph] = {}  # per row count: its decode graph, then its head
-        # per (row count, sampled): its step, (sampled) each row's draw, then decode_advance
-        self.bursts: dict[tuple[int, bool], graph.StepGraph] = {}
-        self._draws: dict[int, dict[str, torch.Tensor]] = {}  # a sampled burst's settings and uniforms, per row count
-        self.max_burst = max(1, max_burst)
-        self._history = torch.zeros(self.max_burst * n, dtype=torch.long)  # [steps, rows] of a burst's tokens
-        self._burst_step = torch.zeros(1, dtype=torch.long)
         self.step_seconds: dict[int, float] = {}  # per row count: its last step's replay (a burst's: per step)
         self.with_head = True  # False: the head could not be captured
         self.disabled: str | None = None
         self.capture_seconds = 0.0
+        self.bursts = CapturedBursts(self, max_burst)  # decode bursts over these graphs
 
     @property
     def max_size(self) -> int:
@@ -238,57 +232,6 @@ class CapturedDecode:
         if step is None:
             step = self.steps[b] = g.then(head)
         return step
-
-    def burst(self, decodes: list[Sequence], n: int, draw=None) -> list[list[int]] | None:
-        """n decode steps of these sequences, replayed back to back from C: the
-        tokens [n][len(decodes)], or None when this batch cannot burst (not
-        captured, no greedy token in the step, n past max_burst, no C sampler
-        where rows sample). Every sequence must have the slots of its next
-        n - 1 positions. draw: None when every row is greedy, else draw(n) ->
-        (temperatures, min_ps, top_ks, top_ps, uniforms [n][rows]), called once
-        the burst can run: sampled rows are drawn in the step (sample_step)."""
-        b = len(decodes)
-        size = self.bucket(b)
-        g = self._graph(size) if size is not None and 1 <= n <= self.max_burst else None
-        head = self._head(b) if g is not None else None
-        if head is None or head.output[1] is None or not decode_advance.available():
-            return None
-        if draw is not None and (head.output[0].dtype != torch.float32 or not cpu_sample.available()):
-            return None
-        burst = self.bursts.get((b, draw is not None))
-        if burst is None:
-            burst = self.bursts[(b, draw is not None)] = self._burst_plan(b, g, head, draw is not None)
-        if draw is not None:
-            bufs = self._draws[b]
-            *settings, uniforms = draw(n)
-            for name, values in zip(("temperature", "min_p", "top_k", "top_p"), settings):
-                bufs[name].copy_(torch.tensor(values, dtype=bufs[name].dtype))
-            bufs["u"][:n] = torch.tensor(uniforms, dtype=torch.float64)
-        self._write_inputs(decodes)
-        if size > b:
-            self._reset_rows(b, size)
-        self._burst_step[0] = 0
-        start = time.perf_counter()
-        burst.replay(n)
-        self.step_seconds[b] = (time.perf_counter() - start) / n
-        return self._history[:n * b].view(n, b).tolist()
-
-    def _burst_plan(self, b: int, g: graph.StepGraph, head: graph.StepGraph, sampled: bool) -> graph.StepGraph:
-        """The step of b rows, then (sampled) each row's draw, then decode_advance."""
-        plan, chosen = self._step(b, g, head), head.output[1]
-        if sampled:
-            bufs = self._draws[b] = {
-                "temperature": torch.zeros(b), "min_p": torch.zeros(b), "top_k": torch.zeros(b, dtype=torch.long),
-                "top_p": torch.ones(b), "u": torch.zeros(self.max_burst, b, dtype=torch.float64),
-                "chosen": torch.zeros(b, dtype=torch.long)}
-            choose = graph.StepGraph()
-            choose.capture(cpu_sample.sample_step, head.output[0], head.output[1], bufs["temperature"],
-                           bufs["min_p"], bufs["top_k"], bufs["top_p"], bufs["u"], self._burst_step, bufs["chosen"])
-            plan, chosen = plan.then(choose), bufs["chosen"]
-        history, advance = self._history[:self.max_burst * b].view(self.max_burst, b), graph.StepGraph()
-        advance.capture(decode_advance.advance, chosen, self.ids, self.positions, self.context_lens,
-                        self.slots, self.block_tables, self.block_size, self.pad_slot, history, self._burst_step)
-        return plan.then(advance)
 
     def _write_inputs(self, decodes: list[Sequence]) -> None:
         np, bs = self._np, self.block_size

@@ -159,17 +159,23 @@ class LLMEngine:
         if n < 2 or not self.block_manager.reserve(batch.decodes, n - 1):
             return None
         try:
-            tokens = self.runner.run_burst(batch, n)
+            res = self.runner.run_burst(batch, n)
         except Exception:  # a kernel refused, memory ran out: the step runs again alone, isolated as ever
             log.exception("a decode burst failed; running the step alone")
             return None
-        if tokens is None:
+        if res is None:
             return None
         self.num_bursts += 1
         outputs, alive = [], list(range(rows))
-        for step_tokens in tokens:
+        params = [s.params for s in batch.decodes]
+        for s, step_tokens in enumerate(res.tokens):
+            # a step's logprobs as a single step returns them: only for the rows that ask
+            lps = None if res.logprobs is None else [res.logprobs[s][i] if params[i].logprobs else None
+                                                     for i in alive]
+            tops = None if res.top is None else [res.top[s][i][:params[i].top_logprobs] if params[i].logprobs
+                                                 else None for i in alive]
             seqs = self.scheduler.postprocess(ScheduledBatch([batch.decodes[i] for i in alive]),
-                                              [step_tokens[i] for i in alive], None, None)
+                                              [step_tokens[i] for i in alive], lps, tops)
             self.num_generation_tokens += len(alive)
             going = []
             for i, seq in zip(alive, seqs):

@@ -9,6 +9,7 @@ import torch
 
 from qoqserve.config import EngineConfig
 from qoqserve.engine.backends import select_backends
+from qoqserve.engine.captured_burst import BurstResult
 from qoqserve.engine.captured_mixed import CapturedMixed
 from qoqserve.engine.captured_step import CapturedDecode, default_capture_sizes
 from qoqserve.engine.kv_budget import num_blocks_for_budget
@@ -255,24 +256,28 @@ class ModelRunner:
             return [], None, None
         return self.sampler(self.model.compute_logits(hidden), batch.sampled)
 
-    def run_burst(self, batch: ScheduledBatch, n: int) -> list[list[int]] | None:
+    def run_burst(self, batch: ScheduledBatch, n: int) -> BurstResult | None:
         """n decode steps of batch's decodes at once (engine/burst.py): their
-        tokens [n][rows], or None where the batch cannot run so. Sampled rows
-        take their n uniforms up front; a burst that does not run gives them back."""
+        tokens [n][rows] (and logprobs, where a row asks), or None where the
+        batch cannot run so. Sampled rows take their n uniforms up front; a
+        burst that does not run gives them back."""
         if self.captured is None or batch.prefills:
             return None
         decodes = batch.decodes
+        asking = [s.params.top_logprobs for s in decodes if s.params.logprobs]
+        top_k = max(asking) if asking else None
+        bursts = self.captured.bursts
         if all(s.params.greedy for s in decodes):
-            return self.captured.burst(decodes, n)
+            return bursts.run(decodes, n, top_k=top_k)
         self.sampler.begin()
         try:
-            tokens = self.captured.burst(decodes, n, lambda steps: self.sampler.burst_draws(decodes, steps))
+            out = bursts.run(decodes, n, lambda steps: self.sampler.burst_draws(decodes, steps), top_k)
         except Exception:
             self.sampler.rollback()
             raise
-        if tokens is None:
+        if out is None:
             self.sampler.rollback()
-        return tokens
+        return out
 
     def step_seconds(self, rows: int) -> float | None:
         """The last captured decode step of this many rows took (None: none yet)."""

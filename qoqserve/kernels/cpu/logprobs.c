@@ -7,11 +7,16 @@
  * Two passes over a row: the first finds its max and its k largest (a block
  * of 16 whose max does not beat the k-th best so far is skipped in one
  * compare, so after the first few blocks the pass runs at the speed of a
- * max), the second sums e^(l - max) in 16 lanes, then in double. */
+ * max), the second sums e^(l - max) in 16 lanes, then in double.
+ *
+ * logprob_step is the same per row as one step of a decode burst records it
+ * (engine/burst.py), after the draw: each row's chosen token's logprob and
+ * its top k, at that step's place in [steps, rows] buffers. */
 #include <math.h>
 #include <stdint.h>
 
 #include "exp_f32.h"
+#include "team.h"
 
 #define LANES 16
 #define MAX_K 64
@@ -79,5 +84,23 @@ int logprob_rows(const float *logits, int64_t stride, int64_t V, const int64_t *
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (n > 1 && threads > 1)
     for (int64_t j = 0; j < n; j++)
         row_logprobs(logits + rows[j] * stride, V, k, shift + j, logsum + j, top_id + j * k, top_lp + j * k);
+    return 0;
+}
+
+/* One step of a decode burst, recorded after the draw (team-aware: the rows
+ * split between the team's threads): for row i < rows of logits,
+ * out_lp[s * rows + i] = the logprob of chosen[i] and, when k > 0, its k
+ * largest at top_id / top_lp [(s * rows + i) * k ..], s = *step. Returns 0,
+ * -1 for k out of range. */
+int logprob_step(const float *logits, int64_t stride, int64_t V, int64_t rows, const int64_t *chosen,
+                 const int64_t *step, int64_t k, float *out_lp, int64_t *top_id, float *top_lp, int threads) {
+    if (k < 0 || k > MAX_K || k > V) return -1;
+    const int64_t base = *step * rows;
+    TEAM_RUN(threads, rows > 1, for (int64_t i = rows * tm.t / tm.T; i < rows * (tm.t + 1) / tm.T; i++) {
+        const float *l = logits + i * stride;
+        float m, ls;
+        row_logprobs(l, V, k, &m, &ls, top_id + (base + i) * k, top_lp + (base + i) * k);
+        out_lp[base + i] = (l[chosen[i]] - m) - ls;
+    });
     return 0;
 }

@@ -7,15 +7,17 @@ import ctypes
 
 import torch
 
+from qoqserve.kernels.cpu import graph
 from qoqserve.kernels.cpu.build import load_library
 
 MAX_K = 64  # logprobs.c's
 _P, _L = ctypes.c_void_p, ctypes.c_int64
-_SIGNATURES = {"logprob_rows": (ctypes.c_int, [_P, _L, _L, _P, _L, _L, _P, _P, _P, _P, ctypes.c_int])}
+_SIGNATURES = {"logprob_rows": (ctypes.c_int, [_P, _L, _L, _P, _L, _L, _P, _P, _P, _P, ctypes.c_int]),
+               "logprob_step": (ctypes.c_int, [_P, _L, _L, _L, _P, _P, _L, _P, _P, _P, ctypes.c_int])}
 
 
 def load():
-    return load_library("logprobs", [], _SIGNATURES, fallback="torch.log_softmax")
+    return load_library("logprobs", [], _SIGNATURES, fallback="torch.log_softmax", team_aware=("logprob_step",))
 
 
 def available() -> bool:
@@ -45,3 +47,26 @@ def logprob_rows(logits: torch.Tensor, rows: list[int], k: int = 0
                         shift.data_ptr(), logsum.data_ptr(), top_id.data_ptr(), top_lp.data_ptr(),
                         torch.get_num_threads())
     return shift, logsum, top_id, top_lp
+
+
+def logprob_step(logits: torch.Tensor, chosen: torch.Tensor, step: torch.Tensor, k: int, out_lp: torch.Tensor,
+                 top_id: torch.Tensor, top_lp: torch.Tensor) -> None:
+    """A decode burst's logprobs of one step (recorded after its draw): for
+    each row i of fp32 logits [rows, V], out_lp[step[0], i] = chosen[i]'s
+    logprob and top_id / top_lp [step[0], i] its k most likely, as
+    logprob_rows gives them. Buffers: int64 chosen [rows], step [1], top_id
+    [steps, rows, k]; fp32 out_lp [steps, rows], top_lp [steps, rows, k]."""
+    rows = chosen.shape[0]
+    if (logits.dtype != torch.float32 or logits.stride(1) != 1 or logits.shape[0] < rows
+            or not 0 <= k <= min(MAX_K, logits.shape[1]) or out_lp.shape[1:] != (rows,)
+            or top_id.shape[1:] != (rows, k) or top_lp.shape[1:] != (rows, k)
+            or any(not t.is_contiguous() for t in (chosen, step, out_lp, top_id, top_lp))
+            or (chosen.dtype, step.dtype, out_lp.dtype, top_id.dtype, top_lp.dtype)
+            != (torch.int64, torch.int64, torch.float32, torch.int64, torch.float32)):
+        raise ValueError("logprob_step: fp32 logits rows, int64 chosen/step/top_id, fp32 out_lp/top_lp "
+                         "[steps, rows(, k)]")
+    status = graph.launch(load().logprob_step, logits.data_ptr(), logits.stride(0), logits.shape[1], rows,
+                          chosen.data_ptr(), step.data_ptr(), k, out_lp.data_ptr(), top_id.data_ptr(),
+                          top_lp.data_ptr(), torch.get_num_threads())
+    if status:
+        raise RuntimeError(f"logprob_step failed ({status})")
