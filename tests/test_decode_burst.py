@@ -208,3 +208,19 @@ def test_a_sampled_burst_that_does_not_run_gives_its_draws_back(qoq_tiny, long_b
     monkeypatch.setattr(CapturedBursts, "run", draws_then_fails)
     (outs, bursts), free = _generate(qoq_tiny, prompts, SAMPLED[:1], 8)
     assert outs == single[0] and bursts == 0 and free
+
+
+def test_plans_with_and_without_logprobs_share_their_buffers(qoq_tiny, long_bursts):
+    """A sampled burst plan records the addresses of its draw buffers; a later
+    plan of the same row count (the same draws, with logprobs) must not
+    replace them, or the first plan's next replay reads freed memory."""
+    prompt, base = [[9, 8, 7, 6, 5]], SAMPLED[0]
+    with_lp = SamplingParams(**{**base.__dict__, "logprobs": True, "top_logprobs": 2})
+    single = [_generate(qoq_tiny, prompt, p, 1)[0][0] for p in (base, with_lp)]
+    llm = LLM(qoq_tiny, kv_cache_gb=0.1, dtype="float32", num_scheduler_steps=8)
+    for p, want in ((base, single[0]), (with_lp, single[1]), (base, single[0]), (with_lp, single[1])):
+        got = [(o.token_ids, o.text, o.finish_reason, o.logprobs, o.top_logprobs) for o in llm.generate(prompt, p)]
+        assert got == want
+    bursts = llm.engine.runner.captured.bursts
+    assert len({id(b) for key, b in bursts.plans.items() if key[0] == 1}) == 2
+    assert llm.engine.stats()["decode_bursts"] > 0

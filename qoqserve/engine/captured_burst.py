@@ -93,19 +93,21 @@ class CapturedBursts:
               top_k: int | None) -> graph.StepGraph:
         dec = self.decode
         plan, chosen = dec._step(b, g, head), head.output[1]
+        # buffers made once per row count (and k): every plan that records their
+        # addresses must find them alive, the plans with and without logprobs alike
         if sampled:
-            bufs = self._draws[b] = {
+            bufs = self._draws.setdefault(b, {
                 "temperature": torch.zeros(b), "min_p": torch.zeros(b), "top_k": torch.zeros(b, dtype=torch.long),
                 "top_p": torch.ones(b), "u": torch.zeros(self.max_burst, b, dtype=torch.float64),
-                "chosen": torch.zeros(b, dtype=torch.long)}
+                "chosen": torch.zeros(b, dtype=torch.long)})
             choose = graph.StepGraph()
             choose.capture(cpu_sample.sample_step, head.output[0], head.output[1], bufs["temperature"],
                            bufs["min_p"], bufs["top_k"], bufs["top_p"], bufs["u"], self._step, bufs["chosen"])
             plan, chosen = plan.then(choose), bufs["chosen"]
         if top_k is not None:
-            bufs = self._logprobs[(b, top_k)] = (
+            bufs = self._logprobs.setdefault((b, top_k), (
                 torch.zeros(self.max_burst, b), torch.zeros(self.max_burst, b, top_k, dtype=torch.long),
-                torch.zeros(self.max_burst, b, top_k))
+                torch.zeros(self.max_burst, b, top_k)))
             record = graph.StepGraph()
             record.capture(cpu_logprobs.logprob_step, head.output[0], chosen, self._step, top_k, *bufs)
             plan = plan.then(record)
