@@ -30,8 +30,6 @@ from qoqserve.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
     error_response,
     from_validation_errors,
 )
@@ -49,6 +47,7 @@ from qoqserve.server.responses import (
 from qoqserve.server.responses_api import ResponsesServing
 from qoqserve.server.responses_protocol import ResponsesRequest
 from qoqserve.server.serving import ClientGone, OpenAIServing
+from qoqserve.server.tokenization import DetokenizeRequest, TokenizeRequest
 from qoqserve.version import __version__
 
 log = logging.getLogger(__name__)

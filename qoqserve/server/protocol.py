@@ -17,9 +17,7 @@ from pydantic import (
     AfterValidator,
     BaseModel,
     ConfigDict,
-    Discriminator,
     Field,
-    Tag,
     ValidationInfo,
     field_validator,
 )
@@ -94,17 +92,18 @@ def _float(name: str, doc: str):
     return Field(None, le=hi, description=doc, **bound)
 
 
-class _Request(BaseModel):
+class StrictRequest(BaseModel):
+    """Every request body's base: strict types, unknown fields ignored, no NaN."""
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
-class StreamOptions(_Request):
+class StreamOptions(StrictRequest):
     include_usage: bool = Field(False, description="end the stream with a chunk holding `usage`")
     continuous_usage_stats: bool = Field(False, description="vLLM's: with include_usage, every chunk "
                                                             "also holds the usage so far")
 
 
-class StructuredOutputsField(_Request):
+class StructuredOutputsField(StrictRequest):
     """vLLM's `structured_outputs` (exactly one of json, regex, choice, grammar,
     json_object, structural_tag)."""
     model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
@@ -117,7 +116,7 @@ class StructuredOutputsField(_Request):
     disable_any_whitespace: bool = False
 
 
-class JSONSchemaSpec(_Request):
+class JSONSchemaSpec(StrictRequest):
     model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
     name: Text = Field(description="required by OpenAI; not used")
     description: Text | None = None
@@ -125,12 +124,12 @@ class JSONSchemaSpec(_Request):
     strict: bool | None = None
 
 
-class ResponseFormat(_Request):
+class ResponseFormat(StrictRequest):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaSpec | None = Field(None, description='with type "json_schema"')
 
 
-class SamplingFields(_Request):
+class SamplingFields(StrictRequest):
     """Fields both endpoints share (OpenAI's plus vLLM's extensions)."""
     model: Text | None = Field(None, description="the served model's id (GET /v1/models); optional")
     temperature: float | None = _float("temperature", "0 is greedy; default 1")
@@ -196,7 +195,7 @@ class CompletionRequest(SamplingFields):
     suffix: Text | None = Field(None, description="not supported: refused when set")
 
 
-class TextPart(_Request):
+class TextPart(StrictRequest):
     type: Literal["text"]
     text: Text
 
@@ -228,14 +227,14 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class FunctionDef(_Request):
+class FunctionDef(StrictRequest):
     name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")]
     description: Text | None = None
     parameters: dict[str, Any] | None = Field(None, description="a JSON schema; default: no arguments")
     strict: bool | None = None
 
 
-class Tool(_Request):
+class Tool(StrictRequest):
     type: Literal["function"]
     function: FunctionDef
 
@@ -245,16 +244,16 @@ def function_dicts(tools: list[Tool] | None) -> list[dict]:
     return [t.function.model_dump(exclude_none=True) for t in tools or []]
 
 
-class ToolChoiceFunction(_Request):
+class ToolChoiceFunction(StrictRequest):
     name: Text
 
 
-class NamedToolChoice(_Request):
+class NamedToolChoice(StrictRequest):
     type: Literal["function"]
     function: ToolChoiceFunction
 
 
-class ChatTemplateFields(_Request):
+class ChatTemplateFields(StrictRequest):
     """How a conversation becomes the prompt (vLLM's fields), in /v1/chat/completions and /tokenize."""
     add_generation_prompt: bool = True
     continue_final_message: bool = Field(False, description="continue the last message instead of opening a "
@@ -276,33 +275,3 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description='default "auto" with tools, else "none"')
     parallel_tool_calls: bool = True
-
-
-class TokenizeCompletionRequest(_Request):
-    """vLLM's /tokenize of a text."""
-    model: Text | None = None
-    prompt: Text
-    add_special_tokens: bool = Field(True, description="BOS where the model wants one")
-    return_token_strs: bool = Field(False, description="also each token's text")
-
-
-class TokenizeChatRequest(ChatTemplateFields):
-    """vLLM's /tokenize of a conversation, through the chat template as /v1/chat/completions renders it."""
-    model: Text | None = None
-    messages: list[ChatMessage]
-    tools: list[Tool] | None = None
-    return_token_strs: bool = False
-
-
-def _tokenize_kind(body) -> str:
-    return "chat[messages]" if isinstance(body, dict) and "messages" in body else "text[prompt]"
-
-
-# one body, two shapes, told apart by `messages` (the tags hold "[": error paths drop them)
-TokenizeRequest = Annotated[Annotated[TokenizeChatRequest, Tag("chat[messages]")]
-                            | Annotated[TokenizeCompletionRequest, Tag("text[prompt]")], Discriminator(_tokenize_kind)]
-
-
-class DetokenizeRequest(_Request):
-    model: Text | None = None
-    tokens: list[Annotated[int, Field(ge=0)]]

@@ -19,15 +19,15 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag
 
 from qoqserve.sampling_params import MAX_TOP_LOGPROBS
-from qoqserve.server.protocol import APIError, SamplingFields, Text, _Request
+from qoqserve.server.protocol import APIError, SamplingFields, StrictRequest, Text
 
 
-class InputText(_Request):
+class InputText(StrictRequest):
     type: Literal["input_text", "output_text"]
     text: Text
 
 
-class MessageItem(_Request):
+class MessageItem(StrictRequest):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: Text | list[InputText]
@@ -36,14 +36,14 @@ class MessageItem(_Request):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class FunctionCallItem(_Request):
+class FunctionCallItem(StrictRequest):
     type: Literal["function_call"]
     call_id: Text
     name: Text
     arguments: Text = Field(description="the call's arguments, JSON text")
 
 
-class FunctionCallOutputItem(_Request):
+class FunctionCallOutputItem(StrictRequest):
     type: Literal["function_call_output"]
     call_id: Text
     output: Text
@@ -60,7 +60,7 @@ InputItem = Annotated[Annotated[MessageItem, Tag("item[message]")]
                       | Annotated[FunctionCallOutputItem, Tag("item[function_call_output]")], Discriminator(_item_kind)]
 
 
-class FunctionTool(_Request):
+class FunctionTool(StrictRequest):
     type: Literal["function"]
     name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")]
     description: Text | None = None
@@ -68,12 +68,12 @@ class FunctionTool(_Request):
     strict: bool | None = None
 
 
-class NamedFunction(_Request):
+class NamedFunction(StrictRequest):
     type: Literal["function"]
     name: Text
 
 
-class TextFormat(_Request):
+class TextFormat(StrictRequest):
     type: Literal["text", "json_object", "json_schema"]
     name: Text | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
@@ -81,7 +81,7 @@ class TextFormat(_Request):
     strict: bool | None = None
 
 
-class TextOptions(_Request):
+class TextOptions(StrictRequest):
     format: TextFormat | None = None
 
 
