@@ -218,15 +218,16 @@ class SamplingParams:
     def plain_greedy(self) -> bool:
         """The argmax of the model's logits is the token, and nothing else of
         them is wanted (no penalties, no logprobs)."""
-        return self.greedy and self.burstable and not self.logprobs
+        return self.greedy and self.burstable and not self.logprobs and not self.has_penalties
 
     @property
     def burstable(self) -> bool:
-        """Its token is the step's argmax or a plain draw (temperature, min_p,
-        top_k, top_p), which a decode burst makes in C, with its logprobs if
-        asked: no penalties, no banned tokens (min_tokens is the sequence's to
-        judge: engine.Sequence.bans_tokens)."""
-        return not self.has_penalties and not self.allowed_token_ids and not self.bad_words
+        """Its token is a decode burst's to choose in C: the step's argmax or a
+        plain draw (temperature, min_p, top_k, top_p), after its penalties
+        (engine/burst_penalties.py says which fit) or with its logprobs; no
+        banned tokens (min_tokens is the sequence's to judge:
+        engine.Sequence.bans_tokens)."""
+        return not self.allowed_token_ids and not self.bad_words
 
     @property
     def has_penalties(self) -> bool:

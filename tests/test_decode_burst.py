@@ -67,13 +67,15 @@ def test_a_burst_runs_only_where_it_cannot_change_a_request():
     assert burst.burst_length(decodes, False, 8, 33, 0.001) == 3  # the context window: 30 + 3 tokens
     seqs[0].token_ids += [1] * 47  # 47 of 50 tokens out
     assert burst.burst_length(decodes, False, 8, 1000, 0.001) == 3
-    for other in (dict(presence_penalty=0.5), dict(temperature=0.7, logit_bias={3: 1.0}), dict(bad_words=["x"]),
-                  dict(allowed_token_ids=[1, 2]), dict(min_tokens=5)):
+    for other in (dict(presence_penalty=0.5, logprobs=True), dict(logit_bias={t: 1.0 for t in range(513)}),
+                  dict(bad_words=["x"]), dict(allowed_token_ids=[1, 2]), dict(min_tokens=5)):
         x = Sequence("x", [1, 2], SamplingParams(**{"temperature": 0.0, **other}), bad_words_ids=((3,),) * (
             "bad_words" in other), stop_bans=(0,) * ("min_tokens" in other))
         assert burst.burst_length(ScheduledBatch([seqs[1], x]), False, 8, 1000, 0.001) == 1, other
-    logprobs = Sequence("x", [1, 2], SamplingParams(temperature=0.0, logprobs=True, top_logprobs=2, max_tokens=50))
-    assert burst.burst_length(ScheduledBatch([seqs[1], logprobs]), False, 8, 1000, 0.001) == 8
+    for fits in (dict(logprobs=True, top_logprobs=2), dict(presence_penalty=0.5, repetition_penalty=1.2),
+                 dict(temperature=0.7, logit_bias={3: 1.0})):
+        x = Sequence("x", [1, 2], SamplingParams(**{"temperature": 0.0, "max_tokens": 50, **fits}))
+        assert burst.burst_length(ScheduledBatch([seqs[1], x]), False, 8, 1000, 0.001) == 8, fits
     sampled = Sequence("x", [1, 2], SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, max_tokens=50))
     assert burst.burst_length(ScheduledBatch([seqs[0], sampled]), False, 8, 1000, 0.001) == 3  # seqs[0]'s cap
 
@@ -128,10 +130,9 @@ def test_bursts_give_each_request_the_tokens_single_steps_give_it(qoq_tiny, long
     assert outs == single[0] and bursts > 0 and free
 
 
-def test_logprobs_in_bursts_are_those_of_single_steps_and_penalties_get_single_steps(qoq_tiny, long_bursts):
+def test_logprobs_in_bursts_are_those_of_single_steps(qoq_tiny, long_bursts):
     """A burst records each step's logprobs after the draw (logprob_step): the
-    same values, bit for bit, as single steps give; a penalized request still
-    runs single steps, and its batch with it."""
+    same values, bit for bit, as single steps give."""
     prompts = [[7, 8, 9, 10], [11, 12, 13], [20, 21, 22, 23]]
     params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
               SamplingParams(temperature=0.0, max_tokens=15, ignore_eos=True, logprobs=True, top_logprobs=3),
@@ -140,9 +141,28 @@ def test_logprobs_in_bursts_are_those_of_single_steps_and_penalties_get_single_s
     (outs, bursts), free = _generate(qoq_tiny, prompts, params, 8)
     assert outs == single[0] and bursts > 0 and free
     assert len(outs[1][3]) == 15 and [len(t) for t in outs[1][4]] == [3] * 15 and outs[2][4] is None
-    penalized = [SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, repetition_penalty=1.3)]
-    single, _ = _generate(qoq_tiny, prompts[1:2], penalized, 1)
-    (outs, bursts), _ = _generate(qoq_tiny, prompts[1:2], penalized, 8)
+
+
+def test_penalties_in_bursts_give_the_tokens_of_single_steps(qoq_tiny, long_bursts):
+    """A burst applies each step's penalties (penalize_step, its state brought
+    up to date with the burst's own tokens) before the argmax or the draw:
+    the tokens single steps give, penalized greedy and sampled rows beside
+    plain ones; penalties with logprobs still run single steps."""
+    prompts = [[7, 8, 9, 10], [11, 12, 13, 11, 12, 13], [20, 21, 22, 23], [5, 5, 6]]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=1.5),
+              SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, presence_penalty=1.0,
+                             frequency_penalty=0.7, logit_bias={30: 2.0, 31: -5.0}),
+              SamplingParams(temperature=0.8, seed=9, max_tokens=22, ignore_eos=True, repetition_penalty=0.8,
+                             frequency_penalty=-0.5),
+              SamplingParams(temperature=0.0, max_tokens=18, ignore_eos=True)]
+    single, _ = _generate(qoq_tiny, prompts, params, 1)
+    plain, _ = _generate(qoq_tiny, prompts[:1], [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)], 1)
+    assert single[0][0][0] != plain[0][0][0]  # the penalty changes the tokens: the test sees it applied
+    (outs, bursts), free = _generate(qoq_tiny, prompts, params, 8)
+    assert outs == single[0] and bursts > 0 and free
+    both = [SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, repetition_penalty=1.3, logprobs=True)]
+    single, _ = _generate(qoq_tiny, prompts[1:2], both, 1)
+    (outs, bursts), _ = _generate(qoq_tiny, prompts[1:2], both, 8)
     assert outs == single[0] and bursts == 0
 
 
@@ -201,7 +221,7 @@ def test_a_sampled_burst_that_does_not_run_gives_its_draws_back(qoq_tiny, long_b
     prompts = [[9, 8, 7, 6, 5]]
     single, _ = _generate(qoq_tiny, prompts, SAMPLED[:1], 1)
 
-    def draws_then_fails(self, decodes, n, draw=None, top_k=None):
+    def draws_then_fails(self, decodes, n, draw=None, top_k=None, penalized=False):
         if draw is not None:
             draw(n)  # the uniforms are taken, then the replay fails
         raise RuntimeError("CPU kernel sample_step failed during a replayed step")

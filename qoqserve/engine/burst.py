@@ -19,8 +19,9 @@ same uniforms (a burst that does not run gives its uniforms back).
 A burst runs only when it cannot change what a request gets:
 - nothing waits to be admitted and no prompt is being prefilled (a burst
   delays the next scheduling decision by its length);
-- every sequence is greedy or plainly sampled, logprobs or not
-  (`SamplingParams.burstable`: no penalties), unconstrained, and bans no token
+- every sequence is greedy or plainly sampled, with its penalties
+  (engine/burst_penalties.py) or its logprobs (not both), unconstrained,
+  and bans no token
   (`Sequence.bans_tokens`: min_tokens not yet out, allowed_token_ids,
   bad_words);
 - no sequence can reach max_tokens or the context window inside it; one
@@ -36,6 +37,7 @@ offline `LLM` API, whose caller waits for whole requests.
 """
 from __future__ import annotations
 
+from qoqserve.engine import burst_penalties
 from qoqserve.engine.scheduler import ScheduledBatch
 
 BURST_SECONDS = 0.016
@@ -49,7 +51,8 @@ def burst_length(batch: ScheduledBatch, waiting: bool, max_steps: int, max_model
         return 1
     n = min(max_steps, int(budget_seconds / step_seconds))
     for seq in batch.decodes:
-        if not seq.params.burstable or seq.constraint is not None or seq.bans_tokens:
+        if (not seq.params.burstable or seq.constraint is not None or seq.bans_tokens
+                or not burst_penalties.takes(seq)):
             return 1
         n = min(n, max_model_len - len(seq))  # the step's token makes len(seq) + 1
         if seq.params.max_tokens is not None:

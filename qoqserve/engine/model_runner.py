@@ -266,12 +266,13 @@ class ModelRunner:
         decodes = batch.decodes
         asking = [s.params.top_logprobs for s in decodes if s.params.logprobs]
         top_k = max(asking) if asking else None
+        penalized = any(s.params.has_penalties for s in decodes)
         bursts = self.captured.bursts
         if all(s.params.greedy for s in decodes):
-            return bursts.run(decodes, n, top_k=top_k)
+            return bursts.run(decodes, n, top_k=top_k, penalized=penalized)
         self.sampler.begin()
         try:
-            out = bursts.run(decodes, n, lambda steps: self.sampler.burst_draws(decodes, steps), top_k)
+            out = bursts.run(decodes, n, lambda steps: self.sampler.burst_draws(decodes, steps), top_k, penalized)
         except Exception:
             self.sampler.rollback()
             raise

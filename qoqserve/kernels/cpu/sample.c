@@ -40,6 +40,7 @@
 #endif
 
 #include "exp_f32.h"
+#include "penalty_ops.h"
 #include "team.h"
 #include "thread_scratch.h"
 
@@ -266,16 +267,13 @@ int penalize_rows(float *logits, int64_t stride, int64_t V, const int64_t *rows,
                 if (t < 0 || t >= V) return -1;
                 if (tl_stamp[t] == tl_stamp_next) continue;
                 tl_stamp[t] = tl_stamp_next;
-                const float v = w[t];
-                w[t] = v > 0.0f ? v / rep[j] : (v == -INFINITY ? v : v * rep[j]);
+                w[t] = repetition_penalized(w[t], rep[j]);
             }
         }
         for (int64_t i = 0; i < out_len[j]; i++) {
             const int64_t t = out_tok[j][i];
             if (t < 0 || t >= V) return -1;
-            float d = frequency[j] * out_cnt[j][i];
-            d = d + presence[j];
-            w[t] = w[t] - d;
+            w[t] = count_penalized(w[t], frequency[j], out_cnt[j][i], presence[j]);
         }
         for (int64_t i = 0; i < bias_len[j]; i++) {
             const int64_t t = bias_tok[j][i];
