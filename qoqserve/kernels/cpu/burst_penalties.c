@@ -13,17 +13,9 @@
  * history) joins the seen tokens and the counts first. */
 #include <stdint.h>
 
+#include "argmax_row.h"
 #include "penalty_ops.h"
 #include "team.h"
-
-static int64_t first_argmax(const float *r, int64_t V) {
-    int64_t best = 0;
-    for (int64_t i = 0; i < V; i++) {
-        if (r[i] != r[i]) return i;
-        if (r[i] > r[best]) best = i;
-    }
-    return best;
-}
 
 /* The row's token t (of the step before) among its seen tokens and counts;
  * 0, or -1 when its count list is full (out_cap). */
@@ -55,7 +47,7 @@ static int penalize_row(float *w, int64_t V, int64_t *greedy, float temperature,
         for (int64_t k = 0; k < *out_len; k++) w[out_tok[k]] = count_penalized(w[out_tok[k]], frequency, out_cnt[k],
                                                                               presence);
     for (int64_t k = 0; k < bias_len; k++) w[bias_tok[k]] = w[bias_tok[k]] + bias_val[k];
-    if (temperature == 0.0f) *greedy = first_argmax(w, V);
+    if (temperature == 0.0f) *greedy = argmax_row(w, V);
     return 0;
 }
 
