@@ -68,10 +68,12 @@ def test_a_burst_runs_only_where_it_cannot_change_a_request():
     seqs[0].token_ids += [1] * 47  # 47 of 50 tokens out
     assert burst.burst_length(decodes, False, 8, 1000, 0.001) == 3
     for other in (dict(presence_penalty=0.5, logprobs=True), dict(logit_bias={t: 1.0 for t in range(513)}),
-                  dict(bad_words=["x"]), dict(allowed_token_ids=[1, 2]), dict(min_tokens=5)):
+                  dict(bad_words=["x"]), dict(allowed_token_ids=[1, 2]), dict(min_tokens=5, logprobs=True)):
         x = Sequence("x", [1, 2], SamplingParams(**{"temperature": 0.0, **other}), bad_words_ids=((3,),) * (
             "bad_words" in other), stop_bans=(0,) * ("min_tokens" in other))
         assert burst.burst_length(ScheduledBatch([seqs[1], x]), False, 8, 1000, 0.001) == 1, other
+    banning = Sequence("x", [1, 2], SamplingParams(temperature=0.0, min_tokens=5, max_tokens=50), stop_bans=(0, 2))
+    assert burst.burst_length(ScheduledBatch([seqs[1], banning]), False, 8, 1000, 0.001) == 8
     for fits in (dict(logprobs=True, top_logprobs=2), dict(presence_penalty=0.5, repetition_penalty=1.2),
                  dict(temperature=0.7, logit_bias={3: 1.0})):
         x = Sequence("x", [1, 2], SamplingParams(**{"temperature": 0.0, "max_tokens": 50, **fits}))
@@ -147,7 +149,8 @@ def test_penalties_in_bursts_give_the_tokens_of_single_steps(qoq_tiny, long_burs
     """A burst applies each step's penalties (penalize_step, its state brought
     up to date with the burst's own tokens) before the argmax or the draw:
     the tokens single steps give, penalized greedy and sampled rows beside
-    plain ones; penalties with logprobs still run single steps."""
+    plain ones, and stop tokens banned until min_tokens; penalties with
+    logprobs still run single steps."""
     prompts = [[7, 8, 9, 10], [11, 12, 13, 11, 12, 13], [20, 21, 22, 23], [5, 5, 6]]
     params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=1.5),
               SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, presence_penalty=1.0,
@@ -160,6 +163,14 @@ def test_penalties_in_bursts_give_the_tokens_of_single_steps(qoq_tiny, long_burs
     assert single[0][0][0] != plain[0][0][0]  # the penalty changes the tokens: the test sees it applied
     (outs, bursts), free = _generate(qoq_tiny, prompts, params, 8)
     assert outs == single[0] and bursts > 0 and free
+    # min_tokens: the end-of-text token, forced by a bias, banned until then, in bursts as in single steps
+    eos = LLM(qoq_tiny, kv_cache_gb=0.05, dtype="float32").engine.tokenizer.eos_token_ids[0]
+    gc.collect()
+    forced = [SamplingParams(temperature=0.0, max_tokens=30, min_tokens=m, logit_bias={eos: 50.0}) for m in (13, 3)]
+    single, _ = _generate(qoq_tiny, prompts[:2], forced, 1)
+    (outs, bursts), _ = _generate(qoq_tiny, prompts[:2], forced, 8)
+    assert [len(o[0]) for o in single[0]] == [14, 4] and [o[2] for o in single[0]] == ["stop", "stop"]
+    assert outs == single[0] and bursts > 0
     both = [SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, repetition_penalty=1.3, logprobs=True)]
     single, _ = _generate(qoq_tiny, prompts[1:2], both, 1)
     (outs, bursts), _ = _generate(qoq_tiny, prompts[1:2], both, 8)

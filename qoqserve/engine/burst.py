@@ -19,11 +19,10 @@ same uniforms (a burst that does not run gives its uniforms back).
 A burst runs only when it cannot change what a request gets:
 - nothing waits to be admitted and no prompt is being prefilled (a burst
   delays the next scheduling decision by its length);
-- every sequence is greedy or plainly sampled, with its penalties
-  (engine/burst_penalties.py) or its logprobs (not both), unconstrained,
-  and bans no token
-  (`Sequence.bans_tokens`: min_tokens not yet out, allowed_token_ids,
-  bad_words);
+- every sequence is greedy or plainly sampled, with its penalties and its
+  stop tokens banned until min_tokens (engine/burst_penalties.py) or its
+  logprobs (not both), unconstrained, and bans no other token
+  (allowed_token_ids, bad_words);
 - no sequence can reach max_tokens or the context window inside it; one
   that stops (EOS, a stop token or string) inside it ends at that token, and
   what the burst computed for it after that is dropped;
@@ -51,8 +50,7 @@ def burst_length(batch: ScheduledBatch, waiting: bool, max_steps: int, max_model
         return 1
     n = min(max_steps, int(budget_seconds / step_seconds))
     for seq in batch.decodes:
-        if (not seq.params.burstable or seq.constraint is not None or seq.bans_tokens
-                or not burst_penalties.takes(seq)):
+        if not seq.params.burstable or seq.constraint is not None or not burst_penalties.takes(seq):
             return 1
         n = min(n, max_model_len - len(seq))  # the step's token makes len(seq) + 1
         if seq.params.max_tokens is not None:

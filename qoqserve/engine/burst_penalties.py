@@ -2,7 +2,8 @@
 each step): for each penalized row what single steps read from its Sequence
 (sampler.apply_penalties): the repetition, presence and frequency
 penalties, the tokens it has seen (prompt and output) as a bitmap, its
-output tokens with their counts, its logit bias. Written before each burst;
+output tokens with their counts, its logit bias; and the stop tokens banned
+until min_tokens are out (layers/token_bans.py), with how many more steps. Written before each burst;
 the kernel brings it up to date step by step. One set of buffers for the
 largest row count (a burst of b rows uses the first b), made on the first
 penalized burst: every plan records their addresses.
@@ -15,13 +16,21 @@ import torch
 from qoqserve.engine.sequence import Sequence
 
 BIAS_CAP = 512  # logit_bias entries a row may have and still burst
+STOP_CAP = 64   # stop tokens banned until min_tokens (its stop_token_ids and EOS)
+
+
+def changes_logits(seq: Sequence) -> bool:
+    """The burst must change its logits: penalties, or stop tokens banned
+    until min_tokens are out."""
+    return seq.params.has_penalties or (bool(seq.stop_bans) and seq.num_output_tokens < seq.params.min_tokens)
 
 
 def takes(seq: Sequence) -> bool:
-    """Its penalties fit the state (no logprobs with them: those are of the
-    logits before the penalties, which the burst overwrites)."""
+    """What it changes fits the state (and no logprobs with it: those are of
+    the logits before, which the burst overwrites)."""
     p = seq.params
-    return not p.has_penalties or (not p.logprobs and len(p.logit_bias or ()) <= BIAS_CAP)
+    return not changes_logits(seq) or (not p.logprobs and len(p.logit_bias or ()) <= BIAS_CAP
+                                       and len(seq.stop_bans) <= STOP_CAP)
 
 
 class BurstPenaltyState:
@@ -34,7 +43,9 @@ class BurstPenaltyState:
             "out_tok": torch.zeros(rows, max_len, dtype=torch.long), "out_cnt": torch.zeros(rows, max_len),
             "out_len": torch.zeros(rows, dtype=torch.long),
             "bias_tok": torch.zeros(rows, BIAS_CAP, dtype=torch.long), "bias_val": torch.zeros(rows, BIAS_CAP),
-            "bias_len": torch.zeros(rows, dtype=torch.long)}
+            "bias_len": torch.zeros(rows, dtype=torch.long),
+            "stop_tok": torch.zeros(rows, STOP_CAP, dtype=torch.long), "stop_len": torch.zeros(rows, dtype=torch.long),
+            "ban_steps": torch.zeros(rows, dtype=torch.long)}
         self._np = {k: v.numpy() for k, v in self.bufs.items()}
         self._seen_bits = self._np["seen"].view(np.uint32)
 
@@ -42,9 +53,12 @@ class BurstPenaltyState:
         n = self._np
         for i, seq in enumerate(decodes):
             p = seq.params
-            n["on"][i] = p.has_penalties
-            if not p.has_penalties:
+            n["on"][i] = changes_logits(seq)
+            if not n["on"][i]:
                 continue
+            bans = seq.stop_bans if seq.num_output_tokens < p.min_tokens else ()
+            n["stop_len"][i], n["ban_steps"][i] = len(bans), p.min_tokens - seq.num_output_tokens
+            n["stop_tok"][i, :len(bans)] = bans
             n["temperature"][i], n["rep"][i] = p.temperature, p.repetition_penalty
             n["presence"][i], n["frequency"][i] = p.presence_penalty, p.frequency_penalty
             if p.repetition_penalty != 1.0:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from qoqserve.config import EngineConfig
+from qoqserve.engine import burst_penalties
 from qoqserve.engine.backends import select_backends
 from qoqserve.engine.captured_burst import BurstResult
 from qoqserve.engine.captured_mixed import CapturedMixed
@@ -266,7 +267,7 @@ class ModelRunner:
         decodes = batch.decodes
         asking = [s.params.top_logprobs for s in decodes if s.params.logprobs]
         top_k = max(asking) if asking else None
-        penalized = any(s.params.has_penalties for s in decodes)
+        penalized = any(burst_penalties.changes_logits(s) for s in decodes)
         bursts = self.captured.bursts
         if all(s.params.greedy for s in decodes):
             return bursts.run(decodes, n, top_k=top_k, penalized=penalized)

@@ -1,4 +1,5 @@
-"""Penalties inside a decode burst on CPU (burst_penalties.c), via ctypes."""
+"""Penalties (and min_tokens' stop-token bans) inside a decode burst on CPU
+(burst_penalties.c), via ctypes."""
 from __future__ import annotations
 
 import ctypes
@@ -10,7 +11,7 @@ from qoqserve.kernels.cpu.build import load_library
 
 _P, _L = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {"penalize_step": (ctypes.c_int, [_P, _L, _L, _L, _P, _P, _P, _P, _P, _P, _P, _L, _P, _P, _P, _L,
-                                                _P, _P, _P, _L, _P, _P, ctypes.c_int])}
+                                                _P, _P, _P, _L, _P, _P, _P, _L, _P, _P, ctypes.c_int])}
 
 
 def load():
@@ -38,7 +39,8 @@ def penalize_step(logits: torch.Tensor, greedy: torch.Tensor, state: dict, histo
         s["temperature"].data_ptr(), s["on"].data_ptr(), s["rep"].data_ptr(), s["presence"].data_ptr(),
         s["frequency"].data_ptr(), s["seen"].data_ptr(), s["seen"].shape[1], s["out_tok"].data_ptr(),
         s["out_cnt"].data_ptr(), s["out_len"].data_ptr(), s["out_tok"].shape[1], s["bias_tok"].data_ptr(),
-        s["bias_val"].data_ptr(), s["bias_len"].data_ptr(), s["bias_tok"].shape[1], history.data_ptr(),
+        s["bias_val"].data_ptr(), s["bias_len"].data_ptr(), s["bias_tok"].shape[1], s["stop_tok"].data_ptr(),
+        s["stop_len"].data_ptr(), s["ban_steps"].data_ptr(), s["stop_tok"].shape[1], history.data_ptr(),
         step.data_ptr(), torch.get_num_threads())
     if status:
         raise RuntimeError(f"penalize_step failed ({status}): a row's output counts are full")
