@@ -101,7 +101,7 @@ def bench_system(name: str, cmd: str, args) -> list[dict]:
                              input_words=args.input_words,
                              output_len=args.output_len, seed=args.seed, long_streams=args.long_streams,
                              long_input_words=args.long_input_words, temperature=args.temperature,
-                             top_p=args.top_p)
+                             top_p=args.top_p, repetition_penalty=args.repetition_penalty, logprobs=args.logprobs)
             s = run_load(cfg, progress=False)
             s["system"] = name
             s["command"] = cmd
@@ -193,6 +193,8 @@ def main() -> int:
     ap.add_argument("--input-words", type=int, default=75)
     ap.add_argument("--temperature", type=float, default=0.0, help="every request's (default 0: greedy)")
     ap.add_argument("--top-p", type=float, default=None)
+    ap.add_argument("--repetition-penalty", type=float, default=None)
+    ap.add_argument("--logprobs", type=int, default=None, help="ask each token's logprob and this many most likely")
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--port", type=int, default=8321)
     ap.add_argument("--startup-timeout", type=float, default=900)
@@ -228,8 +230,11 @@ def main() -> int:
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(md + "\n")
     print(md)
-    sampling = f", temperature {args.temperature:g}" + (f" top_p {args.top_p:g}" if args.top_p is not None else "")
-    title = f"{args.input_words} words in, {args.output_len} tokens out" + (sampling if args.temperature else "") + (
+    sampling = (f", temperature {args.temperature:g}" if args.temperature else "") + (
+        f" top_p {args.top_p:g}" if args.top_p is not None else "") + (
+        f", repetition_penalty {args.repetition_penalty:g}" if args.repetition_penalty is not None else "") + (
+        f", logprobs {args.logprobs}" if args.logprobs is not None else "")
+    title = f"{args.input_words} words in, {args.output_len} tokens out" + sampling + (
         f", beside {args.long_streams} streams of {args.long_input_words}-word prompts" if args.long_streams else "")
     plot_latency_vs_load(results, os.path.join(args.out, "latency_vs_load.png"), title)
     return 0

@@ -73,6 +73,15 @@ def test_load_generator_counts_tokens_and_latencies(server):
                      progress=False)
     assert mixed["completed"] == 4 and mixed["output_tokens"] == 20
     assert mixed["prompt_tokens"] < 4 * 60  # none of the ~260-token long prompts counted
+    # penalties and logprobs reach the server (an out-of-range one would fail every request)
+    for endpoint in ("completions", "chat"):
+        asked = run_load(LoadConfig(base_url=server.base, api_key=server.api_key, endpoint=endpoint,
+                                    num_requests=2, concurrency=2, output_len=3, repetition_penalty=1.2,
+                                    logprobs=2), progress=False)
+        assert asked["completed"] == 2 and asked["output_tokens"] == 6
+    bad = run_load(LoadConfig(base_url=server.base, api_key=server.api_key, num_requests=1, concurrency=1,
+                              output_len=3, logprobs=99), progress=False)
+    assert bad["failed"] == 1
 
 
 def test_plots_are_written_as_png(tmp_path):

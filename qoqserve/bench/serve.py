@@ -54,6 +54,8 @@ class LoadConfig:
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
+    repetition_penalty: float | None = None
+    logprobs: int | None = None            # each token's logprob and this many most likely
     seed: int = 0
     timeout_s: float = 600.0
     # a mixed load: this many more clients send long prompts back to back while
@@ -93,7 +95,10 @@ def make_requests(cfg: LoadConfig, long: bool = False) -> list[tuple[str, int]]:
 def _body(cfg: LoadConfig, model: str, prompt: str, max_tokens: int) -> dict:
     body = {"model": model, "max_tokens": max_tokens, "temperature": cfg.temperature, "stream": True,
             "stream_options": {"include_usage": True}}
-    body.update({k: v for k in ("top_p", "top_k", "min_p") if (v := getattr(cfg, k)) is not None})
+    body.update({k: v for k in ("top_p", "top_k", "min_p", "repetition_penalty") if (v := getattr(cfg, k)) is not None})
+    if cfg.logprobs is not None:  # the completions field, or chat's pair
+        body.update({"logprobs": cfg.logprobs} if cfg.endpoint != "chat" else
+                    {"logprobs": True, "top_logprobs": cfg.logprobs})
     if cfg.ignore_eos:
         body["ignore_eos"] = True  # vLLM, llama.cpp and qoqserve all accept it
     if cfg.endpoint == "chat":

@@ -112,6 +112,8 @@ def register(sub) -> None:
     srv.add_argument("--top-p", type=float, default=None)
     srv.add_argument("--top-k", type=int, default=None)
     srv.add_argument("--min-p", type=float, default=None)
+    srv.add_argument("--repetition-penalty", type=float, default=None)
+    srv.add_argument("--logprobs", type=int, default=None, help="ask each token's logprob and this many most likely")
     srv.add_argument("--long-streams", type=int, default=0,
                      help="a mixed load: this many more clients send long prompts back to back "
                           "(latencies reported are the main load's)")
@@ -237,6 +239,7 @@ def run_serve_cmd(args) -> int:
                          input_jitter=args.input_jitter, output_len=args.output_len,
                          output_jitter=args.output_jitter, ignore_eos=not args.no_ignore_eos,
                          temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                         repetition_penalty=args.repetition_penalty, logprobs=args.logprobs,
                          seed=args.seed, long_streams=args.long_streams,
                          long_input_words=args.long_input_words)
         summary = run_load(cfg)
