@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qoqserve.engine.burst_penalties import BurstPenaltyState
+from qoqserve.engine.burst_penalties import BurstPenaltyState, changes_logits
 from qoqserve.engine.sequence import Sequence
 from qoqserve.kernels.cpu import burst_penalties, decode_advance, graph
 from qoqserve.kernels.cpu import logprobs as cpu_logprobs
@@ -45,6 +45,25 @@ class CapturedBursts:
 
     def clear(self) -> None:
         self.plans.clear()
+
+    def run_sequences(self, decodes: list[Sequence], n: int, sampler) -> BurstResult | None:
+        """run() with what these sequences ask for: the draws of the rows that
+        sample (taken from `sampler` up front; given back when the burst does
+        not run), logprobs, penalties."""
+        asking = [s.params.top_logprobs for s in decodes if s.params.logprobs]
+        top_k = max(asking) if asking else None
+        penalized = any(changes_logits(s) for s in decodes)
+        if all(s.params.greedy for s in decodes):
+            return self.run(decodes, n, top_k=top_k, penalized=penalized)
+        sampler.begin()
+        try:
+            out = self.run(decodes, n, lambda steps: sampler.burst_draws(decodes, steps), top_k, penalized)
+        except Exception:
+            sampler.rollback()
+            raise
+        if out is None:
+            sampler.rollback()
+        return out
 
     def run(self, decodes: list[Sequence], n: int, draw=None, top_k: int | None = None,
             penalized: bool = False) -> BurstResult | None:

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import torch
 
 from qoqserve.config import EngineConfig
-from qoqserve.engine import burst_penalties
 from qoqserve.engine.backends import select_backends
 from qoqserve.engine.captured_burst import BurstResult
 from qoqserve.engine.captured_mixed import CapturedMixed
@@ -264,22 +263,7 @@ class ModelRunner:
         burst that does not run gives them back."""
         if self.captured is None or batch.prefills:
             return None
-        decodes = batch.decodes
-        asking = [s.params.top_logprobs for s in decodes if s.params.logprobs]
-        top_k = max(asking) if asking else None
-        penalized = any(burst_penalties.changes_logits(s) for s in decodes)
-        bursts = self.captured.bursts
-        if all(s.params.greedy for s in decodes):
-            return bursts.run(decodes, n, top_k=top_k, penalized=penalized)
-        self.sampler.begin()
-        try:
-            out = bursts.run(decodes, n, lambda steps: self.sampler.burst_draws(decodes, steps), top_k, penalized)
-        except Exception:
-            self.sampler.rollback()
-            raise
-        if out is None:
-            self.sampler.rollback()
-        return out
+        return self.captured.bursts.run_sequences(batch.decodes, n, self.sampler)
 
     def step_seconds(self, rows: int) -> float | None:
         """The last captured decode step of this many rows took (None: none yet)."""
