@@ -3,10 +3,11 @@ each step): for each penalized row what single steps read from its Sequence
 (sampler.apply_penalties): the repetition, presence and frequency
 penalties, the tokens it has seen (prompt and output) as a bitmap, its
 output tokens with their counts, its logit bias; and the stop tokens banned
-until min_tokens are out (layers/token_bans.py), with how many more steps. Written before each burst;
-the kernel brings it up to date step by step. One set of buffers for the
-largest row count (a burst of b rows uses the first b), made on the first
-penalized burst: every plan records their addresses.
+until min_tokens are out (layers/token_bans.py), with how many more steps.
+Written before each burst; the kernel brings it up to date step by step.
+One set of buffers for the largest row count (a burst of b rows uses the
+first b), made on the first penalized burst: every plan records their
+addresses.
 """
 from __future__ import annotations
 
