@@ -59,6 +59,22 @@ def test_root_path_names_the_proxys_prefix_and_keeps_the_key():
         assert server.stop() == 0
 
 
+def test_several_served_model_names_are_each_taken_and_the_first_answers(reference_llm):
+    """vLLM's --served-model-name with several names (an alias an app has
+    written in, say): requests may give any, answers carry the first."""
+    config = ServerConfig(served_model_name=["smol", "gpt-4o-mini"])
+    with in_process_server(reference_llm.engine, config) as (base, _):
+        assert [m["id"] for m in httpx.get(base + "/v1/models").json()["data"]] == ["smol", "gpt-4o-mini"]
+        body = {"prompt": "Hi", "max_tokens": 2, "temperature": 0}
+        r = httpx.post(base + "/v1/completions", json={**body, "model": "gpt-4o-mini"}, timeout=60)
+        assert r.status_code == 200 and r.json()["model"] == "smol"
+        r = httpx.post(base + "/v1/completions", json={**body, "model": "gpt-4"}, timeout=60)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    from qoqserve.cli.main import build_parser
+    args = build_parser().parse_args(["serve", "--served-model-name", "a", "b"])
+    assert args.served_model_name == ["a", "b"] and ServerConfig(served_model_name="a").served_model_name == ["a"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--allowed-origins", "*"], "JSON list"),
     (["--ssl-keyfile", "k.pem"], "both --ssl-keyfile and --ssl-certfile")])

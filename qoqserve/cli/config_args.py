@@ -2,7 +2,7 @@
 its flag (`--max-num-seqs`), its default and its help (`config.opt`) the
 flag's, so the CLI, the Python API and the docs share one set of names.
 A field's metadata may add `choices`, `short` flags, `aliases` (older
-spellings of --no-FLAG), `type` (a parser for the text), `env` (an
+spellings of --no-FLAG), `type` (a parser for the text), `nargs`, `env` (an
 environment variable giving the default) or `cli: False` (no flag)."""
 from __future__ import annotations
 
@@ -45,6 +45,8 @@ def add_config_args(g, cls, skip: tuple[str, ...] = ()) -> None:
             for alias in f.metadata.get("aliases", ()):
                 g.add_argument(alias, action="store_false", dest=f.name, help=argparse.SUPPRESS)
         else:
+            if "nargs" in f.metadata:
+                kw["nargs"] = f.metadata["nargs"]
             g.add_argument(flag, *f.metadata.get("short", ()), type=kind, choices=f.metadata.get("choices"), **kw)
 
 

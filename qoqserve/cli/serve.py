@@ -28,7 +28,7 @@ def run(args) -> int:
     config = ServerConfig(**picked(ServerConfig, args))
     engine = make_engine(args, model)
     s = engine.stats()
-    print(f"qoqserve: serving {config.served_model_name or engine.model_name} on "
+    print(f"qoqserve: serving {' = '.join(config.served_model_name or [engine.model_name])} on "
           f"{config.scheme}://{config.host}:{config.port}/v1 ({s['dtype']}, KV {s['kv_layout']}, "
           f"{s['num_kv_blocks']} pages x {s['block_size']}, context {engine.max_model_len})",
           file=sys.stderr, flush=True)

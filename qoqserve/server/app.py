@@ -96,9 +96,10 @@ def _install_error_handlers(app: FastAPI) -> None:
                                        type="server_error"))
 
 
-def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str,
+def build_app(engine: AsyncEngine, config: ServerConfig, model_names: list[str],
               metrics: ServerMetrics | None = None) -> FastAPI:
-    serving = OpenAIServing(engine, config, model_name)
+    """model_names: the names requests may give; the first is the one answers carry."""
+    serving = OpenAIServing(engine, config, model_names)
     responses = ResponsesServing(serving, config.responses_store_size)
     started = int(time.time())
 
@@ -135,8 +136,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str,
     @app.get("/v1/models", response_model=ModelList)
     async def models():
         return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": started, "owned_by": "qoqserve",
-            "max_model_len": serving.max_model_len}]}
+            "id": name, "object": "model", "created": started, "owned_by": "qoqserve",
+            "max_model_len": serving.max_model_len} for name in model_names]}
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS, description=STREAM)
     async def completions(body: CompletionRequest, request: Request):

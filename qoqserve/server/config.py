@@ -34,7 +34,9 @@ class ServerConfig:
     port: int = opt(8000, "port to listen on")
     api_key: str | None = opt(None, "require 'Authorization: Bearer KEY' on /v1/* (default: $QOQSERVE_API_KEY)",
                               env="QOQSERVE_API_KEY")
-    served_model_name: str | None = opt(None, "model id clients send (default: its name)")
+    served_model_name: list[str] | str | None = opt(
+        None, "model id clients send (default: its name); several: every one is taken, the first "
+              "answers (vLLM's: e.g. an alias an app has written in)", nargs="+")
     max_body_bytes: int = opt(4 * 2**20, "larger request bodies get a 413 before they are read (default 4 MiB)")
     graceful_shutdown_s: float = opt(30.0, "on SIGTERM, how long in-flight requests may take to finish before abort")
     # generous, so normal use never meets it: it is there to stop a flood, not to shape load
@@ -59,6 +61,10 @@ class ServerConfig:
                                          "previous_response_id and GET")
 
     def __post_init__(self) -> None:
+        if isinstance(self.served_model_name, str):
+            self.served_model_name = [self.served_model_name]
+        if self.served_model_name is not None and not self.served_model_name:
+            raise ValueError("served_model_name: give at least one name")
         if bool(self.ssl_keyfile) != bool(self.ssl_certfile):
             raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
 

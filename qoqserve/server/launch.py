@@ -21,11 +21,11 @@ log = logging.getLogger(__name__)
 def build_server(llm_engine, config: ServerConfig, own_thread: bool = True) -> tuple[FastAPI, AsyncEngine]:
     """The app and its engine (on a thread of its own unless own_thread is
     False), wired to one metrics registry."""
-    name = config.served_model_name or llm_engine.model_name
-    metrics = ServerMetrics(name, lambda: engine.stats)  # engine is bound just below
+    names = config.served_model_name or [llm_engine.model_name]
+    metrics = ServerMetrics(names[0], lambda: engine.stats)  # engine is bound just below
     engine = AsyncEngine(llm_engine, on_step=metrics.on_step, own_thread=own_thread,
                          max_waiting=config.max_waiting_queue_length, retry_after_s=config.retry_after_s)
-    return build_app(engine, config, name, metrics), engine
+    return build_app(engine, config, names, metrics), engine
 
 
 class _DrainingServer(uvicorn.Server):

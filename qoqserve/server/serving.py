@@ -63,10 +63,11 @@ def failed_output(out: RequestOutput) -> APIError:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, config: ServerConfig, model_name: str):
+    def __init__(self, engine: AsyncEngine, config: ServerConfig, model_names: list[str]):
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        self.model_name = model_name
+        self.model_names = model_names  # any may be asked for
+        self.model_name = model_names[0]  # what answers carry
         self.max_model_len = engine.max_model_len
         self.defaults = engine.sampling_defaults  # the model's generation config (vLLM's default)
         self.trust_request_chat_template = config.trust_request_chat_template
@@ -74,7 +75,7 @@ class OpenAIServing:
     # ---- validation -----------------------------------------------------------
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
+        if name is not None and name not in self.model_names:
             raise APIError(404, f"The model `{name}` does not exist.", param="model",
                            code="model_not_found")
 
