@@ -119,12 +119,40 @@ def test_text_format_json_schema(client, model):
     assert r.text.format.type == "json_schema"
 
 
+def test_a_background_response_runs_on_and_can_be_cancelled(client, model, server):
+    import time
+
+    kw = dict(model=model, input=QUESTION, max_output_tokens=24, temperature=0)
+    r = client.responses.create(background=True, **kw)
+    assert r.status in ("queued", "in_progress") and r.background
+    deadline = time.monotonic() + 60
+    while r.status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+        r = client.responses.retrieve(r.id)
+    assert r.status == "completed" and r.output_text == client.responses.create(**kw).output_text
+    assert client.responses.cancel(r.id).status == "completed"  # over already: nothing to cancel
+    long = client.responses.create(background=True, model=model, input=QUESTION, max_output_tokens=250,
+                                   temperature=0, extra_body={"ignore_eos": True})
+    assert client.responses.cancel(long.id).status == "cancelled"
+    deadline = time.monotonic() + 10
+    while httpx.get(server.base + "/health").json()["num_running"]:  # its request is aborted
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert client.responses.retrieve(long.id).status == "cancelled"
+    assert not client.responses.retrieve(long.id).output
+    with pytest.raises(openai.BadRequestError):
+        client.responses.cancel(client.responses.create(**kw).id)  # not a background one
+
+
 @pytest.mark.parametrize("body, param", [
     ({"input": [{"type": "input_image", "image_url": "x"}]}, "input.0.type"),
     ({"input": []}, "input"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "hi", "text": {"format": {"type": "json_schema"}}}, "text.format"),
-    ({"input": "hi", "tool_choice": "required"}, "tool_choice")])
+    ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
+    ({"input": "hi", "background": True, "store": False}, "store"),
+    ({"input": "hi", "background": True, "stream": True}, "stream")])
 def test_bad_requests_name_the_field(server, body, param):
     r = httpx.post(server.base + "/v1/responses", json=body, timeout=60, headers={"Authorization": "Bearer test-key"})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.json()

@@ -157,6 +157,10 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_names: list[str],
     async def get_response(response_id: str):
         return responses.get(response_id)
 
+    @app.post("/v1/responses/{response_id}/cancel", responses=ERRORS)
+    async def cancel_response(response_id: str):
+        return responses.cancel(response_id)
+
     @app.delete("/v1/responses/{response_id}", responses=ERRORS)
     async def delete_response(response_id: str):
         return responses.delete(response_id)

@@ -9,10 +9,13 @@ response.completed), each with its sequence_number.
 Stored responses (`store`, OpenAI's default) are kept in memory, the newest
 `responses_store_size` of them, with the conversation that led to them, so
 `previous_response_id` continues one and GET returns it; a server restart
-forgets them.
+forgets them. A `background` response (stored) is answered at once,
+`queued`, and runs on: GET follows it (`in_progress`, then `completed`),
+POST /v1/responses/{id}/cancel ends it (`cancelled`, its request aborted).
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -26,6 +29,7 @@ from pydantic import ValidationError
 from qoqserve.engine.output import RequestOutput
 from qoqserve.server import choices as joined
 from qoqserve.server.protocol import APIError, ChatCompletionRequest, from_validation_errors
+from qoqserve.server.responses_items import EventWriter, message_item, output_items, turn
 from qoqserve.server.responses_protocol import ResponsesRequest
 from qoqserve.server.serving import OpenAIServing, failed_output
 
@@ -41,9 +45,20 @@ class ResponsesServing:
         self.serving = serving
         self.store_size = store_size
         self.stored: OrderedDict[str, Stored] = OrderedDict()
+        self.background: dict[str, asyncio.Task] = {}  # the background responses still running
 
     def get(self, response_id: str) -> dict:
         return self._stored(response_id, None).body
+
+    def cancel(self, response_id: str) -> dict:
+        body = self._stored(response_id, None).body
+        task = self.background.get(response_id)
+        if task is not None:
+            task.cancel()  # its request is aborted as the task unwinds
+            body["status"] = "cancelled"
+        elif not body.get("background"):
+            raise APIError(400, "only a background response can be cancelled", param="response_id")
+        return body
 
     def delete(self, response_id: str) -> dict:
         self._stored(response_id, None)
@@ -64,14 +79,43 @@ class ResponsesServing:
             chat = ChatCompletionRequest.model_validate(req.chat_fields(history))
         except ValidationError as e:
             raise from_validation_errors(list(e.errors())) from None
+        if req.background and (not req.store or req.stream):
+            raise APIError(400, "background needs store: true, and is not streamed here",
+                           param="store" if not req.store else "stream")
         choices = await self.serving.chat_choices(chat)
         run = Run(self, req, chat, f"resp_{uuid.uuid4().hex}", int(time.time()))
         outputs = joined.merged(choices, stagger=False)
+        if req.background:
+            body = run.body("queued", [])
+            self.keep(body, [])
+            task = self.background[run.id] = asyncio.ensure_future(self._run_background(run, choices, outputs))
+            task.add_done_callback(lambda _: self.background.pop(run.id, None))
+            return JSONResponse(body)
         if req.stream:
             return StreamingResponse(run.events(outputs), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         final = (await self.serving.collect(outputs, 1, raw))[0]
         return JSONResponse(run.finish(output_items(choices[0].fmt.choice(final)), final))
+
+    async def _run_background(self, run: Run, choices, outputs) -> None:
+        last = None
+        try:
+            async for _, out in outputs:
+                if out.finish_reason == "error":
+                    raise failed_output(out)
+                if last is None and run.id in self.stored:
+                    self.stored[run.id].body["status"] = "in_progress"
+                last = out
+            run.finish(output_items(choices[0].fmt.choice(last)), last)
+        except asyncio.CancelledError:
+            pass  # cancel() marked it; the request is aborted below
+        except Exception as e:
+            err = e if isinstance(e, APIError) else APIError(500, str(e), type="server_error")
+            failed = run.body("failed", [])
+            failed["error"] = {"code": err.code or err.type, "message": err.message}
+            self.keep(failed, [])
+        finally:
+            await outputs.aclose()
 
     def keep(self, body: dict, messages: list[dict]) -> None:
         self.stored[body["id"]] = Stored(body, messages)
@@ -100,7 +144,8 @@ class Run:
                             else req.tool_choice.model_dump()) or ("auto" if req.tools else "none"),
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
             "text": {"format": fmt.model_dump(exclude_none=True, by_alias=True) if fmt else {"type": "text"}},
-            "metadata": req.metadata or {}, "truncation": "disabled", "usage": None}
+            "metadata": req.metadata or {}, "truncation": "disabled", "background": req.background,
+            "usage": None}
         if final is not None:
             n_in, n_out = len(final.prompt_token_ids), len(final.token_ids)
             body["usage"] = {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": final.num_cached_tokens},
@@ -148,110 +193,3 @@ class Run:
             yield self.event("response.failed", response=failed)
         finally:
             await outputs.aclose()  # a client that left mid-stream frees its pages now
-
-
-def output_items(choice: dict) -> list[dict]:
-    """A finished chat choice ({"message", "logprobs"}) as output items."""
-    message = choice["message"]
-    output = []
-    if message.get("content") or not message.get("tool_calls"):
-        logprobs = (choice.get("logprobs") or {}).get("content")
-        output.append(message_item(message.get("content") or "", logprobs, "completed"))
-    return output + [call_item(c["id"], c["function"]["name"], c["function"]["arguments"], "completed")
-                     for c in message.get("tool_calls") or []]
-
-
-def turn(output: list[dict]) -> dict:
-    """Output items as the assistant's chat turn (what previous_response_id continues)."""
-    text = "".join(p["text"] for item in output if item["type"] == "message" for p in item["content"])
-    calls = [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
-             for i in output if i["type"] == "function_call"]
-    return {"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}
-
-
-def message_item(text: str, logprobs: list | None, status: str, item_id: str | None = None) -> dict:
-    part = {"type": "output_text", "text": text, "annotations": []}
-    if logprobs is not None:
-        part["logprobs"] = logprobs
-    return {"id": item_id or f"msg_{uuid.uuid4().hex}", "type": "message", "status": status,
-            "role": "assistant", "content": [part] if status == "completed" or text else []}
-
-
-def call_item(call_id: str, name: str, arguments: str, status: str, item_id: str | None = None) -> dict:
-    return {"id": item_id or f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": status,
-            "call_id": call_id, "name": name, "arguments": arguments}
-
-
-class EventWriter:
-    """Chat deltas -> Responses events: an open message item takes text; a
-    tool call's first delta opens a function_call item (ending what was
-    open), the rest are its arguments. With tools, white space around text
-    is held back and dropped at an item's ends, as the whole response's
-    message text is stripped (server/formats.py)."""
-
-    def __init__(self, run: Run, trim: bool):
-        self.run, self.trim = run, trim
-        self.items: list[dict] = []     # every item opened so far, as it stands
-        self.text: dict | None = None   # the open message item
-        self.call: dict | None = None   # the open function_call item
-        self.held = ""                  # white space not sent yet
-
-    def delta(self, choice: dict) -> list[str]:
-        ev, d = [], choice["delta"]
-        content = d.get("content") or ""
-        if self.trim:
-            content, self.held = self.held + content, ""
-            body = content.rstrip()
-            content, self.held = body if self.text is not None else body.lstrip(), content[len(body):]
-        if content:
-            if self.text is None:
-                ev += self._close_call()
-                self.text = message_item("", None, "in_progress")
-                ev += self._added(self.text)
-                ev.append(self._at(self.text, "response.content_part.added",
-                                   part={"type": "output_text", "text": "", "annotations": []}))
-                self.text["content"] = [{"type": "output_text", "text": "", "annotations": []}]
-            self.text["content"][0]["text"] += content
-            lp = (choice.get("logprobs") or {}).get("content") or []
-            ev.append(self._at(self.text, "response.output_text.delta", delta=content, logprobs=lp))
-        for call in d.get("tool_calls") or []:
-            if call.get("id") is not None:
-                ev += self._close_text() + self._close_call()
-                self.held = ""
-                self.call = call_item(call["id"], call["function"]["name"], "", "in_progress")
-                ev += self._added(self.call)
-            args = call["function"]["arguments"]
-            if args and self.call is not None:
-                self.call["arguments"] += args
-                ev.append(self._at(self.call, "response.function_call_arguments.delta", delta=args))
-        return ev
-
-    def close_all(self) -> list[str]:
-        return self._close_text() + self._close_call()
-
-    def _added(self, item: dict) -> list[str]:
-        self.items.append(item)
-        return [self.run.event("response.output_item.added", output_index=len(self.items) - 1, item=item)]
-
-    def _at(self, item: dict, kind: str, **fields) -> str:
-        extra = {"content_index": 0} if item["type"] == "message" else {}
-        return self.run.event(kind, item_id=item["id"], output_index=self.items.index(item), **extra, **fields)
-
-    def _done(self, item: dict) -> str:
-        item["status"] = "completed"
-        return self.run.event("response.output_item.done", output_index=self.items.index(item), item=item)
-
-    def _close_text(self) -> list[str]:
-        item, self.text = self.text, None
-        if item is None:
-            return []
-        part = item["content"][0]
-        return [self._at(item, "response.output_text.done", text=part["text"], logprobs=[]),
-                self._at(item, "response.content_part.done", part=part), self._done(item)]
-
-    def _close_call(self) -> list[str]:
-        item, self.call = self.call, None
-        if item is None:
-            return []
-        return [self._at(item, "response.function_call_arguments.done", arguments=item["arguments"]),
-                self._done(item)]

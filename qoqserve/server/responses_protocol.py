@@ -95,6 +95,7 @@ class ResponsesRequest(SamplingFields):
     text: TextOptions | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     store: bool = Field(True, description="keep the response for previous_response_id and GET (in memory)")
+    background: bool = Field(False, description="answer at once and run on (needs store; GET follows it)")
     previous_response_id: Text | None = None
     metadata: dict[str, Text] | None = None
 
@@ -106,7 +107,7 @@ class ResponsesRequest(SamplingFields):
             raise APIError(400, "n must be 1 on /v1/responses", param="n")
         body = self.model_dump(exclude_unset=True, exclude={
             "input", "instructions", "max_output_tokens", "tools", "tool_choice", "text", "top_logprobs",
-            "store", "previous_response_id", "metadata", "n", "stream_options"}, by_alias=True)
+            "store", "background", "previous_response_id", "metadata", "n", "stream_options"}, by_alias=True)
         messages = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
         messages += history + input_messages(self.input)
         body.update(messages=messages, parallel_tool_calls=self.parallel_tool_calls,
