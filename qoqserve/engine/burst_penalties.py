@@ -23,7 +23,7 @@ STOP_CAP = 64   # stop tokens banned until min_tokens (its stop_token_ids and EO
 def changes_logits(seq: Sequence) -> bool:
     """The burst must change its logits: penalties, or stop tokens banned
     until min_tokens are out."""
-    return seq.params.has_penalties or (bool(seq.stop_bans) and seq.num_output_tokens < seq.params.min_tokens)
+    return seq.params.has_penalties or bool(seq.active_stop_bans)
 
 
 def takes(seq: Sequence) -> bool:
@@ -57,7 +57,7 @@ class BurstPenaltyState:
             n["on"][i] = changes_logits(seq)
             if not n["on"][i]:
                 continue
-            bans = seq.stop_bans if seq.num_output_tokens < p.min_tokens else ()
+            bans = seq.active_stop_bans
             n["stop_len"][i], n["ban_steps"][i] = len(bans), p.min_tokens - seq.num_output_tokens
             n["stop_tok"][i, :len(bans)] = bans
             n["temperature"][i], n["rep"][i] = p.temperature, p.repetition_penalty

@@ -66,8 +66,12 @@ class Sequence:
     @property
     def bans_tokens(self) -> bool:
         """Its next token has tokens banned (layers/token_bans.py)."""
-        return bool(self.params.allowed_token_ids or self.bad_words_ids
-                    or (self.stop_bans and self.num_output_tokens < self.params.min_tokens))
+        return bool(self.params.allowed_token_ids or self.bad_words_ids or self.active_stop_bans)
+
+    @property
+    def active_stop_bans(self) -> tuple[int, ...]:
+        """The stop tokens banned at its next token: all of stop_bans until min_tokens are out."""
+        return self.stop_bans if self.num_output_tokens < self.params.min_tokens else ()
 
     @property
     def is_prefilling(self) -> bool:

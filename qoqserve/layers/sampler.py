@@ -169,9 +169,10 @@ class Sampler:
         if dead:  # nothing to sample from: those requests end (engine/isolation.py), the rest go on
             raise ConstraintDeadEndError([requests[i].request_id for i in dead])
         penalized = [i for i, p in enumerate(params) if p.has_penalties]
+        changed = sorted(set(penalized) | set(banning))  # rows whose logits change in place below
         asking = [i for i, p in enumerate(params) if p.logprobs]
         logprobs = StepLogprobs(logits, asking, [params[i].top_logprobs for i in asking],
-                                set(penalized) | set(banning)) if asking else None
+                                set(changed)) if asking else None
         # greedy rows without penalties: one argmax for the batch
         masked = any(c is not None for c in constraints)
         tokens = greedy.clone() if greedy is not None and not masked else _argmax(logits)
@@ -181,7 +182,7 @@ class Sampler:
             dead = self.bans.apply(logits, banning, [requests[i] for i in banning])
             if dead:
                 raise BannedEverythingError([requests[i].request_id for i in dead])
-        rows = [i for i in sorted(set(penalized) | set(banning)) if params[i].greedy]
+        rows = [i for i in changed if params[i].greedy]
         if rows:
             tokens[rows] = _argmax(logits if len(rows) == len(params) else logits[rows])
         drawn = [i for i, p in enumerate(params) if not p.greedy]

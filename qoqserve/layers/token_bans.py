@@ -18,6 +18,7 @@ from typing import Protocol
 
 import torch
 
+from qoqserve.layers.token_mask import rows_left_empty
 from qoqserve.sampling_params import SamplingParams
 
 
@@ -28,7 +29,10 @@ class BanningRequest(Protocol):
     token_ids: list[int]
     num_prompt_tokens: int
     bad_words_ids: tuple[tuple[int, ...], ...]
-    stop_bans: tuple[int, ...]  # the tokens that would end it, banned until min_tokens are out
+
+    @property
+    def active_stop_bans(self) -> tuple[int, ...]:
+        """The tokens that would end it, while they are banned (min_tokens not yet out)."""
 
     @property
     def bans_tokens(self) -> bool: ...
@@ -37,7 +41,7 @@ class BanningRequest(Protocol):
 def banned_tokens(req: BanningRequest) -> list[int]:
     """The tokens banned at this step besides those allowed_token_ids leaves out."""
     out = len(req.token_ids) - req.num_prompt_tokens
-    banned = list(req.stop_bans) if out < req.params.min_tokens else []
+    banned = list(req.active_stop_bans)
     for word in req.bad_words_ids:
         k = len(word) - 1
         if k <= out and (k == 0 or req.token_ids[len(req.token_ids) - k:] == list(word[:k])):
@@ -72,5 +76,4 @@ class TokenBans:
             banned = banned_tokens(req)
             if banned:
                 logits[i, torch.tensor(banned, dtype=torch.long, device=logits.device)] = ninf
-        dead = torch.isneginf(logits[rows]).all(dim=1).tolist()
-        return [i for i, d in zip(rows, dead) if d]
+        return rows_left_empty(logits, rows)

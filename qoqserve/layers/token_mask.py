@@ -37,6 +37,12 @@ def apply_token_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor,
     logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
 
 
+def rows_left_empty(logits: torch.Tensor, rows: list[int]) -> list[int]:
+    """Those of rows whose every logit is -inf: nothing is left to pick there."""
+    dead = torch.isneginf(logits[rows]).all(dim=1).tolist()
+    return [i for i, d in zip(rows, dead) if d]
+
+
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """logits[rows[j], t] = -inf where bit t of bitmask[j] is 0, in place."""
     if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(1) == 1
@@ -65,5 +71,4 @@ class ConstraintMasks:
         for j, i in enumerate(rows):
             constraints[i].fill_bitmask(mask, j)
         apply_token_bitmask(logits, mask, rows)
-        dead = torch.isneginf(logits[rows]).all(dim=1).tolist()
-        return [i for i, d in zip(rows, dead) if d]
+        return rows_left_empty(logits, rows)
