@@ -110,10 +110,7 @@ class ResponsesServing:
         except asyncio.CancelledError:
             pass  # cancel() marked it; the request is aborted below
         except Exception as e:
-            err = e if isinstance(e, APIError) else APIError(500, str(e), type="server_error")
-            failed = run.body("failed", [])
-            failed["error"] = {"code": err.code or err.type, "message": err.message}
-            self.keep(failed, [])
+            self.keep(run.failed(e, []), [])
         finally:
             await outputs.aclose()
 
@@ -155,6 +152,13 @@ class Run:
                 body["status"], body["incomplete_details"] = "incomplete", {"reason": "max_output_tokens"}
         return body
 
+    def failed(self, e: Exception, output: list[dict]) -> dict:
+        """The response as it stands when e ended it (status failed, OpenAI's error)."""
+        err = e if isinstance(e, APIError) else APIError(500, str(e), type="server_error")
+        body = self.body("failed", output)
+        body["error"] = {"code": err.code or err.type, "message": err.message}
+        return body
+
     def finish(self, output: list[dict], final: RequestOutput) -> dict:
         """The response of these output items, stored when asked."""
         body = self.body("completed", output, final)
@@ -187,9 +191,6 @@ class Run:
                     body = self.finish(stream.items or [message_item("", None, "completed")], out)
                     yield self.event(f"response.{body['status']}", response=body)  # completed or incomplete
         except Exception as e:  # headers are gone: the failure travels in the stream
-            err = e if isinstance(e, APIError) else APIError(500, str(e), type="server_error")
-            failed = self.body("failed", stream.items)
-            failed["error"] = {"code": err.code or err.type, "message": err.message}
-            yield self.event("response.failed", response=failed)
+            yield self.event("response.failed", response=self.failed(e, stream.items))
         finally:
             await outputs.aclose()  # a client that left mid-stream frees its pages now
