@@ -10,7 +10,13 @@ from qoqserve.engine.sequence import Sequence
 from qoqserve.errors import ConstraintDeadEndError
 from qoqserve.kernels.cpu import token_mask as cpu_token_mask
 from qoqserve.layers.sampler import Sampler, apply_penalties
-from qoqserve.layers.token_mask import apply_token_bitmask, apply_token_bitmask_reference, bitmask_words
+from qoqserve.layers.token_mask import (
+    apply_token_bitmask,
+    apply_token_bitmask_reference,
+    bitmask_words,
+    rows_left_empty,
+    rows_left_empty_reference,
+)
 from qoqserve.sampling_params import InvalidSamplingParams, SamplingParams, StructuredOutputs
 
 
@@ -50,6 +56,27 @@ def test_bitmask_kernel_masks_exactly_the_disallowed_tokens(vocab):
         assert torch.equal(got, expect)
     assert torch.equal(got[[1, 4]], logits[[1, 4]])
     assert torch.isneginf(got[rows]).sum() > 0 and torch.isfinite(got[rows]).sum() > 0
+
+
+@pytest.mark.parametrize("vocab", [1, 33, 49152])
+def test_empty_row_kernel_names_exactly_the_rows_with_nothing_left(vocab):
+    """Rows all -inf are named, in the order given; one finite logit anywhere
+    (first, last, or a NaN, which isneginf does not count) keeps a row alive."""
+    ninf = float("-inf")
+    logits = torch.full((7, vocab), ninf)
+    logits[1, vocab - 1] = 0.5     # alive only at the last token
+    logits[3, 0] = -1e30           # alive only at the first
+    logits[4, vocab // 2] = float("nan")
+    logits[6] = torch.randn(vocab)
+    for rows in ([0, 1, 2, 3, 4, 5, 6], [5, 2, 0], [6, 1], []):
+        got = rows_left_empty(logits, rows)
+        assert got == rows_left_empty_reference(logits, rows) if rows else got == []
+        assert got == [r for r in rows if r in (0, 2, 5)]
+    strided = torch.full((3, vocab + 5), 1.0)[:, :vocab]  # a view: row stride is not vocab
+    strided[1] = ninf
+    assert rows_left_empty(strided, [0, 1, 2]) == [1]
+    with pytest.raises(ValueError, match="outside"):
+        cpu_token_mask.rows_left_empty(logits, torch.tensor([7]))
 
 
 class FixedConstraint:

@@ -37,16 +37,28 @@ def apply_token_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor,
     logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
 
 
-def rows_left_empty(logits: torch.Tensor, rows: list[int]) -> list[int]:
-    """Those of rows whose every logit is -inf: nothing is left to pick there."""
+def _on_cpu_kernel(logits: torch.Tensor) -> bool:
+    return (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(1) == 1
+            and cpu_token_mask.available())
+
+
+def rows_left_empty_reference(logits: torch.Tensor, rows: list[int]) -> list[int]:
     dead = torch.isneginf(logits[rows]).all(dim=1).tolist()
     return [i for i, d in zip(rows, dead) if d]
 
 
+def rows_left_empty(logits: torch.Tensor, rows: list[int]) -> list[int]:
+    """Those of rows whose every logit is -inf: nothing is left to pick there."""
+    if not rows:
+        return []
+    if _on_cpu_kernel(logits):
+        return cpu_token_mask.rows_left_empty(logits, torch.tensor(rows, dtype=torch.long))
+    return rows_left_empty_reference(logits, rows)
+
+
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """logits[rows[j], t] = -inf where bit t of bitmask[j] is 0, in place."""
-    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(1) == 1
-            and cpu_token_mask.available()):
+    if _on_cpu_kernel(logits):
         cpu_token_mask.apply_token_bitmask(logits, bitmask, torch.tensor(rows, dtype=torch.long))
     else:
         apply_token_bitmask_reference(logits, bitmask, rows)
