@@ -160,6 +160,34 @@ def test_the_avx2_build_is_bit_identical_to_the_reference(monkeypatch):
         assert torch.equal(got, int8_linear(x, w, s1, zeros, bias, cpu_ops=False)), (m, n, k, channel, dtype)
 
 
+def test_the_other_vendors_prefetch_build_is_bit_identical(monkeypatch):
+    """int8_linear.c streams its weights with another prefetch hint on AMD
+    (-DQOQ_CPU_AMD) than elsewhere: whichever this CPU did not get, built
+    here, gives the reference's bits too (a hint must change no result)."""
+    import ctypes
+
+    from qoqserve.kernels.cpu import build
+    other = [] if build.cpu_vendor_flags() else ["-DQOQ_CPU_AMD"]
+    lib = ctypes.CDLL(build._build(fused.__file__.replace(".py", ".c"), ["-ffp-contract=off", *other]))
+    for fn_name, (restype, argtypes) in fused._SIGNATURES.items():
+        getattr(lib, fn_name).restype, getattr(lib, fn_name).argtypes = restype, argtypes
+    monkeypatch.setattr(fused, "load", lambda: lib)
+    for (m, n, k), channel in itertools.product(((1, 576, 576), (3, 9, 20), (1, 4000, 576)), (False, True)):
+        w, s1, zeros, bias = _int8_case(n, k, channel, seed=m * 1000 + n)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 3
+        got = PackedInt8Gemm(w, s1, zeros, bias)(x)
+        assert torch.equal(got, int8_linear(x, w, s1, zeros, bias, cpu_ops=False)), (m, n, k, channel)
+
+
+def test_cpu_vendor_flags_name_amd_cpus_only(tmp_path):
+    from qoqserve.kernels.cpu.build import cpu_vendor_flags
+    for vendor, want in (("AuthenticAMD", ["-DQOQ_CPU_AMD"]), ("GenuineIntel", [])):
+        f = tmp_path / vendor
+        f.write_text(f"processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: 26\n")
+        assert cpu_vendor_flags(str(f)) == want
+    assert cpu_vendor_flags(str(tmp_path / "missing")) == []
+
+
 def _int8_case(n, k, channel, seed):
     g = torch.Generator().manual_seed(seed)
     if channel:

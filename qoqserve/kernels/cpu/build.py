@@ -44,6 +44,21 @@ def _source_text(source: str) -> bytes:
 
 
 @functools.lru_cache(maxsize=1)
+def cpu_vendor_flags(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
+    """-DQOQ_CPU_AMD on AMD CPUs: for the few choices where AMD and Intel cores
+    want different code (a prefetch hint), made when the library is built for
+    this CPU (-march=native builds are per CPU anyway)."""
+    try:
+        with open(cpuinfo, "rb") as f:
+            for line in f:
+                if line.startswith(b"vendor_id"):
+                    return ["-DQOQ_CPU_AMD"] if b"AuthenticAMD" in line else []
+    except OSError:
+        pass
+    return []
+
+
+@functools.lru_cache(maxsize=1)
 def _cpu_identity() -> bytes:
     """What -march=native builds for: the CPU's feature flags, so that a cache
     directory shared by machines with different CPUs keeps one build each."""

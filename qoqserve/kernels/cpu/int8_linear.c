@@ -61,19 +61,26 @@ typedef struct {
 #define BLOCK(b, prev) if (b < nr) { \
         const uint8_t *wp = w + kq * step + b * 64; \
         prev \
-        _mm_prefetch((const char *)wp + WEIGHT_AHEAD * step, _MM_HINT_NTA); \
+        _mm_prefetch((const char *)wp + WEIGHT_AHEAD * step, WEIGHT_HINT); \
         const __m512i wb = _mm512_loadu_si512(wp); \
         FOR_ROWS(DP, b) \
     }
 #define STORE(i, b) if (i < mr && b < nr) store(j, m0 + i, nb0 + b, a##i##b);
-/* Each step requests the line WEIGHT_AHEAD steps on, non-temporal: the
- * weights (the LM head's 28 MB, read once a decode step) then pass through
- * L1 without displacing from L2 and L3 what the next calls read again. A
- * tile's steps and the tiles are one sequential stream, so that line is
- * this thread's next but at the end of its range; a prefetch never faults.
- * Against no prefetch, and against an L2 (T1) one, this made a batch-1 step
- * faster (docs/benchmarks.md). */
+/* Each step requests the line WEIGHT_AHEAD steps on. A tile's steps and
+ * the tiles are one sequential stream, so that line is this thread's next
+ * but at the end of its range; a prefetch never faults. On AMD cores the
+ * request is non-temporal: the weights (the LM head's 28 MB, read once a
+ * decode step) then pass through L1 without displacing from L2 and L3 what
+ * the next calls read again, which made a batch-1 step faster there than no
+ * prefetch or an L2 one. On Intel Xeons a non-temporal line bypasses L2 and
+ * L3 both, so the head came from DRAM every step at half the speed: there
+ * it goes to L2 (docs/benchmarks.md has both measurements). */
 #define WEIGHT_AHEAD 32
+#ifdef QOQ_CPU_AMD
+#define WEIGHT_HINT _MM_HINT_NTA
+#else
+#define WEIGHT_HINT _MM_HINT_T1
+#endif
 
 static inline __m512i broadcast4(const int8_t *p) {
     int32_t v;

@@ -10,7 +10,7 @@ import ctypes
 import torch
 
 from qoqserve.kernels.cpu import graph
-from qoqserve.kernels.cpu.build import load_library
+from qoqserve.kernels.cpu.build import cpu_vendor_flags, load_library
 from qoqserve.kernels.cpu.weight_layout import interleave_tiles
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
@@ -25,7 +25,8 @@ DTYPES = (torch.float32, torch.bfloat16)  # of the input and output
 
 def load():
     # no FMA contraction: the reference rounds each product and sum on its own
-    lib = load_library("int8_linear", ["-ffp-contract=off"], _SIGNATURES, team_aware=("int8_linear",))
+    lib = load_library("int8_linear", ["-ffp-contract=off", *cpu_vendor_flags()], _SIGNATURES,
+                       team_aware=("int8_linear",))
     if lib is None or not lib.int8_linear_available():
         return None
     lib.int8_linear.streams = _weight_spans
