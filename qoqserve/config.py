@@ -6,6 +6,8 @@ written: the command line's engine flags are generated from their fields
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass, field
 
 import torch
@@ -90,6 +92,48 @@ class ParallelConfig:
                                               "rank) fails the engine instead of hanging it")
 
 
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, as vLLM's --speculative-config takes it (only its
+    draft-free "ngram" method: engine/speculative.py)."""
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 5
+    prompt_lookup_min: int = 5
+
+    @classmethod
+    def parse(cls, value: str | dict | None) -> SpeculativeConfig | None:
+        """From the flag's JSON text or a dict (None: off); ValueError naming what is wrong.
+        vLLM's defaults: both lookup bounds 5, or the one given for the other."""
+        if value is None or value == "":
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+        unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {sorted(unknown)}; this engine takes "
+                             f"{[f.name for f in dataclasses.fields(cls)]}")
+        if value.get("method", "ngram") != "ngram":
+            raise ValueError(f"speculative_config: method {value.get('method')!r} is not supported; "
+                             "only \"ngram\" (draft tokens looked up in the context) is")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config: num_speculative_tokens is required")
+        lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        lo, hi = (5, 5) if lo is None and hi is None else (lo if lo is not None else hi, hi if hi is not None else lo)
+        for name, v, most in (("num_speculative_tokens", value["num_speculative_tokens"], 32),
+                              ("prompt_lookup_min", lo, 64), ("prompt_lookup_max", hi, 64)):
+            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= most:
+                raise ValueError(f"speculative_config: {name} must be an integer in [1, {most}], got {v!r}")
+        if lo > hi:
+            raise ValueError(f"speculative_config: prompt_lookup_min {lo} > prompt_lookup_max {hi}")
+        return cls("ngram", value["num_speculative_tokens"], hi, lo)
+
+
 @dataclass
 class EngineConfig:
     model: str | None = opt(None, "HF checkpoint dir or .gguf file (default: embedded "
@@ -139,6 +183,11 @@ class EngineConfig:
         8, "JSON constrained by a schema or json_object: most whitespace characters between two "
            "of its tokens, so a small model cannot pad a gap with newlines until max_tokens "
            "(docs/server.md); 0: unbounded, as vLLM")
+    speculative_config: str | dict | None = opt(
+        None, 'speculative decoding (vLLM\'s flag): a JSON object {"method": "ngram", '
+              '"num_speculative_tokens": K, "prompt_lookup_max": N, "prompt_lookup_min": M}: '
+              'greedy requests verify up to K tokens looked up in their context in one step, '
+              'with the tokens they would get without it (docs/runtime.md)')
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -156,6 +205,9 @@ class EngineConfig:
         if not sizes or min(sizes) < 1:
             raise ValueError(f"capture_sizes {self.capture_sizes!r}: positive batch sizes")
         return sorted(set(sizes))
+
+    def speculative(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.parse(self.speculative_config)
 
     @property
     def torch_dtype(self) -> torch.dtype:

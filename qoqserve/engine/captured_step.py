@@ -62,11 +62,15 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
-def write_decode_row(bufs: dict, i: int, seq: Sequence, block_size: int) -> None:
+def write_decode_row(bufs: dict, i: int, seq: Sequence, block_size: int, pos: int | None = None,
+                     token: int | None = None) -> None:
     """Row i of a captured step's input buffers (numpy views keyed ids,
-    positions, slots, context_lens) as seq's next decode token."""
-    pos = len(seq) - 1
-    bufs["ids"][i] = seq.token_ids[pos]
+    positions, slots, context_lens) as seq's next decode token, or as `token`
+    at position `pos` of seq (a draft token verified: engine/speculative.py),
+    attending to the positions up to its own."""
+    if pos is None:
+        pos, token = len(seq) - 1, seq.token_ids[-1]
+    bufs["ids"][i] = token
     bufs["positions"][i] = pos
     bufs["slots"][i] = seq.slot(pos, block_size)
     bufs["context_lens"][i] = pos + 1
@@ -207,16 +211,19 @@ class CapturedDecode:
             return None
         return self.sizes[bisect.bisect_left(self.sizes, batch_size)]
 
-    def logits(self, decodes: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """Logits [len(decodes), vocab] of one decode step and each row's
-        argmax (int64 [len(decodes)], or None where the step did not compute
-        it), or None when this batch cannot run captured."""
-        b = len(decodes)
+    def logits(self, decodes: list[Sequence], drafts: list[tuple[Sequence, int, int]] = ()
+               ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Logits [rows, vocab] of one decode step and each row's argmax
+        (int64 [rows], or None where the step did not compute it), or None
+        when this batch cannot run captured. Rows: one per decode, then one
+        per draft (seq, position, token) of a speculative step, each
+        attending to its sequence up to its own position."""
+        b = len(decodes) + len(drafts)
         size = self.bucket(b)
         g = self._graph(size) if size is not None else None
         if g is None:
             return None
-        self._write_inputs(decodes)
+        self._write_inputs(decodes, drafts)
         if size > b:
             self._reset_rows(b, size)
         head = self._head(b)
@@ -233,12 +240,13 @@ class CapturedDecode:
             step = self.steps[b] = g.then(head)
         return step
 
-    def _write_inputs(self, decodes: list[Sequence]) -> None:
+    def _write_inputs(self, decodes: list[Sequence], drafts: list[tuple[Sequence, int, int]] = ()) -> None:
         np, bs = self._np, self.block_size
         tables = np["block_tables"]
-        for i, seq in enumerate(decodes):
+        rows = [(seq, None, None) for seq in decodes] + list(drafts)
+        for i, (seq, pos, token) in enumerate(rows):
             table = seq.block_table
-            write_decode_row(np, i, seq, bs)
+            write_decode_row(np, i, seq, bs, pos, token)
             # block tables only grow while a sequence runs (a preemption gives it a
             # new one): write what this row does not hold yet
             row = self._rows[i]

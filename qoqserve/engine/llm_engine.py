@@ -15,6 +15,7 @@ from qoqserve.engine.model_runner import ModelRunner, context_len
 from qoqserve.engine.output import OutputTracker, RequestOutput
 from qoqserve.engine.scheduler import ScheduledBatch, Scheduler
 from qoqserve.engine.sequence import Sequence
+from qoqserve.engine.speculative import Speculator
 from qoqserve.engine.structured import GrammarCompiler, GrammarConstraint
 from qoqserve.errors import InvalidRequestError
 from qoqserve.model_loader import load_model_source
@@ -74,6 +75,11 @@ class LLMEngine:
                                    self.sampling_defaults, sched.scheduling_policy == "priority")
         self.trackers: dict[str, OutputTracker] = {}
         self.isolation = StepIsolation(self.runner)
+        spec = config.speculative()
+        captured = self.runner.captured
+        self.speculator = (Speculator(spec, self.block_manager, self.max_model_len,
+                                      captured.max_size if captured is not None else sched.max_num_seqs)
+                           if spec is not None else None)
         # failures of steps: pinned on (and ended only) one request, or not
         # (every request of the step ended); /health reports them
         self.num_request_faults = 0
@@ -130,7 +136,9 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        outputs = self._burst(batch)
+        outputs = self._speculate(batch) if self.speculator is not None else None
+        if outputs is None:
+            outputs = self._burst(batch)
         if outputs is not None:
             return outputs
         res = self.isolation.run(batch)
@@ -166,26 +174,50 @@ class LLMEngine:
         if res is None:
             return None
         self.num_bursts += 1
-        outputs, alive = [], list(range(rows))
-        params = [s.params for s in batch.decodes]
-        for s, step_tokens in enumerate(res.tokens):
+        return self._take_steps(batch.decodes, res.tokens, res.logprobs, res.top)
+
+    def _speculate(self, batch: ScheduledBatch) -> list[RequestOutput] | None:
+        """The batch's decodes with the drafts the speculator has for them
+        (engine/speculative.py); None where it has none (or the step failed:
+        it runs again as a plain one, where isolation finds the culprit)."""
+        drafts = self.speculator.drafts(batch)
+        if drafts is None:
+            return None
+        try:
+            (tokens, lps, tops), after = self.runner.run_verify(batch, drafts)
+        except Exception:
+            log.debug("a speculative step failed; running it as a plain step", exc_info=True)
+            self.runner.rollback()
+            return None
+        taken = self.speculator.accept(batch.decodes, tokens, drafts, after)
+        steps = max(len(t) for t in taken)
+        grid = [[t[s] if s < len(t) else None for t in taken] for s in range(steps)]
+        # logprobs and top_logprobs come only with a first token: rows that ask have no drafts
+        return self._take_steps(batch.decodes, grid, None if lps is None else [lps] * steps,
+                                None if tops is None else [tops] * steps)
+
+    def _take_steps(self, decodes: list[Sequence], tokens: list[list[int | None]],
+                    logprobs: list[list] | None = None, top: list[list] | None = None) -> list[RequestOutput]:
+        """Tokens computed ahead, taken one step after the other as single steps
+        would take them: tokens[s][i] is decodes[i]'s at step s (None: it has no
+        more); a request that ends takes no more."""
+        outputs, alive = [], list(range(len(decodes)))
+        params = [s.params for s in decodes]
+        for s, step_tokens in enumerate(tokens):
+            rows = [i for i in alive if step_tokens[i] is not None]
             # a step's logprobs as a single step returns them: only for the rows that ask
-            lps = None if res.logprobs is None else [res.logprobs[s][i] if params[i].logprobs else None
-                                                     for i in alive]
-            tops = None if res.top is None else [res.top[s][i][:params[i].top_logprobs] if params[i].logprobs
-                                                 else None for i in alive]
-            seqs = self.scheduler.postprocess(ScheduledBatch([batch.decodes[i] for i in alive]),
-                                              [step_tokens[i] for i in alive], lps, tops)
-            self.num_generation_tokens += len(alive)
-            going = []
-            for i, seq in zip(alive, seqs):
+            lps = None if logprobs is None else [logprobs[s][i] if params[i].logprobs else None for i in rows]
+            tops = None if top is None else [top[s][i][:params[i].top_logprobs] if params[i].logprobs
+                                             else None for i in rows]
+            seqs = self.scheduler.postprocess(ScheduledBatch([decodes[i] for i in rows]),
+                                              [step_tokens[i] for i in rows], lps, tops)
+            self.num_generation_tokens += len(rows)
+            for i, seq in zip(rows, seqs):
                 ended = self._take(seq, step_tokens[i])
-                if ended is None:
-                    going.append(i)
-                else:
+                if ended is not None:
                     outputs.append(ended)
-            alive = going
-        return outputs + [self.trackers[batch.decodes[i].request_id].make_output() for i in alive]
+                    alive.remove(i)
+        return outputs + [self.trackers[decodes[i].request_id].make_output() for i in alive]
 
     def _take(self, seq: Sequence, token: int) -> RequestOutput | None:
         """seq's newest token through its grammar and output tracker: the
@@ -224,6 +256,8 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
         self.runner.release(seq.request_id)
+        if self.speculator is not None:
+            self.speculator.release(seq.request_id)
 
     def prompt_logprobs(self, token_ids: list[int]) -> torch.Tensor:
         """log p(token i+1 | tokens <= i) of a scored text window, for
@@ -272,4 +306,5 @@ class LLMEngine:
             "prompt_tokens": self.num_prompt_tokens, "generation_tokens": self.num_generation_tokens,
             "request_faults": self.num_request_faults, "engine_faults": self.num_engine_faults,
             "last_engine_fault": self.last_engine_fault, "decode_bursts": self.num_bursts,
+            **(self.speculator.stats() if self.speculator is not None else {}),
         }

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
 
 import torch
 
@@ -16,6 +15,7 @@ from qoqserve.engine.kv_budget import num_blocks_for_budget
 from qoqserve.engine.parallel_world import ParallelWorld
 from qoqserve.engine.scheduler import ScheduledBatch
 from qoqserve.engine.staging import HostStaging
+from qoqserve.engine.step_inputs import StepInputs, sampled_rows, step_inputs
 from qoqserve.kernels.cpu import prebuild
 from qoqserve.kernels.cpu.one_shot import OneShotSteps
 from qoqserve.layers.attention import AttentionMetadata
@@ -23,7 +23,7 @@ from qoqserve.layers.key_transform import share_equal_rotations
 from qoqserve.layers.linear import Linear
 from qoqserve.layers.parallel import SINGLE
 from qoqserve.layers.quantization import QuantizationConfig, UnquantizedConfig
-from qoqserve.layers.sampler import Sampler
+from qoqserve.layers.sampler import Sampler, argmax_tokens
 from qoqserve.models.arch import ModelArchConfig
 from qoqserve.models.llama import LlamaForCausalLM, next_token_logprobs
 
@@ -46,33 +46,6 @@ def resident_bytes(module: torch.nn.Module) -> int:
 def context_len(config: EngineConfig, arch: ModelArchConfig) -> int:
     """The positions a model must handle: the context window asked for, or the model's."""
     return config.scheduler.max_model_len or arch.max_position_embeddings
-
-
-def sampled_rows(batch: ScheduledBatch) -> list[int]:
-    """The rows of a step (its decodes' tokens, then its chunks') whose logits
-    are sampled: every decode, and the last token of each chunk that
-    completes its sequence."""
-    at, rows = len(batch.decodes), list(range(len(batch.decodes)))
-    for seq, n in batch.prefills:
-        at += n
-        if seq.num_computed_tokens + n == len(seq):
-            rows.append(at - 1)
-    return rows
-
-
-@dataclass
-class StepInputs:
-    """A step's model inputs as plain lists: what rank 0 broadcasts to the
-    tensor-parallel workers (engine/executor.py), and what every rank turns
-    into tensors."""
-    ids: list[int]
-    positions: list[int]
-    slots: list[int]
-    block_tables: list[list[int]]   # decodes first, then the prefill chunks
-    context_lens: list[int]         # of the decodes
-    query_starts: list[int] | None  # prefill chunks (cumulative, from the first prefill token)
-    cached_lens: list[int] | None
-    rows: list[int]                 # the rows whose logits are sampled
 
 
 class ModelRunner:
@@ -178,27 +151,6 @@ class ModelRunner:
                 # eager steps recorded and run back to back (one_shot.py; a kind that cannot be is logged)
                 "one_shot_eager_steps": self.one_shot is not None}
 
-    def _step_inputs(self, batch: ScheduledBatch) -> StepInputs:
-        """Flattened inputs of a step: one token per decode, then each prefill chunk."""
-        ids, positions, slots = [], [], []
-        for seq in batch.decodes:
-            pos = len(seq) - 1
-            ids.append(seq.token_ids[pos])
-            positions.append(pos)
-            slots.append(seq.slot(pos, self.block_size))
-        starts, cached = [0], []
-        for seq, n in batch.prefills:
-            start = seq.num_computed_tokens
-            ids.extend(seq.token_ids[start:start + n])
-            positions.extend(range(start, start + n))
-            slots.extend(seq.slot(p, self.block_size) for p in range(start, start + n))
-            starts.append(starts[-1] + n)
-            cached.append(start)
-        seqs = batch.decodes + [s for s, _ in batch.prefills]
-        return StepInputs(ids, positions, slots, [s.block_table for s in seqs],
-                          [len(s) for s in batch.decodes], starts if batch.prefills else None,
-                          cached if batch.prefills else None, sampled_rows(batch))
-
     def _tensors(self, step: StepInputs):
         put = self.staging.put
         width = max(len(t) for t in step.block_tables)
@@ -250,11 +202,34 @@ class ModelRunner:
             hidden = self.mixed.run(batch, rows)
             if hidden is not None:
                 return self.sampler(self.model.compute_logits(hidden), batch.sampled) if rows else ([], None, None)
-        step = self._step_inputs(batch)
+        step = step_inputs(batch, self.block_size)
         hidden = self.execute(step)
         if not step.rows:
             return [], None, None
         return self.sampler(self.model.compute_logits(hidden), batch.sampled)
+
+    @torch.inference_mode()
+    def run_verify(self, batch: ScheduledBatch, drafts: list[list[int]]):
+        """A decode step that also scores draft tokens (engine/speculative.py):
+        the sampler's (tokens, logprobs, top_logprobs) for batch.decodes, as
+        run() gives them, and the argmax after each draft token, [rows]
+        per decode. Each draft is a row of its own (its token at its position,
+        attending up to it), so every row's logits are those a one-token step
+        there would compute."""
+        self.sampler.begin()
+        rows = [(seq, len(seq) + j, t) for seq, d in zip(batch.decodes, drafts) for j, t in enumerate(d)]
+        b = len(batch.decodes)
+        out = self.captured.logits(batch.decodes, rows) if self.captured is not None else None
+        if out is None:
+            out = self.model.compute_logits(self.execute(step_inputs(batch, self.block_size, rows))), None
+        logits, greedy = out
+        sampled = self.sampler(logits[:b], batch.sampled, greedy=greedy[:b] if greedy is not None else None)
+        after = (greedy[b:] if greedy is not None else argmax_tokens(logits[b:].float())).tolist()
+        per_seq, at = [], 0
+        for d in drafts:
+            per_seq.append(after[at:at + len(d)])
+            at += len(d)
+        return sampled, per_seq
 
     def run_burst(self, batch: ScheduledBatch, n: int) -> BurstResult | None:
         """n decode steps of batch's decodes at once (engine/burst.py): their

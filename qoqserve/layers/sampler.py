@@ -56,7 +56,7 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
     return logits
 
 
-def _argmax(logits: torch.Tensor) -> torch.Tensor:
+def argmax_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Greedy tokens of fp32 logits [B, V]: the C kernel's on CPU (torch's index, faster)."""
     if elementwise.argmax_takes(logits):
         return elementwise.argmax(logits)
@@ -175,7 +175,7 @@ class Sampler:
                                 set(changed)) if asking else None
         # greedy rows without penalties: one argmax for the batch
         masked = any(c is not None for c in constraints)
-        tokens = greedy.clone() if greedy is not None and not masked else _argmax(logits)
+        tokens = greedy.clone() if greedy is not None and not masked else argmax_tokens(logits)
         if penalized:
             self._penalize(logits, penalized, [requests[i] for i in penalized])
         if banning:
@@ -184,7 +184,7 @@ class Sampler:
                 raise BannedEverythingError([requests[i].request_id for i in dead])
         rows = [i for i in changed if params[i].greedy]
         if rows:
-            tokens[rows] = _argmax(logits if len(rows) == len(params) else logits[rows])
+            tokens[rows] = argmax_tokens(logits if len(rows) == len(params) else logits[rows])
         drawn = [i for i, p in enumerate(params) if not p.greedy]
         if drawn:
             u = [self.uniforms(requests[i], 1)[0] for i in drawn]
