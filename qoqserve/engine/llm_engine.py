@@ -18,6 +18,7 @@ from qoqserve.engine.sequence import Sequence
 from qoqserve.engine.speculative import Speculator
 from qoqserve.engine.structured import GrammarCompiler, GrammarConstraint
 from qoqserve.errors import InvalidRequestError
+from qoqserve.layers.token_logprobs import scored_token_logprobs
 from qoqserve.model_loader import load_model_source
 from qoqserve.model_loader.chat_template import load_chat_template
 from qoqserve.model_loader.generation_config import sampling_defaults
@@ -271,15 +272,7 @@ class LLMEngine:
         second on), with top_k the top_k most likely (token, logprob) pairs at
         each of those positions, and each token's rank there (1: the most
         likely): OpenAI's echo with logprobs, vLLM's prompt_logprobs."""
-        logprobs = torch.log_softmax(self.prompt_logits(token_ids).float(), dim=-1)
-        targets = torch.tensor(token_ids[1:], device=logprobs.device)
-        chosen = logprobs.gather(1, targets[:, None])
-        ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
-        chosen = chosen[:, 0].tolist()
-        if not top_k:
-            return chosen, None, ranks
-        vals, ids = logprobs.topk(top_k, dim=-1)
-        return chosen, [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())], ranks
+        return scored_token_logprobs(self.prompt_logits(token_ids), token_ids[1:], top_k)
 
     def prompt_logits(self, token_ids: list[int], rows: list[int] | None = None) -> torch.Tensor:
         """Next-token logits at rows (default: every position but the last) of

@@ -53,3 +53,18 @@ class StepLogprobs:
             if top is not None:
                 top[i] = list(zip(self.top_ids[j][:self.top[j]], self.top_lps[j][:self.top[j]]))
         return chosen, top
+
+
+def scored_token_logprobs(logits: torch.Tensor, targets: list[int], top_k: int = 0
+                          ) -> tuple[list[float], list[list[tuple[int, float]]] | None, list[int]]:
+    """Of a scored pass's logits [T, V] and the token that came at each row:
+    its logprob, the top_k most likely (token, logprob) pairs (None for 0)
+    and its rank (1: the most likely)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(targets, device=logprobs.device)[:, None])
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+    chosen = chosen[:, 0].tolist()
+    if not top_k:
+        return chosen, None, ranks
+    vals, ids = logprobs.topk(top_k, dim=-1)
+    return chosen, [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())], ranks
