@@ -193,3 +193,35 @@ def test_served_with_speculative_config_streams_the_plain_answer_and_counts_draf
     assert text == want.text and len(want.token_ids) == 40
     assert metrics["vllm:spec_decode_num_accepted_tokens_total"] > 0
     assert metrics["vllm:spec_decode_num_draft_tokens_total"] >= metrics["vllm:spec_decode_num_accepted_tokens_total"]
+
+
+def test_drafts_with_a_full_page_pool_and_prefix_hits_keep_outputs(qoq_tiny):
+    """12 pages of 16 tokens for six sequences sharing a 4-page prefix: drafts
+    take pages ahead (or are dropped when none are free), sequences are
+    preempted and recomputed from the prefix cache, and every output is the
+    one of the prompt run alone without drafts."""
+    shared = [3 + (j * 11) % 200 for j in range(64)]
+    prompts = [shared + [7 + i * 13 + j % 5 for j in range(10 + 3 * i)] for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    ref = LLM(qoq_tiny, kv_cache_gb=0.05, enable_prefix_caching=False)
+    alone = [_outputs(ref, [p], params)[0] for p in prompts]
+    del ref
+    gc.collect()
+    llm = LLM(qoq_tiny, num_blocks=12, max_num_batched_tokens=32, speculative_config=SPEC)
+    assert _outputs(llm, prompts, params) == alone
+    stats = llm.engine.stats()
+    assert stats["prefix_cache_hits"] > 0 and stats["num_preemptions"] > 0, stats
+    assert stats["spec_decode_num_accepted_tokens"] > 0, stats
+
+
+def test_a_tensor_parallel_engine_verifies_drafts_on_every_rank():
+    """-tp 2 (gloo): the draft rows go to the worker in the step's broadcast
+    like any decode row; the split engine with drafts gives the whole engine's
+    greedy tokens without them."""
+    prompts = [[5, 6, 7, 8] * 6, [40, 41, 42] * 5]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    small = dict(num_blocks=48, max_model_len=128, enforce_eager=True, dtype="float32")
+    want = _outputs(LLM("synthetic:tiny", **small), prompts, params)
+    with LLM("synthetic:tiny", tensor_parallel_size=2, speculative_config=SPEC, **small) as split:
+        assert _outputs(split, prompts, params) == want
+        assert split.engine.stats()["spec_decode_num_draft_tokens"] > 0
