@@ -75,6 +75,9 @@ def _mixed_params(n_greedy: int, max_tokens: int) -> list[SamplingParams]:
 
 MODELS = {"fp32, captured": (None, {}), "fp32, eager": (None, {"enforce_eager": True}),
           "w4a8kv4, captured": ("qoq", {})}
+# the tiny random model's own loops give drafts, but how many it accepts
+# depends on its checkpoint (quantized on the host): the oracle test below
+# makes W4A8KV4 accept and reject drafts on any host
 
 
 @pytest.mark.parametrize("case", list(MODELS))
@@ -98,7 +101,8 @@ def test_speculative_outputs_are_the_plain_outputs_token_for_token(case, qoq_tin
         del llm
         gc.collect()
     assert runs[True] == runs[False]
-    assert stats["spec_decode_num_draft_tokens"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0, stats
+    assert stats["spec_decode_num_draft_tokens"] > 0, stats
+    assert model == qoq_tiny or stats["spec_decode_num_accepted_tokens"] > 0, stats
     assert stats["spec_decode_num_accepted_tokens"] <= stats["spec_decode_num_draft_tokens"]
 
 
@@ -211,7 +215,7 @@ def test_drafts_with_a_full_page_pool_and_prefix_hits_keep_outputs(qoq_tiny):
     assert _outputs(llm, prompts, params) == alone
     stats = llm.engine.stats()
     assert stats["prefix_cache_hits"] > 0 and stats["num_preemptions"] > 0, stats
-    assert stats["spec_decode_num_accepted_tokens"] > 0, stats
+    assert stats["spec_decode_num_draft_tokens"] > 0, stats
 
 
 def test_a_tensor_parallel_engine_verifies_drafts_on_every_rank():
@@ -225,3 +229,35 @@ def test_a_tensor_parallel_engine_verifies_drafts_on_every_rank():
     with LLM("synthetic:tiny", tensor_parallel_size=2, speculative_config=SPEC, **small) as split:
         assert _outputs(split, prompts, params) == want
         assert split.engine.stats()["spec_decode_num_draft_tokens"] > 0
+
+
+def test_oracle_drafts_are_accepted_up_to_the_first_wrong_one_in_w4a8kv4(qoq_tiny, monkeypatch):
+    """Drafts that are the plain run's own next tokens with the third one
+    wrong: every verify step must accept exactly the first two (and the
+    token after them), on the W4A8KV4 kernels, with the plain outputs."""
+    prompts = [[5 + (i % 7) * 3 for i in range(40)], [100 + i for i in range(30)]]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    plain = LLM(qoq_tiny, kv_cache_gb=0.05, max_num_seqs=8)
+    want = _outputs(plain, prompts, params)
+    del plain
+    gc.collect()
+    runs = [(p, w[0]) for p, w in zip(prompts, want)]
+
+    lengths = []
+
+    def oracle(self, tokens, k):
+        for prompt, out in runs:
+            done = len(tokens) - len(prompt)
+            if tokens[:len(prompt)] == prompt and tokens[len(prompt):] == out[:done]:
+                d = out[done:done + k]
+                d = d[:2] + [(t + 1) % 256 for t in d[2:3]] + d[3:]  # the third wrong
+                lengths.append(len(d))
+                return d
+        raise AssertionError("a sequence the plain run did not make")
+
+    monkeypatch.setattr(speculative.Drafting, "propose", oracle)
+    spec = LLM(qoq_tiny, kv_cache_gb=0.05, max_num_seqs=8, speculative_config=SPEC)
+    assert _outputs(spec, prompts, params) == want
+    s = spec.engine.speculator
+    assert s.num_drafts == len([n for n in lengths if n]) > 10
+    assert s.num_draft_tokens == sum(lengths) > s.num_accepted_tokens == sum(min(n, 2) for n in lengths)
