@@ -31,6 +31,19 @@ def opt(default, help: str, **extra):
     return field(default=default, metadata={"help": help, **extra})
 
 
+def json_object(value: str | dict | None, name: str) -> dict | None:
+    """An option that holds a JSON object: the flag's text, or a dict from the
+    Python API (None stays None); ValueError naming the option."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"{name} is not JSON: {e}") from None
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {value!r}")
+    return value
+
+
 def parse_dtype(name: str | torch.dtype, device: str) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
@@ -105,15 +118,9 @@ class SpeculativeConfig:
     def parse(cls, value: str | dict | None) -> SpeculativeConfig | None:
         """From the flag's JSON text or a dict (None: off); ValueError naming what is wrong.
         vLLM's defaults: both lookup bounds 5, or the one given for the other."""
-        if value is None or value == "":
+        value = json_object(None if value == "" else value, "speculative_config")
+        if value is None:
             return None
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
         unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"speculative_config: unknown keys {sorted(unknown)}; this engine takes "

@@ -11,6 +11,7 @@ import json
 import os
 from typing import Any
 
+from qoqserve.config import json_object
 from qoqserve.sampling_params import InvalidSamplingParams, SamplingParams
 
 from .base import read_json_object
@@ -52,13 +53,7 @@ def sampling_defaults(mode: str, model_config: dict[str, Any],
         config = read_generation_config(mode)
     else:
         raise ValueError(f"generation_config must be auto, vllm or a folder holding {FILE}, got {mode!r}")
-    if isinstance(override, str):
-        try:
-            override = json.loads(override)
-        except ValueError as e:
-            raise ValueError(f"override_generation_config is not JSON: {e}") from None
-    if override is not None and not isinstance(override, dict):
-        raise ValueError("override_generation_config must be a JSON object")
+    override = json_object(override, "override_generation_config")
     unknown = set(override or {}) - set(SAMPLING_KEYS)
     if unknown:
         raise ValueError(f"override_generation_config: unknown keys {sorted(unknown)} (known: "
