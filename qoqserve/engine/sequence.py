@@ -69,6 +69,13 @@ class Sequence:
         return bool(self.params.allowed_token_ids or self.bad_words_ids or self.active_stop_bans)
 
     @property
+    def takes_argmax(self) -> bool:
+        """Its next token is the argmax of the model's logits and nothing else
+        of them is wanted: greedy, no penalties or logprobs, no grammar, no
+        banned tokens (the sampler's shortcut, the drafts of engine/speculative.py)."""
+        return self.params.plain_greedy and self.constraint is None and not self.bans_tokens
+
+    @property
     def active_stop_bans(self) -> tuple[int, ...]:
         """The stop tokens banned at its next token: all of stop_bans until min_tokens are out."""
         return self.stop_bans if self.num_output_tokens < self.params.min_tokens else ()

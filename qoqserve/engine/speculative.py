@@ -3,7 +3,7 @@ context (vLLM's "ngram" method: engine/ngram_proposer.py), verified by the
 model in one step.
 
 A request that decodes greedily and wants nothing else of the logits (no
-penalties, logprobs, grammar or banned tokens: SamplingParams.plain_greedy)
+penalties, logprobs, grammar or banned tokens: Sequence.takes_argmax)
 may get up to num_speculative_tokens drafts d1..dk in a step. The step then
 runs 1 + k rows for it: its newest token, as any decode, and each draft at
 its position; every row writes its K/V and attends to the sequence up to its
@@ -56,12 +56,6 @@ class Drafting:
         self.rate = 0.5 * self.rate + 0.5 * accepted / drafted
 
 
-def speculates(seq: Sequence) -> bool:
-    """seq's next tokens are the model's argmax and nothing else is asked of
-    them, so drafts verified by argmax give it what it would get anyway."""
-    return seq.params.plain_greedy and seq.constraint is None and not seq.bans_tokens
-
-
 class Speculator:
     def __init__(self, config: SpeculativeConfig, block_manager: BlockManager, max_model_len: int,
                  max_rows: int):
@@ -92,7 +86,8 @@ class Speculator:
         for seq in batch.decodes:
             d: list[int] = []
             k = min(rows_left, self._room(seq))
-            if k > 0 and speculates(seq):
+            # drafts verified by argmax give it what it would get anyway
+            if k > 0 and seq.takes_argmax:
                 state = self._drafting.get(seq.request_id)
                 if state is None:
                     state = self._drafting[seq.request_id] = Drafting(self.config.prompt_lookup_min,

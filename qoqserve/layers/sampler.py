@@ -32,6 +32,10 @@ class SamplingRequest(BanningRequest, Protocol):
     output_counts: dict[int, int]
     constraint: TokenConstraint | None  # the tokens a grammar allows next, or None
 
+    @property
+    def takes_argmax(self) -> bool:
+        """Its token is the argmax of its logits, nothing else of them wanted."""
+
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
                     output_counts: dict[int, int]) -> torch.Tensor:
@@ -160,10 +164,9 @@ class Sampler:
         captured step's); not used once a constraint has masked a row."""
         params = [r.params for r in requests]
         constraints = [r.constraint for r in requests]
-        banning = [i for i, r in enumerate(requests) if r.bans_tokens]
-        if (greedy is not None and not banning and all(p.plain_greedy for p in params)
-                and all(c is None for c in constraints)):
+        if greedy is not None and all(r.takes_argmax for r in requests):
             return greedy.tolist(), None, None  # the step's argmax is every row's token: nothing else to do
+        banning = [i for i, r in enumerate(requests) if r.bans_tokens]
         logits = logits.float()
         dead = self.masks.apply(logits, constraints)
         if dead:  # nothing to sample from: those requests end (engine/isolation.py), the rest go on
