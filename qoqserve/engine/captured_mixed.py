@@ -36,6 +36,7 @@ import torch
 
 from qoqserve.engine.captured_step import pad_decode_rows, write_decode_row
 from qoqserve.engine.scheduler import ScheduledBatch
+from qoqserve.engine.step_inputs import decode_rows
 from qoqserve.kernels.cpu import graph
 from qoqserve.kernels.cpu.buffer_plan import Arena, relocate, storage_spans
 from qoqserve.kernels.cpu.one_shot import MIN_ROWS
@@ -171,9 +172,10 @@ class CapturedMixed:
         np_, bs = self._np, self.block_size
         d_b, t_b, s = key
         d = len(batch.decodes)
-        for i, seq in enumerate(batch.decodes):
-            write_decode_row(np_, i, seq, bs)
-            np_["block_tables"][i, :len(seq.block_table)] = seq.block_table
+        for i, row in enumerate(decode_rows(batch.decodes)):
+            write_decode_row(np_, i, row, bs)
+            table = row[0].block_table
+            np_["block_tables"][i, :len(table)] = table
         pad_decode_rows(np_, d, d_b, self.pad_slot)
         at = d_b
         starts, first = np_["query_starts"], np_["first_positions"]

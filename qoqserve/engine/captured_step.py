@@ -45,6 +45,7 @@ import torch
 
 from qoqserve.engine.captured_burst import CapturedBursts
 from qoqserve.engine.sequence import Sequence
+from qoqserve.engine.step_inputs import Row, decode_rows
 from qoqserve.kernels.cpu import elementwise, graph
 from qoqserve.kernels.cpu.buffer_plan import Arena
 from qoqserve.layers.attention import AttentionMetadata
@@ -62,14 +63,12 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
-def write_decode_row(bufs: dict, i: int, seq: Sequence, block_size: int, pos: int | None = None,
-                     token: int | None = None) -> None:
+def write_decode_row(bufs: dict, i: int, row: Row, block_size: int) -> None:
     """Row i of a captured step's input buffers (numpy views keyed ids,
-    positions, slots, context_lens) as seq's next decode token, or as `token`
-    at position `pos` of seq (a draft token verified: engine/speculative.py),
-    attending to the positions up to its own."""
-    if pos is None:
-        pos, token = len(seq) - 1, seq.token_ids[-1]
+    positions, slots, context_lens) as `row` (step_inputs.decode_rows: a
+    sequence's next decode token, or a draft token verified:
+    engine/speculative.py), attending to the positions up to its own."""
+    seq, pos, token = row
     bufs["ids"][i] = token
     bufs["positions"][i] = pos
     bufs["slots"][i] = seq.slot(pos, block_size)
@@ -211,7 +210,7 @@ class CapturedDecode:
             return None
         return self.sizes[bisect.bisect_left(self.sizes, batch_size)]
 
-    def logits(self, decodes: list[Sequence], drafts: list[tuple[Sequence, int, int]] = ()
+    def logits(self, decodes: list[Sequence], drafts: list[Row] = ()
                ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Logits [rows, vocab] of one decode step and each row's argmax
         (int64 [rows], or None where the step did not compute it), or None
@@ -240,17 +239,17 @@ class CapturedDecode:
             step = self.steps[b] = g.then(head)
         return step
 
-    def _write_inputs(self, decodes: list[Sequence], drafts: list[tuple[Sequence, int, int]] = ()) -> None:
+    def _write_inputs(self, decodes: list[Sequence], drafts: list[Row] = ()) -> None:
         np, bs = self._np, self.block_size
         tables = np["block_tables"]
-        rows = [(seq, None, None) for seq in decodes] + list(drafts)
-        for i, (seq, pos, token) in enumerate(rows):
+        for i, row in enumerate(decode_rows(decodes, drafts)):
+            seq = row[0]
             table = seq.block_table
-            write_decode_row(np, i, seq, bs, pos, token)
+            write_decode_row(np, i, row, bs)
             # block tables only grow while a sequence runs (a preemption gives it a
             # new one): write what this row does not hold yet
-            row = self._rows[i]
-            done = row[2] if row is not None and row[:2] == (seq.request_id, seq.num_preemptions) else 0
+            held = self._rows[i]
+            done = held[2] if held is not None and held[:2] == (seq.request_id, seq.num_preemptions) else 0
             if done < len(table):
                 tables[i, done:len(table)] = table[done:]
                 self._rows[i] = (seq.request_id, seq.num_preemptions, len(table))

@@ -38,14 +38,22 @@ class StepInputs:
     rows: list[int]                 # the rows whose logits are sampled
 
 
+Row = tuple[Sequence, int, int]  # a decode row: the sequence, the position computed, its token
+
+
+def decode_rows(decodes: list[Sequence], drafts: list[Row] = ()) -> list[Row]:
+    """Each decode's newest token at its position, then the draft rows."""
+    return [(seq, len(seq) - 1, seq.token_ids[-1]) for seq in decodes] + list(drafts)
+
+
 def step_inputs(batch: ScheduledBatch, block_size: int,
-                drafts: list[tuple[Sequence, int, int]] = ()) -> StepInputs:
+                drafts: list[Row] = ()) -> StepInputs:
     """Flattened inputs of a step: each decode's newest token, each draft
     (sequence, position, token) attending up to its own position, then each
     prefill chunk."""
     if drafts and batch.prefills:
         raise ValueError("drafts are verified in steps of decodes only")
-    rows = [(seq, len(seq) - 1, seq.token_ids[-1]) for seq in batch.decodes] + list(drafts)
+    rows = decode_rows(batch.decodes, drafts)
     ids = [t for _, _, t in rows]
     positions = [p for _, p, _ in rows]
     slots = [seq.slot(p, block_size) for seq, p, _ in rows]
