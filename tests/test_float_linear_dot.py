@@ -5,7 +5,15 @@ import torch
 
 from qoqserve.kernels.cpu import float_linear
 
-needs_dot = pytest.mark.skipif(not float_linear.bf16_dot(), reason="this CPU has no AVX512-BF16 dot products")
+needs_dot = pytest.mark.skipif(not float_linear.available() or float_linear.load().float_linear_simd() < 3,
+                               reason="this CPU has no AVX512-BF16 dot products")
+
+
+@pytest.fixture(autouse=True)
+def dot_path_not_amx(monkeypatch):
+    """On CPUs with AMX-BF16 the tiles take bf16 calls (test_float_linear_amx.py);
+    capped below AMX, the dot products do."""
+    monkeypatch.setenv("QOQSERVE_CPU_ISA", "avx512-vnni")
 
 
 def pair_order(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

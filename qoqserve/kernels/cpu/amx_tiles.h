@@ -56,17 +56,25 @@ static inline int amx_rows(int amx, int64_t M, int64_t Kp) {
     return amx && M >= AMX_MIN_ROWS && Kp % 64 == 0;
 }
 
-/* every tile 16 rows x 64 bytes; per thread, before its first tile op */
-AMX_FN static inline void amx_begin(void) {
+/* every tile 16 rows; accumulators (0-3) acc_bytes wide, A tiles (4-5) 64
+ * bytes, B tiles (6-7) b_bytes; per thread, before its first tile op */
+AMX_FN static inline void amx_begin_shaped(int acc_bytes, int b_bytes) {
     AmxTileConfig cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) {
         cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
+        cfg.colsb[t] = t < 4 ? acc_bytes : t < 6 ? 64 : b_bytes;
     }
+    /* GCC 12 takes ldtilecfg for a reader of the first bytes only and drops
+     * the stores of rows and colsb as dead where this is not inlined: the
+     * whole configuration must be in memory first */
+    __asm__ __volatile__("" : : "m"(cfg) : "memory");
     _tile_loadconfig(&cfg);
 }
+
+/* every tile 16 rows x 64 bytes */
+AMX_FN static inline void amx_begin(void) { amx_begin_shaped(64, 64); }
 
 AMX_FN static inline void amx_end(void) { _tile_release(); }
 

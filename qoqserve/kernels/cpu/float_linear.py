@@ -31,9 +31,9 @@ def available() -> bool:
     return load() is not None
 
 
-PATHS = ("scalar", "avx2", "avx512", "avx512-bf16")  # by the kernel's simd argument 0..3
+PATHS = ("scalar", "avx2", "avx512", "avx512-bf16", "amx-bf16")  # by the kernel's simd argument 0..4
 # the QOQSERVE_CPU_ISA level a path needs: the bf16 dot products come with VNNI
-_LEVEL = {"avx512-bf16": "avx512-vnni"}
+_LEVEL = {"avx512-bf16": "avx512-vnni", "amx-bf16": "amx"}
 
 
 def path() -> str:
@@ -43,8 +43,10 @@ def path() -> str:
 
 
 def bf16_dot() -> bool:
-    """Whether bf16 rows times bf16 weights take the dot-product path here."""
-    return available() and path() == "avx512-bf16"
+    """Whether bf16 rows times bf16 weights take a bf16 path of their own
+    here (the dot products or the AMX tiles), one sum order at every row
+    count."""
+    return available() and path() in ("avx512-bf16", "amx-bf16")
 
 
 def simd() -> int:
