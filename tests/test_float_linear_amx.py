@@ -3,7 +3,9 @@ weights on the tile unit at every row count. Its sum over each block of 32 k
 is the hardware's own, so the reference is the exact product within fp32
 rounding; what must hold bit for bit is batch invariance: a row's outputs do
 not depend on the rows beside it, the row blocks, the thread count, or the
-column tiles (N and K off the tile sizes included)."""
+column tiles (N and K off the tile sizes included; the threads, the row
+blocks and a bf16 model's linears: test_float_linear_dot.py, for both bf16
+paths)."""
 import pytest
 import torch
 
@@ -45,24 +47,6 @@ def test_every_row_gets_the_bits_it_gets_alone(k):
 
 
 @needs_amx
-def test_the_threads_and_row_blocks_do_not_change_a_bit():
-    g = torch.Generator().manual_seed(3)
-    w = torch.randn(200, 576, generator=g).bfloat16()
-    x = torch.randn(600, 576, generator=g).bfloat16()  # long calls split into blocks of 256 rows
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = float_linear.float_linear(x, w)
-        torch.set_num_threads(max(2, threads))
-        assert torch.equal(float_linear.float_linear(x, w), one)
-    finally:
-        torch.set_num_threads(threads)
-    assert close_to_exact(one, x, w)
-    for rows in (slice(250, 260), slice(511, 513), slice(599, 600)):
-        assert torch.equal(float_linear.float_linear(x[rows], w), one[rows])
-
-
-@needs_amx
 def test_special_values_and_fp32_rows():
     w = torch.randn(40, 64).bfloat16()
     x = torch.randn(3, 64).bfloat16()
@@ -81,18 +65,3 @@ def test_the_isa_cap_below_amx_gives_the_dot_path(monkeypatch):
     assert float_linear.path() == "avx512-bf16"
     monkeypatch.setenv("QOQSERVE_CPU_ISA", "amx")
     assert float_linear.path() == "amx-bf16"
-
-
-@needs_amx
-def test_a_bf16_model_s_linears_run_on_the_tiles():
-    from qoqserve.layers.linear import Linear
-    from qoqserve.layers.quantization import fp
-    method = fp.CpuDenseLinearMethod()
-    assert fp.bf16_all_on_c() and method.capture_rows(torch.bfloat16) is None
-    layer = Linear(64, [48], False, method, torch.bfloat16)
-    torch.nn.init.normal_(layer.weight)
-    method.process_weights_after_loading(layer)
-    x = torch.randn(300, 64).bfloat16()
-    y = layer(x)
-    assert torch.equal(y, float_linear.float_linear(x, layer.weight, use_simd=4, out_dtype=torch.bfloat16))
-    assert torch.equal(layer(x[7:8]), y[7:8])

@@ -1,5 +1,6 @@
 """float_linear's bf16 dot-product path (AVX512-BF16): the bits of the order
-float_linear_dot.h states, at every row count, thread count and call shape."""
+float_linear_dot.h states, at every row count, thread count and call shape;
+and what both bf16 paths (the dot products, the AMX tiles) must give alike."""
 import pytest
 import torch
 
@@ -54,8 +55,18 @@ def test_the_dot_path_sums_in_its_stated_order_at_every_row_count(k):
         assert torch.equal(float_linear.float_linear(x[:5], w[:n]), want[:5, :n])
 
 
-@needs_dot
-def test_the_dot_path_does_not_depend_on_the_threads_or_the_row_blocks():
+def take(path: str, monkeypatch) -> None:
+    """Calls take `path` (avx512-bf16: the dot products, amx-bf16: the tiles,
+    test_float_linear_amx.py), or the test is skipped where the CPU lacks it."""
+    if not float_linear.available() or float_linear.load().float_linear_simd() < float_linear.PATHS.index(path):
+        pytest.skip(f"this CPU has no {path} path")
+    monkeypatch.setenv("QOQSERVE_CPU_ISA", "amx" if path == "amx-bf16" else "avx512-vnni")
+    assert float_linear.path() == path
+
+
+@pytest.mark.parametrize("path", ["avx512-bf16", "amx-bf16"])
+def test_neither_bf16_path_depends_on_the_threads_or_the_row_blocks(path, monkeypatch):
+    take(path, monkeypatch)
     g = torch.Generator().manual_seed(3)
     w = torch.randn(200, 576, generator=g).bfloat16()
     x = torch.randn(600, 576, generator=g).bfloat16()  # long calls split into blocks of 256 rows
@@ -67,7 +78,11 @@ def test_the_dot_path_does_not_depend_on_the_threads_or_the_row_blocks():
         assert torch.equal(float_linear.float_linear(x, w), one)
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(one, pair_order(x, w))
+    if path == "avx512-bf16":
+        assert torch.equal(one, pair_order(x, w))
+    else:  # the tiles' sum over a block is the hardware's: exact within fp32 rounding
+        exact = x.double() @ w.double().T
+        assert (one.double() - exact).abs().max() <= 1e-6 * 576 ** 0.5 * exact.abs().max()
     for rows in (slice(250, 260), slice(511, 513), slice(599, 600)):
         assert torch.equal(float_linear.float_linear(x[rows], w), one[rows])
 
@@ -83,16 +98,22 @@ def test_the_isa_cap_below_vnni_turns_the_dot_path_off(monkeypatch):
     assert float_linear.bf16_dot()
 
 
-@needs_dot
-def test_where_the_cpu_has_bf16_dot_products_every_bf16_linear_runs_on_c():
+@pytest.mark.parametrize("path", ["avx512-bf16", "amx-bf16"])
+def test_where_the_cpu_has_a_bf16_path_every_bf16_linear_runs_on_c(path, monkeypatch):
     # so every decode size of a bf16 model is captured (the runner captures
     # up to the smallest capture_rows: None is no limit)
     from qoqserve.layers.linear import Linear
     from qoqserve.layers.quantization import fp
+    take(path, monkeypatch)
     method = fp.CpuDenseLinearMethod()
     assert fp.bf16_all_on_c() and method.capture_rows(torch.bfloat16) is None
     layer = Linear(64, [48], False, method, torch.bfloat16)
     torch.nn.init.normal_(layer.weight)
     method.process_weights_after_loading(layer)
     x = torch.randn(300, 64).bfloat16()
-    assert torch.equal(layer(x), pair_order(x, layer.weight).bfloat16())
+    y = layer(x)
+    if path == "avx512-bf16":
+        assert torch.equal(y, pair_order(x, layer.weight).bfloat16())
+    else:
+        assert torch.equal(y, float_linear.float_linear(x, layer.weight, use_simd=4, out_dtype=torch.bfloat16))
+    assert torch.equal(layer(x[7:8]), y[7:8])
