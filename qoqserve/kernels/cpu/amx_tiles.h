@@ -1,5 +1,6 @@
-/* AMX-INT8 for the CPU GEMMs (w4a8_gemm.c, int8_linear.c): the run-time check,
- * the tile configuration and the 2 x 2 tile pass both kernels share.
+/* AMX for the CPU GEMMs: the run-time check and the tile configuration (also
+ * float_linear_amx.h's, with AMX-BF16), and for the INT8 ones (w4a8_gemm.c,
+ * int8_linear.c) the 2 x 2 tile pass both share.
  *
  * The unsigned weight operand of vpdpbusd, 16 channels x 4 consecutive k per
  * 64-byte row, is already AMX's B layout; the signed INT8 activations [M, Kp]

@@ -10,11 +10,12 @@
  * AVX2 one (each 16-lane sum as two 8-lane halves: l + 8 is the halves' add)
  * and the scalar one compute exactly that, so they agree bit for bit. bf16
  * rows times bf16 weights on CPUs with AVX512-BF16 take the dot-product path
- * instead (float_linear_dot.h): another fixed order, as batch-invariant.
+ * instead (float_linear_dot.h), and on CPUs with AMX-BF16 the tiles
+ * (float_linear_amx.h): each another fixed order, as batch-invariant.
  *
- * The AVX-512 (F/BW/VL, BF16) and AVX2 (+FMA, F16C) code is compiled by target
- * attributes and chosen at run time; the library is built for a baseline
- * x86-64 CPU.
+ * The AVX-512 (F/BW/VL, BF16), AMX and AVX2 (+FMA, F16C) code is compiled by
+ * target attributes and chosen at run time; the library is built for a
+ * baseline x86-64 CPU.
  */
 #include <math.h>
 #include <stdint.h>

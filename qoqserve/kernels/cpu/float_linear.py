@@ -3,7 +3,8 @@ bf16) inputs times fp32, bf16 or fp16 weights, each output summed in one fixed
 order whatever the batch. The AVX-512 or AVX2 path is chosen at run time,
 capped by QOQSERVE_CPU_ISA (kernels/cpu/isa.py); every path gives the same
 bits, except that bf16 rows times bf16 weights on the avx512-bf16 path take
-vdpbf16ps's pair order (float_linear_dot.h), on every row count alike."""
+vdpbf16ps's pair order (float_linear_dot.h), and on the amx-bf16 path the
+tiles' order (float_linear_amx.h), on every row count alike."""
 from __future__ import annotations
 
 import ctypes
