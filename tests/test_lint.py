@@ -1,5 +1,6 @@
-"""`ruff check` over the package, tests and scripts (rules: pyproject.toml), so a
-lint error fails CI like any other test."""
+"""`ruff check` over the package, tests, scripts and the benchmark scripts kept
+beside their results under docs/ (rules: pyproject.toml), so a lint error
+fails CI like any other test."""
 from __future__ import annotations
 
 import pathlib
@@ -10,6 +11,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_ruff_check_is_clean():
-    r = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "qoqserve", "tests", "scripts"],
+    r = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "qoqserve", "tests", "scripts", "docs"],
                        cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
