@@ -92,6 +92,7 @@ static void to_bf16_simd(const float *src, uint16_t *dst, int64_t n) {
 static int dot_supported(void) { return 0; }
 static int amx_bf16_supported(void) { return 0; }
 static int64_t x_tiles_bytes(int64_t M, int64_t K) { return M * K; }
+static size_t weight_edge_bytes(int64_t K) { return (size_t)K; }
 static void x_tiles(const uint16_t *x, int64_t M, int64_t K, uint32_t *xt, int t, int T) {
     (void)x, (void)M, (void)K, (void)xt, (void)t, (void)T;
 }
@@ -137,11 +138,11 @@ static int float_part(const void *x, int rows_are, int64_t M, int64_t K, const v
     /* bf16/fp16 weights read by more than two row tiles are converted once per
      * NR rows into a per-thread fp32 panel instead of once per row tile */
     const int use_panel = rows_are == ROWS_FP32 && simd >= 2 && w_kind != W_FP32 && M > 8;
-    const int64_t kp = (K + LANES - 1) / LANES * LANES, kb32 = (K + 31) / 32 * 32;
+    const int64_t kp = (K + LANES - 1) / LANES * LANES;
     float *panel = use_panel ? malloc((size_t)(PANEL_ROWS * kp) * sizeof(float)) : NULL;
     float *out = y_bf16 ? grow_scratch(&tl_out, &tl_out_size, sizeof(float) * (size_t)(M * CHUNK)) : NULL;
     uint16_t *edge = rows_are == ROWS_TILES
-                         ? grow_scratch(&tl_edge, &tl_edge_size, sizeof(uint16_t) * (size_t)(32 * kb32)) : NULL;
+                         ? grow_scratch(&tl_edge, &tl_edge_size, weight_edge_bytes(K)) : NULL;
     if ((use_panel && !panel) || (y_bf16 && !out) || (rows_are == ROWS_TILES && !edge)) {
         free(panel);
         return 1;

@@ -107,6 +107,11 @@ AMXB static void x_tiles(const uint16_t *x, int64_t M, int64_t K, uint32_t *xt, 
     }
 }
 
+/* weight_block's scratch for the two blocks of a pass */
+static inline size_t weight_edge_bytes(int64_t K) {
+    return (size_t)(32 * ((K + KBLOCK - 1) / KBLOCK * KBLOCK)) * sizeof(uint16_t);
+}
+
 /* The A tiles' source for weight rows n0..n0+15: the weights in place
  * (stride K), or where the block runs past N, or K is not whole k-blocks, a
  * zero-padded copy in `edge` [16, kp] (stride kp) */
@@ -183,7 +188,6 @@ AMXB static void rows_amx(const uint32_t *xt, int one_row, int64_t rows, int64_t
                           int64_t N_w, int64_t n_lo, int64_t n_hi, int64_t N, float *y, uint16_t *edge) {
     const int64_t kblocks = (K + KBLOCK - 1) / KBLOCK, kp = kblocks * KBLOCK;
     _Alignas(64) float buf[TILE_DWORDS];
-    if (one_row) rows = 1;
     /* up to 16 rows each weight is read once: one weight block a pass, whose
      * 16 rows stream from memory better than 32 (docs/benchmarks.md) */
     const int64_t nstep = rows > 16 ? 32 : 16;

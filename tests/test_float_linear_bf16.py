@@ -1,6 +1,14 @@
-"""float_linear's bf16 dot-product path (AVX512-BF16): the bits of the order
-float_linear_dot.h states, at every row count, thread count and call shape;
-and what both bf16 paths (the dot products, the AMX tiles) must give alike."""
+"""float_linear's two paths for bf16 rows times bf16 weights, each taken at
+every row count where the CPU has it (QOQSERVE_CPU_ISA picks between them):
+
+* the dot products (AVX512-BF16, float_linear_dot.h): the bits of the order
+  it states;
+* the AMX-BF16 tiles (float_linear_amx.h): their sum over each block of 32 k
+  is the hardware's own, so the reference is the exact product within fp32
+  rounding.
+
+On both, bit for bit, a row's outputs do not depend on the rows beside it,
+the row blocks, the thread count or the column tiles."""
 import pytest
 import torch
 
@@ -55,9 +63,15 @@ def test_the_dot_path_sums_in_its_stated_order_at_every_row_count(k):
         assert torch.equal(float_linear.float_linear(x[:5], w[:n]), want[:5, :n])
 
 
+def close_to_exact(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> bool:
+    # fp32 sums of k products: a few ulps of the largest partial sums
+    exact = x.double() @ w.double().T
+    return bool((y.double() - exact).abs().max() <= 1e-6 * x.shape[1] ** 0.5 * exact.abs().max())
+
+
 def take(path: str, monkeypatch) -> None:
     """Calls take `path` (avx512-bf16: the dot products, amx-bf16: the tiles,
-    test_float_linear_amx.py), or the test is skipped where the CPU lacks it."""
+    below), or the test is skipped where the CPU lacks it."""
     if not float_linear.available() or float_linear.load().float_linear_simd() < float_linear.PATHS.index(path):
         pytest.skip(f"this CPU has no {path} path")
     monkeypatch.setenv("QOQSERVE_CPU_ISA", "amx" if path == "amx-bf16" else "avx512-vnni")
@@ -80,9 +94,8 @@ def test_neither_bf16_path_depends_on_the_threads_or_the_row_blocks(path, monkey
         torch.set_num_threads(threads)
     if path == "avx512-bf16":
         assert torch.equal(one, pair_order(x, w))
-    else:  # the tiles' sum over a block is the hardware's: exact within fp32 rounding
-        exact = x.double() @ w.double().T
-        assert (one.double() - exact).abs().max() <= 1e-6 * 576 ** 0.5 * exact.abs().max()
+    else:
+        assert close_to_exact(one, x, w)
     for rows in (slice(250, 260), slice(511, 513), slice(599, 600)):
         assert torch.equal(float_linear.float_linear(x[rows], w), one[rows])
 
@@ -117,3 +130,44 @@ def test_where_the_cpu_has_a_bf16_path_every_bf16_linear_runs_on_c(path, monkeyp
     else:
         assert torch.equal(y, float_linear.float_linear(x, layer.weight, use_simd=4, out_dtype=torch.bfloat16))
     assert torch.equal(layer(x[7:8]), y[7:8])
+
+
+@pytest.mark.parametrize("k", [32, 70, 333, 576, 1536])
+def test_on_the_tiles_every_row_gets_the_bits_it_gets_alone(k, monkeypatch):
+    take("amx-bf16", monkeypatch)
+    g = torch.Generator().manual_seed(k)
+    w = torch.randn(150, k, generator=g).bfloat16()  # N off the 16-row tiles and the 64-column chunks
+    b = torch.randn(150, generator=g)
+    x = torch.randn(70, k, generator=g).bfloat16()
+    assert float_linear.bf16_dot()
+    y = float_linear.float_linear(x, w)
+    assert close_to_exact(y, x, w)
+    for r in range(70):
+        assert torch.equal(float_linear.float_linear(x[r:r + 1], w), y[r:r + 1]), r
+    for rows in (slice(1, 3), slice(3, 20), slice(15, 48), slice(47, 70)):  # tiles of 16 rows, cut anywhere
+        assert torch.equal(float_linear.float_linear(x[rows], w), y[rows])
+    # the bias added after the sum, bf16 outputs rounded as torch rounds the fp32 ones
+    assert torch.equal(float_linear.float_linear(x, w, b, out_dtype=torch.bfloat16), (y + b).bfloat16())
+    for n in (1, 3, 17, 33):  # fewer columns than one or two tiles
+        assert torch.equal(float_linear.float_linear(x[:5], w[:n].contiguous()), y[:5, :n])
+
+
+def test_on_the_tiles_special_values_and_fp32_rows(monkeypatch):
+    take("amx-bf16", monkeypatch)
+    w = torch.randn(40, 64).bfloat16()
+    x = torch.randn(3, 64).bfloat16()
+    x[1, 5] = float("inf")
+    y = float_linear.float_linear(x, w)
+    assert torch.isfinite(y[0]).all() and torch.isfinite(y[2]).all()  # a row's inf stays in its row
+    assert not torch.isfinite(y[1]).any()
+    # fp32 rows never take the tiles: the fp32 paths' bits, as before
+    xf = torch.randn(4, 64)
+    assert torch.equal(float_linear.float_linear(xf, w), float_linear.float_linear(xf, w, use_simd=2))
+
+
+def test_the_isa_cap_below_amx_gives_the_dot_path(monkeypatch):
+    take("amx-bf16", monkeypatch)
+    monkeypatch.setenv("QOQSERVE_CPU_ISA", "avx512-vnni")
+    assert float_linear.path() == "avx512-bf16"
+    monkeypatch.setenv("QOQSERVE_CPU_ISA", "amx")
+    assert float_linear.path() == "amx-bf16"
