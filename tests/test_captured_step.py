@@ -212,7 +212,7 @@ def test_float_linear_takes_bf16_rows_as_their_fp32_values(out_dtype):
         x = torch.randn(m, 333, generator=g).bfloat16()
         for path in range(have + 1):
             # the avx512-bf16 path sums bf16 x bf16 in its own order
-            # (tests/test_float_linear_dot.py); over fp32 weights it widens too
+            # (tests/test_float_linear_bf16.py); over fp32 weights it widens too
             for wt in (w, w.float()) if path < 3 else (w.float(),):
                 want = float_linear.float_linear(x.float(), wt, b, use_simd=path).to(out_dtype)
                 assert torch.equal(float_linear.float_linear(x, wt, b, use_simd=path, out_dtype=out_dtype), want)

@@ -20,8 +20,8 @@ needs_dot = pytest.mark.skipif(not float_linear.available() or float_linear.load
 
 @pytest.fixture(autouse=True)
 def dot_path_not_amx(monkeypatch):
-    """On CPUs with AMX-BF16 the tiles take bf16 calls (test_float_linear_amx.py);
-    capped below AMX, the dot products do."""
+    """On CPUs with AMX-BF16 the tiles take bf16 calls; capped below AMX, the
+    dot products do. A test of the tiles asks for them (take)."""
     monkeypatch.setenv("QOQSERVE_CPU_ISA", "avx512-vnni")
 
 
