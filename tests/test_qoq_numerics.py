@@ -12,6 +12,7 @@ Bounds asserted (fp32 slack aside):
 import pytest
 import torch
 
+from qoqserve.kernels import kv_ref as KV
 from qoqserve.kernels import qoq_ref as Q
 from qoqserve.quant.weight_quantizer import WeightQuantizer
 
@@ -47,7 +48,7 @@ def test_pack_roundtrip_and_errors():
     assert torch.equal(p[0, 0], (u[0, 0] | (u[0, 1] << 4)))
     assert torch.equal(Q.unpack_uint4(p), u)
     kv = torch.randint(0, 16, (3, 2, 8), dtype=torch.uint8)
-    assert torch.equal(Q.unpack_uint4(Q.pack_kv4(kv)), kv)
+    assert torch.equal(Q.unpack_uint4(KV.pack_kv4(kv)), kv)
     with pytest.raises(ValueError, match="even"):
         Q.pack_uint4(torch.zeros(2, 3, dtype=torch.uint8))
     with pytest.raises(ValueError, match="0..15"):
@@ -179,17 +180,17 @@ def test_kv4_bounds():
     x[1, 1] = torch.randn(64) * 1e-6                          # tiny
     x[1, 2, 7] = 50.0                                         # outlier
     x = x.half().float()  # K/V arrive in fp16
-    codes, scale, zero = Q.quantize_kv4(x)
+    codes, scale, zero = KV.quantize_kv4(x)
     assert codes.dtype == torch.uint8 and codes.max() <= 15 and codes.shape == x.shape
     assert scale.dtype == zero.dtype == torch.float16 and scale.shape == (9, 4)
     assert torch.isfinite(zero).all() and (scale > 0).all()
     amax = x.abs().amax(-1, keepdim=True)
     bound = scale.float()[..., None] / 2 + amax * 2**-10
-    assert ((x - Q.dequantize_kv4(codes, scale, zero, torch.float32)).abs() <= bound).all()
-    deq16 = Q.dequantize_kv4(codes, scale, zero)
+    assert ((x - KV.dequantize_kv4(codes, scale, zero, torch.float32)).abs() <= bound).all()
+    deq16 = KV.dequantize_kv4(codes, scale, zero)
     assert deq16.dtype == torch.float16
     assert ((x - deq16.float()).abs() <= bound + x.abs() * 2**-11).all()
-    assert (Q.dequantize_kv4(codes, scale, zero)[0, 0] == 0).all()
+    assert (KV.dequantize_kv4(codes, scale, zero)[0, 0] == 0).all()
 
 
 def _gemm_operands(m, k=256, n=48, seed=3):

@@ -374,7 +374,7 @@ def test_key_transform_after_smooth_attention(smol_rotated):
     """SmolLM2: SmoothAttention then centering with the lambda-scaled mean keeps
     the logits, and the 4-bit error of the keys, mapped back to the original
     key space (what attention scores see), drops (measured ~0.5x)."""
-    from qoqserve.kernels.qoq_ref import dequantize_kv4, quantize_kv4
+    from qoqserve.kernels.kv_ref import dequantize_kv4, quantize_kv4
 
     def kv4_delta(k):
         return dequantize_kv4(*quantize_kv4(k), torch.float32) - k

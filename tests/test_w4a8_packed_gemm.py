@@ -303,12 +303,13 @@ def test_the_packed_method_fuses_silu_mul_only_where_it_rounds_alike():
         assert torch.equal(method.input_from_silu_mul(gate_up, op), op(gate_up))
 
 
-@pytest.mark.parametrize("isa", ["avx512-vnni", "scalar"])
+@pytest.mark.parametrize("isa", ["amx", "avx512-vnni", "scalar"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul_in_the_gate_up_epilogue_is_bit_identical_to_the_gemm_then_the_op(monkeypatch, dtype, isa):
     """silu_pairs: the gate_up GEMM makes silu(gate) * up itself; one or two
     rows (the raw-codes loop), one row tile and
-    several (the panel), a pair left in a 4-block tile (n = 2 x 176), both
+    several (the panel; with AMX, from 12 rows, the tiles: one 16-row tile,
+    two, and one past them), a pair left in a 4-block tile (n = 2 x 176), both
     threads' ranges, with and without bias, plain and normalized inputs, and
     gates where the SiLU saturates, underflows or meets a signed zero."""
     _need(isa)
@@ -322,7 +323,7 @@ def test_silu_mul_in_the_gate_up_epilogue_is_bit_identical_to_the_gemm_then_the_
         c["s1"][:3] = torch.tensor([60.0, 1e-4, 0.0]).half()  # gates of +-hundreds, tiny ones, zeros
         for with_bias in (False, True):
             plain, pairs = (_packed(c, 64, with_bias, silu_pairs=p) for p in (False, True))
-            for m in (1, 2, 6, 7, 33):
+            for m in (1, 2, 6, 7, 12, 16, 33):
                 x = _input(m, k, dtype, seed=m + n)
                 want = elementwise.silu_mul(plain(x))
                 got = pairs.silu_mul(x)
@@ -372,12 +373,11 @@ def test_silu_pairs_are_refused_where_the_epilogue_cannot_run(monkeypatch):
             _packed(cc, group, with_bias=False, silu_pairs=True)
     with pytest.raises(ValueError, match="silu_pairs=True"):
         _packed(c, 64).silu_mul(torch.randn(2, 128))
-    for isa in ("avx2", "amx"):  # no epilogue there; AMX prompts keep their tiles
-        if w4a8_gemm.ISAS.index(isa) <= w4a8_gemm.ISAS.index(best_isa_of_this_cpu()):
-            monkeypatch.setenv(w4a8_gemm.ISA_ENV, isa)
-            assert not w4a8_gemm.silu_pairs_supported(64, 64)
-            with pytest.raises(ValueError, match=isa):
-                _packed(c, 64, with_bias=False, silu_pairs=True)
+    if w4a8_gemm.ISAS.index("avx2") <= w4a8_gemm.ISAS.index(best_isa_of_this_cpu()):  # no epilogue there
+        monkeypatch.setenv(w4a8_gemm.ISA_ENV, "avx2")
+        assert not w4a8_gemm.silu_pairs_supported(64, 64)
+        with pytest.raises(ValueError, match="avx2"):
+            _packed(c, 64, with_bias=False, silu_pairs=True)
 
 
 @pytest.mark.parametrize("isa", ["amx", "avx512-vnni", "avx2", "scalar"])

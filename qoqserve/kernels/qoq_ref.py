@@ -6,7 +6,7 @@ quantized with exactly the arithmetic the engine later undoes. Only torch.
 Formats (see DESIGN.md "QoQ facts"):
 - group (g64/g128): w ~= s1[n] * s2[n,g] * (u - z[n,g]); s1 fp16, s2/z/u integers.
 - channel:          w ~= s1[n] * (u - z[n]);             s1 fp16, z/u integers.
-- activations: int8 symmetric per token; KV: uint4 asymmetric per token per head.
+- activations: int8 symmetric per token (the KV cache's formats: kv_ref.py).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ INT8_MM_MAX_K = (2**31 - 1) // (128 * 128)
 # fp32 sums integer products exactly while every partial sum stays within
 # 2^24: 1024 products of magnitude <= 128 * 128 each, in any order
 FP32_EXACT_K = 2**24 // (128 * 128)
-_FP16_TINY = 2.0**-24  # smallest positive fp16 (subnormal)
+FP16_TINY = 2.0**-24  # smallest positive fp16 (subnormal)
 
 
 # ----------------------------------------------------------------- packing
@@ -46,7 +46,7 @@ def _round_up_fp16(v: torch.Tensor) -> torch.Tensor:
     """Smallest positive fp16 >= v. Scales rounded *down* to fp16 would make the
     extreme weight exceed the code range and be clamped; rounding up keeps the
     textbook half-step error bound exact."""
-    h = v.clamp(min=_FP16_TINY).half()
+    h = v.clamp(min=FP16_TINY).half()
     low = h.float() < v
     h = torch.where(low, torch.nextafter(h, torch.full_like(h, float("inf"))), h)
     if not torch.isfinite(h).all():
@@ -259,57 +259,3 @@ def w4a8_channel_linear_sim(x, u, s1, z) -> torch.Tensor:
     x2, lead = _flat(x)
     x_q, s_a = quantize_act_int8(x2)
     return _channel_epilogue(x_q.float() @ u.float().t(), s_a, x2, s1, z, lead)
-
-
-# --------------------------------------------------------------------- KV4
-# bytes of one page row (one token's K or V of one head) per KV page format: the
-# torch layouts (layers/kv_cache.py) and the C/Triton kernels read this one table
-_KV_ROW_BYTES = {"int4": lambda d: d // 2 + 4,   # packed codes, fp16 scale, fp16 zero
-                 "int8": lambda d: d + 2,        # int8 codes, fp16 scale
-                 "float16": lambda d: 2 * d, "bfloat16": lambda d: 2 * d, "float32": lambda d: 4 * d}
-KV_FORMATS = tuple(_KV_ROW_BYTES)
-
-
-def kv_row_bytes(fmt: str, head_dim: int) -> int:
-    if fmt not in _KV_ROW_BYTES:
-        raise ValueError(f"unknown KV page format {fmt!r}; choose from {', '.join(KV_FORMATS)}")
-    return _KV_ROW_BYTES[fmt](head_dim)
-
-
-def quantize_kv4(x: torch.Tensor):
-    """Per token, per head asymmetric UINT4 over the last dim of x [T, H, D].
-
-    Returns (codes uint8 [T,H,D], scale fp16 [T,H], zero fp16 [T,H]). The scale
-    floor amax*2^-14 keeps |zero| <= 2^14 representable in fp16 for near-constant
-    heads; it only bites below the fp16 resolution of the values themselves.
-    """
-    xf = x.float()
-    lo, hi = xf.amin(dim=-1), xf.amax(dim=-1)
-    amax = torch.maximum(lo.abs(), hi.abs())
-    scale = torch.maximum((hi - lo) / 15, amax * 2.0**-14).half()
-    scale = torch.where(scale > 0, scale, torch.full_like(scale, _FP16_TINY))
-    zero = (-lo / scale.float()).half()
-    codes = torch.round(xf / scale.float()[..., None] + zero.float()[..., None])
-    return codes.clamp(0, 15).to(torch.uint8), scale, zero
-
-
-def dequantize_kv4(codes, scale, zero, dtype=torch.float16) -> torch.Tensor:
-    deq = (codes.float() - zero.float()[..., None]) * scale.float()[..., None]
-    return deq.to(dtype)
-
-
-def pack_kv4(codes: torch.Tensor) -> torch.Tensor:
-    """[T, H, D] codes -> [T, H, D//2] bytes (same nibble order as weights)."""
-    return pack_uint4(codes)
-
-
-# --------------------------------------------------------------------- KV8
-def quantize_kv8(x: torch.Tensor):
-    """Per token, per head symmetric INT8 over the last dim of x [T, H, D]:
-    (codes int8 [T,H,D], scale fp16 [T,H]); x ~= code * scale."""
-    xf = x.float()
-    amax = xf.abs().amax(dim=-1)
-    scale = (amax / 127).half()
-    scale = torch.where(scale > 0, scale, torch.full_like(scale, _FP16_TINY))
-    codes = torch.clamp(torch.round(xf / scale.float()[..., None]), -127, 127)
-    return codes.to(torch.int8), scale

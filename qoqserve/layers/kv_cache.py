@@ -8,7 +8,7 @@ memory budget), how fresh K/V are written into their slots (the torch
 reference of every kernel), and how a batch of paged histories is read back
 as dense K/V. The FP layout stores values as they are; the KV4 layout (codes +
 inline scale/zero) plugs in the same way. Row sizes come from
-qoq_ref.kv_row_bytes, which the C kernels read too.
+kv_ref.kv_row_bytes, which the C kernels read too.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from qoqserve.kernels import qoq_ref
+from qoqserve.kernels import kv_ref, qoq_ref
 
 
 class KVCacheLayout(ABC):
@@ -66,7 +66,7 @@ class DenseKVCacheLayout(KVCacheLayout):
         self.name = str(dtype).replace("torch.", "")
 
     def bytes_per_token(self) -> int:
-        return 2 * self.num_kv_heads * qoq_ref.kv_row_bytes(self.name, self.head_dim)
+        return 2 * self.num_kv_heads * kv_ref.kv_row_bytes(self.name, self.head_dim)
 
     def allocate(self, num_blocks: int, device: torch.device) -> torch.Tensor:
         return torch.zeros(2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
@@ -143,18 +143,18 @@ class Int4KVCacheLayout(QuantizedRowKVCacheLayout):
         super().__init__(num_kv_heads, head_dim, block_size)
         if head_dim % 2:
             raise ValueError(f"KV4 needs an even head_dim, got {head_dim}")
-        self.row_bytes = qoq_ref.kv_row_bytes(self.name, head_dim)
+        self.row_bytes = kv_ref.kv_row_bytes(self.name, head_dim)
 
     def _encode(self, x: torch.Tensor) -> torch.Tensor:
-        codes, scale, zero = qoq_ref.quantize_kv4(x)
+        codes, scale, zero = kv_ref.quantize_kv4(x)
         meta = torch.stack([scale, zero], dim=-1).view(torch.uint8)  # [T, H, 4]
-        return torch.cat([qoq_ref.pack_uint4(codes), meta], dim=-1)
+        return torch.cat([kv_ref.pack_kv4(codes), meta], dim=-1)
 
     def _decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         d2 = self.head_dim // 2
         codes = qoq_ref.unpack_uint4(rows[..., :d2])
         meta = rows[..., d2:].contiguous().view(torch.float16)  # [..., 2]
-        return qoq_ref.dequantize_kv4(codes, meta[..., 0], meta[..., 1], dtype)
+        return kv_ref.dequantize_kv4(codes, meta[..., 0], meta[..., 1], dtype)
 
 
 class Int8KVCacheLayout(QuantizedRowKVCacheLayout):
@@ -164,10 +164,10 @@ class Int8KVCacheLayout(QuantizedRowKVCacheLayout):
 
     def __init__(self, num_kv_heads: int, head_dim: int, block_size: int):
         super().__init__(num_kv_heads, head_dim, block_size)
-        self.row_bytes = qoq_ref.kv_row_bytes(self.name, head_dim)
+        self.row_bytes = kv_ref.kv_row_bytes(self.name, head_dim)
 
     def _encode(self, x: torch.Tensor) -> torch.Tensor:
-        codes, scale = qoq_ref.quantize_kv8(x)
+        codes, scale = kv_ref.quantize_kv8(x)
         return torch.cat([codes.view(torch.uint8), scale[..., None].view(torch.uint8)], dim=-1)
 
     def _decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

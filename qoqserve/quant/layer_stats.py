@@ -5,7 +5,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from qoqserve.kernels.qoq_ref import dequantize_kv4, quantize_kv4
+from qoqserve.kernels.kv_ref import dequantize_kv4, quantize_kv4
 from qoqserve.quant.gptq import CrossAccumulator, HessianAccumulator
 from qoqserve.quant.sim import fake_quant_act_int8
 from qoqserve.quant.transforms.smooth import smooth_attention_lambda

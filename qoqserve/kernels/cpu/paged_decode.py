@@ -10,7 +10,7 @@ import torch
 
 from qoqserve.kernels.cpu import graph
 from qoqserve.kernels.cpu.build import load_library
-from qoqserve.kernels.qoq_ref import kv_row_bytes
+from qoqserve.kernels.kv_ref import kv_row_bytes
 
 # -fassociative-math lets the portable path's loops vectorize; no finite-math
 # flags, the softmax starts from -inf. On x86 the library is built for a
@@ -26,7 +26,7 @@ _SIGNATURES = {"paged_decode_attention": (
     "paged_decode_isa": (_I, [])}
 _SIGNATURES["paged_decode_fetch"] = _SIGNATURES["paged_decode_attention"]
 _SIGNATURES["paged_decode_attention_bf16"] = _SIGNATURES["paged_decode_attention"]  # bf16 q and out
-# page formats, as the C enum numbers them (row sizes: qoq_ref.kv_row_bytes)
+# page formats, as the C enum numbers them (row sizes: kv_ref.kv_row_bytes)
 FORMATS = {"int4": 0, "int8": 1, "float16": 2, "bfloat16": 3, "float32": 4}
 
 

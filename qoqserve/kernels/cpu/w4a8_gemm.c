@@ -254,7 +254,7 @@ static int gemm_part(const Call *c, team_t tm) {
  * 2p: gate channels 16p.., block 2p + 1: the up channels of the same p; N a
  * multiple of 32), and y [M, N/2] gets silu(gate) * up of each pair, rounded
  * as silu_mul_row.h rounds the pair y would otherwise hold: a gate_up linear
- * and the SiLU * mul after it in one call (the scalar and VNNI paths: never AMX).
+ * and the SiLU * mul after it in one call (every path but AVX2).
  * simd: 0 the scalar code, 1 AVX2, 2 AVX-512 VNNI, 3 also AMX-INT8 for calls
  * of AMX_MIN_ROWS rows or more (the same numbers on every path).
  * Returns 0; -1: out of memory; -2: SIMD asked for where it cannot run (or
@@ -271,7 +271,7 @@ int w4a8_gemm(const void *x, int x_bf16, int x_mode, const void *delta, const vo
     if (x_mode < X_PLAIN || x_mode > X_NORM || (x_mode == X_NORM && !norm_w)) return -4;
     if (M <= 0 || N <= 0) return 0;  /* nothing to write (an empty batch) */
     const int64_t Kp = (K + 7) & ~(int64_t)7, nblocks = (N + NB - 1) / NB;
-    const int amx = y_silu ? 0 : amx_rows(simd > 1, M, Kp);
+    const int amx = amx_rows(simd > 1, M, Kp);
     const int own = M <= OWN_ROWS && !amx;
     /* AMX loads 16 rows a tile: rows past M are allocated, never stored */
     const int64_t rows = amx ? (M + 15) / 16 * 16 : M;

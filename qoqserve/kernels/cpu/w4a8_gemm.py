@@ -200,11 +200,9 @@ def silu_pair_order(n: int) -> torch.Tensor:
 
 def silu_pairs_supported(n: int, group_size: int) -> bool:
     """Whether the kernel here makes silu(gate) * up of n = 2I outputs in its
-    epilogue: group layouts, halves of whole 16-channel blocks, and the VNNI or
-    scalar path. AVX2 has no such epilogue; on AMX hosts a prompt's gate_up
-    keeps the AMX tiles (an epilogue call would take the VNNI loops instead,
-    a trade not measured on such a host)."""
-    return bool(group_size) and n % (2 * BLOCK_N) == 0 and isa() in ("avx512-vnni", "scalar")
+    epilogue: group layouts, halves of whole 16-channel blocks, and any path
+    but AVX2's, which has no such epilogue."""
+    return bool(group_size) and n % (2 * BLOCK_N) == 0 and isa() != "avx2"
 
 
 class PackedW4A8Gemm(nn.Module):

@@ -30,7 +30,7 @@ def _kv4_write_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, stride_kt, stride_kh, s
         lo = tl.min(tl.where(ok, x, float("inf")), axis=0)
         hi = tl.max(tl.where(ok, x, float("-inf")), axis=0)
         amax = tl.maximum(tl.abs(lo), tl.abs(hi))
-        # same formula as qoq_ref.quantize_kv4 (see there for the 2^-14 floor);
+        # same formula as kv_ref.quantize_kv4 (see there for the 2^-14 floor);
         # 5.96e-8 is 2^-24, the smallest fp16, as a literal (no globals in jit code)
         scale16 = tl.maximum(tl.math.div_rn(hi - lo, 15.0), amax * 0.00006103515625).to(tl.float16)
         scale = scale16.to(tl.float32)
