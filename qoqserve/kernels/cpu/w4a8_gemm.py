@@ -19,7 +19,7 @@ from qoqserve.kernels import qoq_ref
 from qoqserve.kernels.cpu import graph
 from qoqserve.kernels.cpu import isa as cpu_isa
 from qoqserve.kernels.cpu.build import load_library, runtime_dispatch_flags
-from qoqserve.kernels.cpu.weight_layout import interleave_tiles
+from qoqserve.kernels.cpu.weight_layout import BLOCK_N, OCTET_K, pack_group_params, repack_codes
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _SIGNATURES = {
@@ -27,7 +27,6 @@ _SIGNATURES = {
     "w4a8_gemm": (_I, [_P, _I, _I, _P, _P, ctypes.c_float, _L, _L, _P, _P, _L, _L, _P, _P, _P, _P, _P, _I, _I,
                        _I, _I]),
 }
-BLOCK_N, OCTET_K = 16, 8
 DTYPES = (torch.float32, torch.bfloat16)  # of the input and output
 ISA_ENV = cpu_isa.ENV
 _ERRORS = {-1: "could not allocate its scratch buffers", -2: "AVX-512 VNNI (or AMX) is not available on this CPU",
@@ -114,36 +113,6 @@ def check_group_size(k: int, group_size: int) -> None:
     if group_size < 0 or (group_size and (group_size % OCTET_K or k % group_size)):
         raise ValueError(f"packed W4A8 kernel: group size {group_size} must be 0 (per channel) or a "
                          f"multiple of {OCTET_K} dividing K={k} (the format allows 32, 64, 128, 256)")
-
-
-def repack_codes(qweight: torch.Tensor) -> torch.Tensor:
-    """Checkpoint codes [N, K/2] (low nibble = even k) -> the kernel's uint8
-    [ceil(N/16), ceil(K/8), 64] bytes, tiles interleaved (see w4a8_gemm.c),
-    zero codes in the padding."""
-    u = qoq_ref.unpack_uint4(qweight)
-    n, k = u.shape
-    np_, kp = -(-n // BLOCK_N) * BLOCK_N, -(-k // OCTET_K) * OCTET_K
-    u = torch.nn.functional.pad(u, (0, kp - k, 0, np_ - n))
-    # [block, i, octet, half, r] -> [block, octet, i, r, half]: byte 4i + r, nibble = half
-    t = u.view(np_ // BLOCK_N, BLOCK_N, kp // OCTET_K, 2, 4).permute(0, 2, 1, 4, 3)
-    return interleave_tiles((t[..., 0] | (t[..., 1] << 4)).reshape(np_ // BLOCK_N, kp // OCTET_K, 64))
-
-
-
-def pack_group_params(s2: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    """s2, z [N, K/g] -> uint8 [ceil(N/16), K/g, 16] bytes, tiles interleaved
-    (see w4a8_gemm.c): per block and group, one byte per channel,
-    (s2 - 1) << 4 | z. Refuses s2/z for which some code 0..15 makes s2*(u - z)
-    leave INT8 (the in-register expansion relies on it; it also
-    bounds s2 by 16, so s2 - 1 fits the nibble)."""
-    s2i, zi = s2.to(torch.int32), zeros.to(torch.int32)
-    if s2i.numel() and (int(s2i.min()) < 1 or int((s2i * -zi).min()) < -128
-                        or int((s2i * (15 - zi)).max()) > 127):
-        raise ValueError("s2*(u - z) leaves the INT8 range for some code (or s2 < 1): corrupt s2/zeros")
-    n, groups = s2i.shape
-    np_ = -(-n // BLOCK_N) * BLOCK_N
-    byte = torch.nn.functional.pad((s2i - 1) * 16 + zi, (0, 0, 0, np_ - n))  # padding: s2 1, z 0
-    return interleave_tiles(byte.view(np_ // BLOCK_N, BLOCK_N, groups).transpose(1, 2).to(torch.uint8))
 
 
 def w4a8_linear(x2: torch.Tensor, codes: torch.Tensor, gparams: torch.Tensor | None, group_size: int,
