@@ -145,6 +145,37 @@ def test_bit_identical_for_every_input_dtype(dtype, group):
     _check(9, 40, 512, group, dtype, seed=group)
 
 
+def _near_ties(m, k, seed):
+    """Rows whose quotients x / s sit on or within a few ulps of halves (k + 0.5),
+    at scales s = amax / 127 whose inverse is inexact: where a multiply by 1/s
+    and the reference's division round to different codes."""
+    g = torch.Generator().manual_seed(seed)
+    amax = (torch.rand(m, generator=g) * 5 + 0.3) * 2.0 ** torch.randint(-20, 20, (m,), generator=g)
+    s = amax / 127
+    half = torch.randint(-127, 127, (m, k), generator=g).float() + 0.5
+    x = half * s[:, None]
+    ulps = torch.randint(-3, 4, (m, k), generator=g).float()
+    x = x + ulps * torch.finfo(torch.float32).eps * x.abs()
+    x[:, 0] = amax  # the row's amax, hence its scale
+    return x
+
+
+@pytest.mark.parametrize("m", [3, 20])  # the VNNI loops; the AMX tiles where the CPU has them
+def test_near_tie_quotients_round_as_the_reference_divides(m):
+    """The AVX-512 row quantization multiplies by 1/s and divides only where
+    a quotient lies near a half: codes must be the division's, bit for bit
+    (a multiply alone gives other codes on these rows)."""
+    k, n = 512, 40
+    x = _near_ties(m, k, seed=m)
+    s = x.abs().amax(1, keepdim=True) / 127
+    assert not torch.equal(torch.round(x * (1 / s)), torch.round(x / s))  # the rows can tell them apart
+    c = _checkpoint(n, k, 64, seed=m)
+    ref = int8_linear(x, c["w8"], c["s1"], c["zref"], c["bias"], cpu_ops=False)
+    assert torch.equal(_packed(c, 64)(x), ref)
+    if fused_int8_available():  # the fused INT8 linear quantizes its rows with the same code
+        assert torch.equal(PackedInt8Gemm(c["w8"], c["s1"], c["zref"], c["bias"])(x), ref)
+
+
 @pytest.mark.parametrize("k", [1536, 576, 10, 6, 2])  # per channel K is only even: padded to 8
 def test_per_channel_any_even_k(k):
     _check(7, 33, k, 0, torch.float32, seed=k)

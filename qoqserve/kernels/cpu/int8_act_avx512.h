@@ -16,20 +16,37 @@
 #endif
 #include "bf16_avx512.h"
 
+/* round(x / s) as the reference's division rounds it, by a multiply: x * (1/s)
+ * lies within |x/s| 2^-22 (< 4e-5 here, |x/s| <= 127) of the rounded quotient,
+ * so both round to the same integer unless they sit that close to a half; a
+ * vector with a lane within 2^-10 of one takes the division (rare). Only for
+ * a normal s >= 2^-120 (inv finite); the caller divides otherwise. */
+AVX512_FN static inline __m512 round_quotient(__m512 v, __m512 vs, __m512 inv) {
+    const int near = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const __m512 y = _mm512_mul_ps(v, inv), r = _mm512_roundscale_ps(y, near);
+    const __m512 off = _mm512_abs_ps(_mm512_sub_ps(y, r));  /* NaN: compares false, and NaN either way */
+    if (_mm512_cmp_ps_mask(off, _mm512_set1_ps(0.5f - 0x1p-10f), _CMP_GT_OQ))
+        return _mm512_roundscale_ps(_mm512_div_ps(v, vs), near);
+    return r;
+}
+
 /* one row: int8 codes (zero-padded to Kp), scale amax/127, sum of the codes */
 AVX512_FN static void quantize_row_avx512(const void *x, int bf16, int64_t K, int64_t Kp, int8_t *q,
                                            float *scale, int32_t *qsum) {
-    __m512 amax = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16)  /* NaN inputs are skipped, as in the scalar max */
-        amax = _mm512_max_ps(_mm512_abs_ps(load_f32(x, bf16, k, lane_mask(K - k))), amax);
-    float a = _mm512_reduce_max_ps(amax);
+    __m512 amax[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t k = 0; k < K; k += 16)  /* NaN inputs are skipped, as in the scalar max; 4 chains, one max */
+        amax[k / 16 % 4] = _mm512_max_ps(_mm512_abs_ps(load_f32(x, bf16, k, lane_mask(K - k))), amax[k / 16 % 4]);
+    float a = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(amax[0], amax[1]), _mm512_max_ps(amax[2], amax[3])));
     float s = a > 0.f ? a / 127.f : 1.f;
-    __m512 vs = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+    const int by_inverse = s >= 0x1p-120f && s <= 0x1p120f;
+    __m512 vs = _mm512_set1_ps(s), inv = _mm512_set1_ps(1.f / s), lo = _mm512_set1_ps(-127.f),
+           hi = _mm512_set1_ps(127.f);
     __m512i sum = _mm512_setzero_si512();
     for (int64_t k = 0; k < K; k += 16) {
         __mmask16 m = lane_mask(K - k);
-        __m512 r = _mm512_roundscale_ps(_mm512_div_ps(load_f32(x, bf16, k, m), vs),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512 v = load_f32(x, bf16, k, m);
+        __m512 r = by_inverse ? round_quotient(v, vs, inv)
+                              : _mm512_roundscale_ps(_mm512_div_ps(v, vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         __m512i c = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi));
         sum = _mm512_add_epi32(sum, c);
         _mm_mask_storeu_epi8(q + k, m, _mm512_cvtsepi32_epi8(c));
