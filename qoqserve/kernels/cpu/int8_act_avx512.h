@@ -33,16 +33,23 @@ AVX512_FN static inline __m512 round_quotient(__m512 v, __m512 vs, __m512 inv) {
 /* one row: int8 codes (zero-padded to Kp), scale amax/127, sum of the codes */
 AVX512_FN static void quantize_row_avx512(const void *x, int bf16, int64_t K, int64_t Kp, int8_t *q,
                                            float *scale, int32_t *qsum) {
-    __m512 amax[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (int64_t k = 0; k < K; k += 16)  /* NaN inputs are skipped, as in the scalar max; 4 chains, one max */
-        amax[k / 16 % 4] = _mm512_max_ps(_mm512_abs_ps(load_f32(x, bf16, k, lane_mask(K - k))), amax[k / 16 % 4]);
-    float a = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(amax[0], amax[1]), _mm512_max_ps(amax[2], amax[3])));
+    /* NaN inputs are skipped, as in the scalar max; four chains in registers, one max */
+    __m512 m0 = _mm512_setzero_ps(), m1 = m0, m2 = m0, m3 = m0;
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64) {
+        m0 = _mm512_max_ps(_mm512_abs_ps(load_f32(x, bf16, k, 0xffff)), m0);
+        m1 = _mm512_max_ps(_mm512_abs_ps(load_f32(x, bf16, k + 16, 0xffff)), m1);
+        m2 = _mm512_max_ps(_mm512_abs_ps(load_f32(x, bf16, k + 32, 0xffff)), m2);
+        m3 = _mm512_max_ps(_mm512_abs_ps(load_f32(x, bf16, k + 48, 0xffff)), m3);
+    }
+    for (; k < K; k += 16) m0 = _mm512_max_ps(_mm512_abs_ps(load_f32(x, bf16, k, lane_mask(K - k))), m0);
+    float a = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3)));
     float s = a > 0.f ? a / 127.f : 1.f;
     const int by_inverse = s >= 0x1p-120f && s <= 0x1p120f;
     __m512 vs = _mm512_set1_ps(s), inv = _mm512_set1_ps(1.f / s), lo = _mm512_set1_ps(-127.f),
            hi = _mm512_set1_ps(127.f);
     __m512i sum = _mm512_setzero_si512();
-    for (int64_t k = 0; k < K; k += 16) {
+    for (k = 0; k < K; k += 16) {
         __mmask16 m = lane_mask(K - k);
         const __m512 v = load_f32(x, bf16, k, m);
         __m512 r = by_inverse ? round_quotient(v, vs, inv)
