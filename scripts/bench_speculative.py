@@ -48,12 +48,17 @@ def main() -> None:
     ap.add_argument("--lookup-max", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--temperature", type=float, default=0.0, help="> 0: drawn, seeded (--seed)")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max,
             "prompt_lookup_min": args.lookup_min}
     engines = {"plain": LLM(args.model), "ngram": LLM(args.model, speculative_config=spec)}
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    print(f"# model {args.model}, greedy, max_tokens {args.max_tokens}, speculative_config {spec}, "
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+                            seed=args.seed if args.temperature else None)
+    how = f"temperature {args.temperature}, top_p {args.top_p}, seed {args.seed}" if args.temperature else "greedy"
+    print(f"# model {args.model}, {how}, max_tokens {args.max_tokens}, speculative_config {spec}, "
           f"best of {args.rounds} rounds taking turns")
     print("| workload | batch | tokens out | plain tok/s | ngram tok/s | speed-up | drafts accepted |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")

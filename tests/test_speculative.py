@@ -1,6 +1,6 @@
 """Speculative decoding with n-gram drafts (engine/speculative.py): every
-request gets, token for token, what it gets without it (greedy ones through
-the drafts, the others beside them in the same steps), drafts are proposed
+request gets, token for token, what it gets without it (greedy ones and
+seeded drawn ones through the drafts, the others beside them in the same steps), drafts are proposed
 and accepted where the context repeats, nothing outlives the requests, and a
 bad --speculative-config stops the start naming what is wrong."""
 from __future__ import annotations
@@ -104,6 +104,28 @@ def test_speculative_outputs_are_the_plain_outputs_token_for_token(case, qoq_tin
     assert stats["spec_decode_num_draft_tokens"] > 0, stats
     assert model == qoq_tiny or stats["spec_decode_num_accepted_tokens"] > 0, stats
     assert stats["spec_decode_num_accepted_tokens"] <= stats["spec_decode_num_draft_tokens"]
+
+
+@pytest.mark.parametrize("model", [None, "qoq"])
+def test_seeded_drawn_requests_verify_drafts_by_drawing_and_get_their_plain_tokens(model):
+    """A request drawn by temperature, min_p, top-k and top-p gets drafts too:
+    each token after a draft is drawn only while the drafts before it hold, one
+    uniform a token, so a seeded request gets, token for token, what it gets
+    without drafts; on text that repeats, drawn tokens accept drafts."""
+    params = [SamplingParams(temperature=0.3, seed=1, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.7, top_p=0.9, seed=2, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.5, top_k=5, min_p=0.05, seed=3, max_tokens=36, ignore_eos=True)]
+    runs = {}
+    for spec in (None, SPEC):
+        llm = LLM(model, kv_cache_gb=0.05, max_num_seqs=4, speculative_config=spec)
+        runs[spec is not None] = _outputs(llm, COPY, params)
+        if spec is not None:
+            stats = llm.engine.stats()
+        del llm
+        gc.collect()
+    assert runs[True] == runs[False]
+    assert stats["spec_decode_num_accepted_tokens"] > 8, stats
+    assert stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"], stats
 
 
 def test_drafts_stop_at_max_tokens_and_stops_and_fit_the_captured_sizes():

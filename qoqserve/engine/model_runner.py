@@ -212,10 +212,12 @@ class ModelRunner:
     def run_verify(self, batch: ScheduledBatch, drafts: list[list[int]]):
         """A decode step that also scores draft tokens (engine/speculative.py):
         the sampler's (tokens, logprobs, top_logprobs) for batch.decodes, as
-        run() gives them, and the argmax after each draft token, [rows]
-        per decode. Each draft is a row of its own (its token at its position,
-        attending up to it), so every row's logits are those a one-token step
-        there would compute."""
+        run() gives them, and each decode's tokens after its drafts: the
+        argmax after each (greedy rows), or, for drawn rows, a draw after each
+        draft as long as the token before it equals it (one uniform a token
+        taken, as plain steps take them). Each draft is a row of its own (its
+        token at its position, attending up to it), so every row's logits are
+        those a one-token step there would compute."""
         self.sampler.begin()
         rows = [(seq, len(seq) + j, t) for seq, d in zip(batch.decodes, drafts) for j, t in enumerate(d)]
         b = len(batch.decodes)
@@ -226,8 +228,9 @@ class ModelRunner:
         sampled = self.sampler(logits[:b], batch.sampled, greedy=greedy[:b] if greedy is not None else None)
         after = (greedy[b:] if greedy is not None else argmax_tokens(logits[b:].float())).tolist()
         per_seq, at = [], 0
-        for d in drafts:
-            per_seq.append(after[at:at + len(d)])
+        for seq, t0, d in zip(batch.decodes, sampled[0], drafts):
+            per_seq.append(after[at:at + len(d)] if seq.takes_argmax
+                           else self.sampler.draw_after_drafts(logits[b + at:b + at + len(d)], seq, t0, d))
             at += len(d)
         return sampled, per_seq
 

@@ -76,6 +76,13 @@ class Sequence:
         return self.params.plain_greedy and self.constraint is None and not self.bans_tokens
 
     @property
+    def takes_plain_draw(self) -> bool:
+        """Its next token is drawn from the model's logits by temperature,
+        min_p, top-k and top-p alone: no penalties or logprobs, no grammar, no
+        banned tokens (the drafts of engine/speculative.py verify it by drawing)."""
+        return self.params.plain_draw and self.constraint is None and not self.bans_tokens
+
+    @property
     def active_stop_bans(self) -> tuple[int, ...]:
         """The stop tokens banned at its next token: all of stop_bans until min_tokens are out."""
         return self.stop_bans if self.num_output_tokens < self.params.min_tokens else ()

@@ -130,6 +130,20 @@ class Sampler:
         gen = self._generator(req)
         return [float(torch.rand((), dtype=torch.float64, generator=gen)) for _ in range(n)]
 
+    def draw_after_drafts(self, logits: torch.Tensor, req: SamplingRequest, first: int, drafts: list[int]) -> list[int]:
+        """A plainly drawn request's tokens after its drafts (logits [k, V]: row j
+        the logits after drafts[j]), drawn while the token before each equals its
+        draft: the first token after a draft that is not taken ends them. One
+        uniform a token drawn, so its uniforms are those of plain steps."""
+        out, last = [], first
+        for j, draft in enumerate(drafts):
+            if last != draft:
+                break
+            u = self.uniforms(req, 1)
+            last = draw_tokens(logits[j:j + 1].float(), [0], [req.params], u)[0]
+            out.append(last)
+        return out
+
     def burst_draws(self, requests: list[SamplingRequest], steps: int) -> tuple[list, list, list, list, list]:
         """What a decode burst's sample_step reads for these rows: (temperatures,
         min_ps, top_ks, top_ps, uniforms [steps][rows]; greedy rows: temperature 0, u unused)."""
