@@ -218,18 +218,7 @@ class SamplingParams:
     def plain_greedy(self) -> bool:
         """The argmax of the model's logits is the token, and nothing else of
         them is wanted (no penalties, no logprobs)."""
-        return self.greedy and self._plain
-
-    @property
-    def plain_draw(self) -> bool:
-        """The token is drawn from the model's logits by temperature, min_p,
-        top-k and top-p alone, and nothing else of them is wanted (no
-        penalties, no logprobs)."""
-        return not self.greedy and self._plain
-
-    @property
-    def _plain(self) -> bool:
-        return self.burstable and not self.logprobs and not self.has_penalties
+        return self.greedy and self.burstable and not self.logprobs and not self.has_penalties
 
     @property
     def burstable(self) -> bool:

@@ -1,6 +1,6 @@
 """Speculative decoding with n-gram drafts (engine/speculative.py): every
-request gets, token for token, what it gets without it (greedy ones and
-seeded drawn ones through the drafts, the others beside them in the same steps), drafts are proposed
+request gets, token for token, what it gets without it (greedy, seeded drawn
+and penalized ones through the drafts, the others beside them in the same steps), drafts are proposed
 and accepted where the context repeats, nothing outlives the requests, and a
 bad --speculative-config stops the start naming what is wrong."""
 from __future__ import annotations
@@ -106,19 +106,31 @@ def test_speculative_outputs_are_the_plain_outputs_token_for_token(case, qoq_tin
     assert stats["spec_decode_num_accepted_tokens"] <= stats["spec_decode_num_draft_tokens"]
 
 
+REPEATS = ["one one one one one one one one one one one one one one one one one one",
+           "Say it again: yes yes yes yes yes yes yes yes yes yes yes yes yes yes"]
+
+
 @pytest.mark.parametrize("model", [None, "qoq"])
-def test_seeded_drawn_requests_verify_drafts_by_drawing_and_get_their_plain_tokens(model):
-    """A request drawn by temperature, min_p, top-k and top-p gets drafts too:
-    each token after a draft is drawn only while the drafts before it hold, one
-    uniform a token, so a seeded request gets, token for token, what it gets
-    without drafts; on text that repeats, drawn tokens accept drafts."""
-    params = [SamplingParams(temperature=0.3, seed=1, max_tokens=40, ignore_eos=True),
-              SamplingParams(temperature=0.7, top_p=0.9, seed=2, max_tokens=40, ignore_eos=True),
-              SamplingParams(temperature=0.5, top_k=5, min_p=0.05, seed=3, max_tokens=36, ignore_eos=True)]
+def test_seeded_drawn_and_penalized_requests_verify_drafts_and_get_their_plain_tokens(model):
+    """Requests drawn by temperature, min_p, top-k and top-p, or with penalties
+    and logit_bias, get drafts too: each token after a draft is chosen only
+    while the drafts before it hold (one uniform a drawn token), its penalties
+    counting those drafts, so a seeded request gets, token for token, what it
+    gets without drafts; on text that repeats, their tokens accept drafts (on
+    REPEATS, penalties that leave the drafts out choose other tokens)."""
+    drawn = [SamplingParams(temperature=0.3, seed=1, max_tokens=40, ignore_eos=True),
+             SamplingParams(temperature=0.7, top_p=0.9, seed=2, max_tokens=40, ignore_eos=True),
+             SamplingParams(temperature=0.5, top_k=5, min_p=0.05, seed=3, max_tokens=36, ignore_eos=True)]
+    penalized = [SamplingParams(temperature=0.0, repetition_penalty=1.05, max_tokens=30, ignore_eos=True),
+                 SamplingParams(temperature=0.0, presence_penalty=0.5, max_tokens=24, ignore_eos=True),
+                 SamplingParams(temperature=0.6, seed=5, frequency_penalty=0.3, max_tokens=24, ignore_eos=True),
+                 SamplingParams(temperature=0.4, seed=4, presence_penalty=0.2, frequency_penalty=0.3,
+                                logit_bias={13: 2.0}, max_tokens=24, ignore_eos=True)]
     runs = {}
     for spec in (None, SPEC):
         llm = LLM(model, kv_cache_gb=0.05, max_num_seqs=4, speculative_config=spec)
-        runs[spec is not None] = _outputs(llm, COPY, params)
+        # each penalized kind alone on REPEATS: room in every step for its drafts
+        runs[spec is not None] = [_outputs(llm, COPY, drawn)] + [_outputs(llm, REPEATS, q) for q in penalized]
         if spec is not None:
             stats = llm.engine.stats()
         del llm

@@ -213,9 +213,8 @@ class ModelRunner:
         """A decode step that also scores draft tokens (engine/speculative.py):
         the sampler's (tokens, logprobs, top_logprobs) for batch.decodes, as
         run() gives them, and each decode's tokens after its drafts: the
-        argmax after each (greedy rows), or, for drawn rows, a draw after each
-        draft as long as the token before it equals it (one uniform a token
-        taken, as plain steps take them). Each draft is a row of its own (its
+        argmax after each (plain greedy rows), or the sampler's choice after
+        each as long as the token before it equals it (Sampler.after_drafts). Each draft is a row of its own (its
         token at its position, attending up to it), so every row's logits are
         those a one-token step there would compute."""
         self.sampler.begin()
@@ -230,7 +229,7 @@ class ModelRunner:
         per_seq, at = [], 0
         for seq, t0, d in zip(batch.decodes, sampled[0], drafts):
             per_seq.append(after[at:at + len(d)] if seq.takes_argmax
-                           else self.sampler.draw_after_drafts(logits[b + at:b + at + len(d)], seq, t0, d))
+                           else self.sampler.after_drafts(logits[b + at:b + at + len(d)], seq, t0, d))
             at += len(d)
         return sampled, per_seq
 

@@ -76,11 +76,13 @@ class Sequence:
         return self.params.plain_greedy and self.constraint is None and not self.bans_tokens
 
     @property
-    def takes_plain_draw(self) -> bool:
-        """Its next token is drawn from the model's logits by temperature,
-        min_p, top-k and top-p alone: no penalties or logprobs, no grammar, no
-        banned tokens (the drafts of engine/speculative.py verify it by drawing)."""
-        return self.params.plain_draw and self.constraint is None and not self.bans_tokens
+    def verifies_drafts(self) -> bool:
+        """Its token after each draft (engine/speculative.py) can be chosen as a
+        plain step would choose it there: nothing but the token is wanted of
+        the logits (no logprobs), and nothing but the logits, its sampling
+        params and its own tokens, drafts included, decides it (no grammar, no
+        banned tokens; penalties read its tokens)."""
+        return not self.params.logprobs and self.constraint is None and not self.bans_tokens
 
     @property
     def active_stop_bans(self) -> tuple[int, ...]:

@@ -2,10 +2,10 @@
 context (vLLM's "ngram" method: engine/ngram_proposer.py), verified by the
 model in one step.
 
-A request whose token is the argmax of the logits or a plain draw from them
-(temperature, min_p, top-k, top-p) and wants nothing else of them (no
-penalties, logprobs, grammar or banned tokens: Sequence.takes_argmax,
-Sequence.takes_plain_draw) may get up to num_speculative_tokens drafts
+A request whose token is chosen from the logits, its sampling params and
+its own tokens alone (greedy or drawn, penalties included) and that wants
+nothing else of the logits (no logprobs, grammar or banned tokens:
+Sequence.verifies_drafts) may get up to num_speculative_tokens drafts
 d1..dk in a step. The step then runs 1 + k rows for it: its newest token,
 as any decode, and each draft at its position; every row writes its K/V and
 attends to the sequence up to its own position, exactly as the one-token
@@ -13,12 +13,13 @@ step at that position would (the decode kernels compute each row alone:
 ModelRunner.run_verify). The step's token t0 is taken as always; d1 is
 accepted when it equals t0, and then the token after d1 is the next one, and
 so on: the request gets 1 + (drafts accepted) tokens, each the one plain
-decoding gives, bit for bit. A greedy row's token after a draft is its
-argmax; a drawn row's is drawn only once the drafts before it are accepted,
-with the request's next uniform, so it takes as many uniforms as tokens and
-a seeded request draws what it draws without drafts (for an n-gram draft,
-a point mass, accepting d with probability p(d) and otherwise drawing from
-p without d is what rejection sampling does). What the step wrote for
+decoding gives, bit for bit. A plain greedy row's token after a draft is
+its argmax; any other's is chosen by the sampler, as a plain step there
+would choose it (its penalties counting the drafts before it), and only
+once those drafts are accepted, so a drawn request takes one uniform a
+token and a seeded one draws what it draws without drafts (for an n-gram
+draft, a point mass, accepting d with probability p(d) and otherwise
+drawing from p without d is what rejection sampling does). What the step wrote for
 rejected drafts lies past the sequence's computed tokens and is overwritten
 before anything reads it; the prefix cache registers only pages whose
 tokens are all computed.
@@ -93,8 +94,8 @@ class Speculator:
         for seq in batch.decodes:
             d: list[int] = []
             k = min(rows_left, self._room(seq))
-            # drafts verified by its own argmax or draw give it what it would get anyway
-            if k > 0 and (seq.takes_argmax or seq.takes_plain_draw):
+            # drafts verified by its own choice give it what it would get anyway
+            if k > 0 and seq.verifies_drafts:
                 state = self._drafting.get(seq.request_id)
                 if state is None:
                     state = self._drafting[seq.request_id] = Drafting(self.config.prompt_lookup_min,

@@ -60,6 +60,24 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
     return logits
 
 
+class RequestAhead:
+    """A request as it would stand with tokens appended that are not yet its
+    (drafts being verified): what the sampler reads of it, for one with no
+    grammar and no banned tokens."""
+    constraint = None
+    bad_words_ids = ()
+    active_stop_bans = ()
+    bans_tokens = False
+
+    def __init__(self, req: SamplingRequest, tokens: list[int]):
+        self.request_id, self.params, self.num_prompt_tokens = req.request_id, req.params, req.num_prompt_tokens
+        self.token_ids = req.token_ids + tokens
+        self.output_counts = dict(req.output_counts)
+        for t in tokens:
+            self.output_counts[t] = self.output_counts.get(t, 0) + 1
+        self.takes_argmax = req.takes_argmax
+
+
 def argmax_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Greedy tokens of fp32 logits [B, V]: the C kernel's on CPU (torch's index, faster)."""
     if elementwise.argmax_takes(logits):
@@ -130,17 +148,18 @@ class Sampler:
         gen = self._generator(req)
         return [float(torch.rand((), dtype=torch.float64, generator=gen)) for _ in range(n)]
 
-    def draw_after_drafts(self, logits: torch.Tensor, req: SamplingRequest, first: int, drafts: list[int]) -> list[int]:
-        """A plainly drawn request's tokens after its drafts (logits [k, V]: row j
-        the logits after drafts[j]), drawn while the token before each equals its
-        draft: the first token after a draft that is not taken ends them. One
-        uniform a token drawn, so its uniforms are those of plain steps."""
+    def after_drafts(self, logits: torch.Tensor, req: SamplingRequest, first: int, drafts: list[int]) -> list[int]:
+        """A request's tokens after its drafts (logits [k, V]: row j the logits
+        after drafts[j]), each chosen as a plain step there would choose it
+        (penalties counting the drafts before it), while the token before each
+        equals its draft: the first token after a draft that is not taken ends
+        them. A drawn token takes one uniform, so a request's uniforms are those
+        of plain steps. For requests with no logprobs, grammar or banned tokens."""
         out, last = [], first
         for j, draft in enumerate(drafts):
             if last != draft:
                 break
-            u = self.uniforms(req, 1)
-            last = draw_tokens(logits[j:j + 1].float(), [0], [req.params], u)[0]
+            last = self(logits[j:j + 1], [RequestAhead(req, drafts[:j + 1])])[0][0]
             out.append(last)
         return out
 
