@@ -65,6 +65,19 @@ def _outputs(llm, prompts, params):
     return [(o.token_ids, o.finish_reason, o.logprobs, o.error_code) for o in outs]
 
 
+def _with_and_without_drafts(run, model, **kw):
+    """run(llm) on an engine without drafts, then on one with them (one engine
+    at a time): (plain result, drafted result, the drafted engine's stats)."""
+    out = []
+    for spec in (None, SPEC):
+        llm = LLM(model, kv_cache_gb=0.05, speculative_config=spec, **kw)
+        out.append(run(llm))
+        stats = llm.engine.stats()
+        del llm
+        gc.collect()
+    return out[0], out[1], stats
+
+
 def _mixed_params(n_greedy: int, max_tokens: int) -> list[SamplingParams]:
     """Greedy requests (drafted) and, beside them in the same steps, one of each kind that is not."""
     greedy = [SamplingParams(temperature=0.0, max_tokens=max_tokens + i, ignore_eos=True) for i in range(n_greedy)]
@@ -92,15 +105,9 @@ def test_speculative_outputs_are_the_plain_outputs_token_for_token(case, qoq_tin
     n = len(prompts)
     params = _mixed_params(n, 40)
     prompts = prompts + prompts[:3]
-    runs = {}
-    for spec in (None, SPEC):
-        llm = LLM(model, kv_cache_gb=0.05, max_num_seqs=8, speculative_config=spec, **kw)
-        runs[spec is not None] = _outputs(llm, prompts, params)
-        if spec is not None:
-            stats = llm.engine.stats()
-        del llm
-        gc.collect()
-    assert runs[True] == runs[False]
+    plain, drafted, stats = _with_and_without_drafts(lambda llm: _outputs(llm, prompts, params), model,
+                                                     max_num_seqs=8, **kw)
+    assert drafted == plain
     assert stats["spec_decode_num_draft_tokens"] > 0, stats
     assert model == qoq_tiny or stats["spec_decode_num_accepted_tokens"] > 0, stats
     assert stats["spec_decode_num_accepted_tokens"] <= stats["spec_decode_num_draft_tokens"]
@@ -126,16 +133,11 @@ def test_seeded_drawn_and_penalized_requests_verify_drafts_and_get_their_plain_t
                  SamplingParams(temperature=0.6, seed=5, frequency_penalty=0.3, max_tokens=24, ignore_eos=True),
                  SamplingParams(temperature=0.4, seed=4, presence_penalty=0.2, frequency_penalty=0.3,
                                 logit_bias={13: 2.0}, max_tokens=24, ignore_eos=True)]
-    runs = {}
-    for spec in (None, SPEC):
-        llm = LLM(model, kv_cache_gb=0.05, max_num_seqs=4, speculative_config=spec)
-        # each penalized kind alone on REPEATS: room in every step for its drafts
-        runs[spec is not None] = [_outputs(llm, COPY, drawn)] + [_outputs(llm, REPEATS, q) for q in penalized]
-        if spec is not None:
-            stats = llm.engine.stats()
-        del llm
-        gc.collect()
-    assert runs[True] == runs[False]
+    # each penalized kind alone on REPEATS: room in every step for its drafts
+    plain, drafted, stats = _with_and_without_drafts(
+        lambda llm: [_outputs(llm, COPY, drawn)] + [_outputs(llm, REPEATS, q) for q in penalized], model,
+        max_num_seqs=4)
+    assert drafted == plain
     assert stats["spec_decode_num_accepted_tokens"] > 8, stats
     assert stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"], stats
 
