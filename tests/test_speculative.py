@@ -118,11 +118,12 @@ REPEATS = ["one one one one one one one one one one one one one one one one one 
 
 
 @pytest.mark.parametrize("model", [None, "qoq"])
-def test_seeded_drawn_and_penalized_requests_verify_drafts_and_get_their_plain_tokens(model):
-    """Requests drawn by temperature, min_p, top-k and top-p, or with penalties
-    and logit_bias, get drafts too: each token after a draft is chosen only
-    while the drafts before it hold (one uniform a drawn token), its penalties
-    counting those drafts, so a seeded request gets, token for token, what it
+def test_seeded_drawn_penalized_and_logprob_requests_verify_drafts_and_get_their_plain_tokens(model):
+    """Requests drawn by temperature, min_p, top-k and top-p, with penalties and
+    logit_bias, or asking logprobs get drafts too: each token after a draft is
+    chosen only while the drafts before it hold (one uniform a drawn token),
+    its penalties counting those drafts, its logprobs those of its own row, so
+    a seeded request gets, token for token and logprob for logprob, what it
     gets without drafts; on text that repeats, their tokens accept drafts (on
     REPEATS, penalties that leave the drafts out choose other tokens)."""
     drawn = [SamplingParams(temperature=0.3, seed=1, max_tokens=40, ignore_eos=True),
@@ -133,10 +134,12 @@ def test_seeded_drawn_and_penalized_requests_verify_drafts_and_get_their_plain_t
                  SamplingParams(temperature=0.6, seed=5, frequency_penalty=0.3, max_tokens=24, ignore_eos=True),
                  SamplingParams(temperature=0.4, seed=4, presence_penalty=0.2, frequency_penalty=0.3,
                                 logit_bias={13: 2.0}, max_tokens=24, ignore_eos=True)]
+    asking = [SamplingParams(temperature=0.0, logprobs=True, top_logprobs=2, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.5, seed=6, logprobs=True, max_tokens=30, ignore_eos=True)]
     # each penalized kind alone on REPEATS: room in every step for its drafts
     plain, drafted, stats = _with_and_without_drafts(
-        lambda llm: [_outputs(llm, COPY, drawn)] + [_outputs(llm, REPEATS, q) for q in penalized], model,
-        max_num_seqs=4)
+        lambda llm: ([_outputs(llm, COPY, drawn), _outputs(llm, COPY[:2], asking)]
+                     + [_outputs(llm, REPEATS, q) for q in penalized]), model, max_num_seqs=4)
     assert drafted == plain
     assert stats["spec_decode_num_accepted_tokens"] > 8, stats
     assert stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"], stats

@@ -15,7 +15,7 @@ from qoqserve.engine.model_runner import ModelRunner, context_len
 from qoqserve.engine.output import OutputTracker, RequestOutput
 from qoqserve.engine.scheduler import ScheduledBatch, Scheduler
 from qoqserve.engine.sequence import Sequence
-from qoqserve.engine.speculative import Speculator
+from qoqserve.engine.speculative import Speculator, per_step
 from qoqserve.engine.structured import GrammarCompiler, GrammarConstraint
 from qoqserve.errors import InvalidRequestError
 from qoqserve.layers.token_logprobs import scored_token_logprobs
@@ -190,12 +190,10 @@ class LLMEngine:
             log.debug("a speculative step failed; running it as a plain step", exc_info=True)
             self.runner.rollback()
             return None
-        taken = self.speculator.accept(batch.decodes, tokens, drafts, after)
+        taken = self.speculator.accept(batch.decodes, tokens, drafts, [[t for t, _, _ in a] for a in after])
         steps = max(len(t) for t in taken)
         grid = [[t[s] if s < len(t) else None for t in taken] for s in range(steps)]
-        # logprobs and top_logprobs come only with a first token: rows that ask have no drafts
-        return self._take_steps(batch.decodes, grid, None if lps is None else [lps] * steps,
-                                None if tops is None else [tops] * steps)
+        return self._take_steps(batch.decodes, grid, per_step(lps, after, steps, 1), per_step(tops, after, steps, 2))
 
     def _take_steps(self, decodes: list[Sequence], tokens: list[list[int | None]],
                     logprobs: list[list] | None = None, top: list[list] | None = None) -> list[RequestOutput]:

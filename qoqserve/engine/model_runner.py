@@ -212,9 +212,10 @@ class ModelRunner:
     def run_verify(self, batch: ScheduledBatch, drafts: list[list[int]]):
         """A decode step that also scores draft tokens (engine/speculative.py):
         the sampler's (tokens, logprobs, top_logprobs) for batch.decodes, as
-        run() gives them, and each decode's tokens after its drafts: the
-        argmax after each (plain greedy rows), or the sampler's choice after
-        each as long as the token before it equals it (Sampler.after_drafts). Each draft is a row of its own (its
+        run() gives them, and each decode's (token, logprob, top pairs) after its
+        drafts: the argmax after each (plain greedy rows: no logprobs), or the
+        sampler's choice after each as long as the token before it equals it
+        (Sampler.after_drafts). Each draft is a row of its own (its
         token at its position, attending up to it), so every row's logits are
         those a one-token step there would compute."""
         self.sampler.begin()
@@ -228,7 +229,7 @@ class ModelRunner:
         after = (greedy[b:] if greedy is not None else argmax_tokens(logits[b:].float())).tolist()
         per_seq, at = [], 0
         for seq, t0, d in zip(batch.decodes, sampled[0], drafts):
-            per_seq.append(after[at:at + len(d)] if seq.takes_argmax
+            per_seq.append([(t, None, None) for t in after[at:at + len(d)]] if seq.takes_argmax
                            else self.sampler.after_drafts(logits[b + at:b + at + len(d)], seq, t0, d))
             at += len(d)
         return sampled, per_seq

@@ -77,12 +77,11 @@ class Sequence:
 
     @property
     def verifies_drafts(self) -> bool:
-        """Its token after each draft (engine/speculative.py) can be chosen as a
-        plain step would choose it there: nothing but the token is wanted of
-        the logits (no logprobs), and nothing but the logits, its sampling
-        params and its own tokens, drafts included, decides it (no grammar, no
-        banned tokens; penalties read its tokens)."""
-        return not self.params.logprobs and self.constraint is None and not self.bans_tokens
+        """Its token after each draft (engine/speculative.py) can be chosen, and
+        its logprobs taken, as a plain step would there: nothing but the
+        logits, its sampling params and its own tokens, drafts included,
+        decides it (no grammar, no banned tokens; penalties read its tokens)."""
+        return self.constraint is None and not self.bans_tokens
 
     @property
     def active_stop_bans(self) -> tuple[int, ...]:

@@ -3,10 +3,9 @@ context (vLLM's "ngram" method: engine/ngram_proposer.py), verified by the
 model in one step.
 
 A request whose token is chosen from the logits, its sampling params and
-its own tokens alone (greedy or drawn, penalties included) and that wants
-nothing else of the logits (no logprobs, grammar or banned tokens:
-Sequence.verifies_drafts) may get up to num_speculative_tokens drafts
-d1..dk in a step. The step then runs 1 + k rows for it: its newest token,
+its own tokens alone (greedy or drawn, penalties and logprobs included; no
+grammar or banned tokens: Sequence.verifies_drafts) may get up to
+num_speculative_tokens drafts d1..dk in a step. The step then runs 1 + k rows for it: its newest token,
 as any decode, and each draft at its position; every row writes its K/V and
 attends to the sequence up to its own position, exactly as the one-token
 step at that position would (the decode kernels compute each row alone:
@@ -15,8 +14,8 @@ accepted when it equals t0, and then the token after d1 is the next one, and
 so on: the request gets 1 + (drafts accepted) tokens, each the one plain
 decoding gives, bit for bit. A plain greedy row's token after a draft is
 its argmax; any other's is chosen by the sampler, as a plain step there
-would choose it (its penalties counting the drafts before it), and only
-once those drafts are accepted, so a drawn request takes one uniform a
+would choose it (its penalties counting the drafts before it; its
+logprobs those of that row), and only once those drafts are accepted, so a drawn request takes one uniform a
 token and a seeded one draws what it draws without drafts (for an n-gram
 draft, a point mass, accepting d with probability p(d) and otherwise
 drawing from p without d is what rejection sampling does). What the step wrote for
@@ -130,3 +129,13 @@ class Speculator:
     def stats(self) -> dict:
         return {"spec_decode_num_drafts": self.num_drafts, "spec_decode_num_draft_tokens": self.num_draft_tokens,
                 "spec_decode_num_accepted_tokens": self.num_accepted_tokens}
+
+
+def per_step(first: list | None, after: list[list[tuple]], steps: int, k: int) -> list[list] | None:
+    """Each decode's logprob (k 1) or top pairs (k 2), step by step, for the
+    steps a verified step gives: the first as the sampler gave them, step s
+    from the row after draft s - 1 (ModelRunner.run_verify's (token, logprob,
+    top) after each draft; None past a decode's own tokens)."""
+    if first is None:
+        return None
+    return [first] + [[a[s - 1][k] if s <= len(a) else None for a in after] for s in range(1, steps)]

@@ -148,19 +148,22 @@ class Sampler:
         gen = self._generator(req)
         return [float(torch.rand((), dtype=torch.float64, generator=gen)) for _ in range(n)]
 
-    def after_drafts(self, logits: torch.Tensor, req: SamplingRequest, first: int, drafts: list[int]) -> list[int]:
+    def after_drafts(self, logits: torch.Tensor, req: SamplingRequest, first: int, drafts: list[int]
+                     ) -> list[tuple[int, float | None, list[tuple[int, float]] | None]]:
         """A request's tokens after its drafts (logits [k, V]: row j the logits
         after drafts[j]), each chosen as a plain step there would choose it
-        (penalties counting the drafts before it), while the token before each
+        (penalties counting the drafts before it), with its logprob and top
+        pairs where the request asks (else None), while the token before each
         equals its draft: the first token after a draft that is not taken ends
         them. A drawn token takes one uniform, so a request's uniforms are those
-        of plain steps. For requests with no logprobs, grammar or banned tokens."""
+        of plain steps. For requests with no grammar or banned tokens."""
         out, last = [], first
         for j, draft in enumerate(drafts):
             if last != draft:
                 break
-            last = self(logits[j:j + 1], [RequestAhead(req, drafts[:j + 1])])[0][0]
-            out.append(last)
+            tokens, chosen, top = self(logits[j:j + 1], [RequestAhead(req, drafts[:j + 1])])
+            last = tokens[0]
+            out.append((last, chosen[0] if chosen else None, (top[0] if top else None) or ([] if chosen else None)))
         return out
 
     def burst_draws(self, requests: list[SamplingRequest], steps: int) -> tuple[list, list, list, list, list]:
