@@ -1,7 +1,7 @@
-"""The C paged prefill kernel (both of its paths) against an fp64 reference
-over every page format, head_dim, GQA group and block size, and its
-invariance: a query's result must not depend on how its prompt was chunked,
-what shares the call, or the thread count."""
+"""The C paged prefill kernel (each of its paths, the AMX tiles for KV4 pages
+included) against an fp64 reference over every page format, head_dim, GQA
+group and block size, and its invariance: a query's result must not depend
+on how its prompt was chunked, what shares the call, or the thread count."""
 from __future__ import annotations
 
 import pytest
@@ -78,6 +78,68 @@ def test_a_query_does_not_depend_on_chunking_batch_or_threads(fmt, isa):
     assert torch.equal(mixed[60:], whole)
     threads = torch.get_num_threads()
     for t in (1, 8):  # 8 threads: tasks of 16 queries instead of 64, the same rows
+        try:
+            torch.set_num_threads(t)
+            alone = attn.prefill(q, cache, tables[:1], [0, n], [0], 0.125)
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(alone, whole), t
+
+
+def _amx_from(d):
+    """The first position whose queries take the AMX tiles (KV4 pages), or a skip."""
+    pos = paged_prefill.amx_from("int4", d)
+    if pos is None:
+        pytest.skip("no AMX-INT8 path for KV4 prefill on this CPU")
+    return pos
+
+
+def _positions(starts, firsts):
+    return torch.cat([f + torch.arange(b - a) for a, b, f in zip(starts, starts[1:], firsts)])
+
+
+@pytest.mark.parametrize("bs", [16, 24])
+@pytest.mark.parametrize("heads,hkv,d", [(9, 3, 64), (8, 2, 128), (4, 1, 256)])
+def test_amx_prefill_matches_the_fp64_reference_and_the_fp32_path(heads, hkv, d, bs, monkeypatch):
+    # queries on both sides of the first AMX position, whole prompts and chunks
+    # after a cached prefix, around the 64-key tiles and 16-row blocks
+    start = _amx_from(d)
+    lens, chunks = [start + 1, start + 130, start + 333, 70], [start + 1, 70, 9, 70]
+    layout, attn, cache, tables = _case("int4", heads, hkv, d, bs, lens, seed=5)
+    firsts = [n - c for n, c in zip(lens, chunks)]
+    starts = [0]
+    for c in chunks:
+        starts.append(starts[-1] + c)
+    q = _queries(starts[-1], heads, d, seed=6)
+    got = attn.prefill(q, cache, tables, starts, firsts, d ** -0.5)
+    ref = _reference(layout, q, cache, tables, starts, firsts, d ** -0.5)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv("QOQSERVE_CPU_ISA", "avx512-vnni")  # the AVX-512 fp32 path for every query
+    assert paged_prefill.amx_from("int4", d) is None
+    fp32 = attn.prefill(q, cache, tables, starts, firsts, d ** -0.5)
+    early = _positions(starts, firsts) < start
+    assert torch.equal(got[early], fp32[early])          # before `start`: the fp32 path itself
+    assert not torch.equal(got[~early], fp32[~early])    # from it: the tiles, their own rounding
+    torch.testing.assert_close(got, fp32, rtol=1e-5, atol=2e-5)
+
+
+def test_amx_prefill_does_not_depend_on_chunking_batch_or_threads():
+    heads, hkv, d = 9, 3, 64
+    n = _amx_from(d) + 200
+    layout, attn, cache, tables = _case("int4", heads, hkv, d, 16, [n, 300], seed=7)
+    q = _queries(n, heads, d, seed=8)
+    whole = attn.prefill(q, cache, tables[:1], [0, n], [0], 0.125)
+    for size in (1, 7, 64, 100):
+        cuts = list(range(0, n, size)) + [n]
+        rows = tables[:1].expand(len(cuts) - 1, -1)
+        assert torch.equal(attn.prefill(q, cache, rows, cuts, cuts[:-1], 0.125), whole), size
+    a, b = 250, 262  # one call for a chunk across the first AMX position
+    assert torch.equal(attn.prefill(q[a:b], cache, tables[:1], [0, b - a], [a], 0.125), whole[a:b])
+    other = _queries(300, heads, d, seed=9)
+    mixed = attn.prefill(torch.cat([other, q]), cache, tables[[1, 0]], [0, 300, 300 + n], [0, 0], 0.125)
+    assert torch.equal(mixed[300:], whole)
+    threads = torch.get_num_threads()
+    for t in (1, 8):
         try:
             torch.set_num_threads(t)
             alone = attn.prefill(q, cache, tables[:1], [0, n], [0], 0.125)

@@ -19,7 +19,9 @@
  *
  * Three paths in one library, chosen at run time (kv_path.h): AVX-512
  * (paged_prefill_avx512.h), AVX2 (paged_prefill_avx2.h) and the portable
- * loops below (or when QOQSERVE_CPU_ISA=scalar).
+ * loops below (or when QOQSERVE_CPU_ISA=scalar); on CPUs with AMX-INT8, the
+ * queries at positions from AMX_MIN_POS over KV4 pages take integer tiles
+ * instead (paged_prefill_amx.h, its own rounding).
  */
 #include <math.h>
 #include <stdint.h>
@@ -55,6 +57,7 @@ static inline int64_t scratch_floats(const pjob *j) {
 }
 
 #include "paged_prefill_avx512.h"  /* defines task_avx512() where it can */
+#include "paged_prefill_amx.h"     /* task_amx() for KV4 pages, where it can (PP_AMX) */
 #include "paged_prefill_avx2.h"    /* task_avx2() */
 #include "kv_path.h"
 
@@ -98,6 +101,17 @@ int paged_prefill_isa(void) {
     return widths[kv_vector_path()];
 }
 
+/* The first query position that takes the AMX tiles now, for this page
+ * format and head_dim, or -1 where none does. */
+int paged_prefill_amx(int fmt, int D) {
+#ifdef PP_AMX
+    return prefill_amx(fmt, D) ? AMX_MIN_POS : -1;
+#else
+    (void)fmt, (void)D;
+    return -1;
+#endif
+}
+
 /* q, out: float [T, H, D], the queries of S sequences back to back: sequence s
  * owns rows q_starts[s] .. q_starts[s + 1] - 1, the first at position
  * first_pos[s] (its cached prefix length); query i of it attends to positions
@@ -129,11 +143,15 @@ int paged_prefill_attention(const float *q, const uint8_t *k, const uint8_t *v, 
                 tasks[3 * n + 2] = b;
             }
     }
-    const int vec = kv_vector_path();
+    const int vec = kv_vector_path(), amx = paged_prefill_amx(fmt, D) >= 0;
+    int64_t floats = scratch_floats(&j);
+#ifdef PP_AMX
+    if (amx && amx_scratch_floats(&j) > floats) floats = amx_scratch_floats(&j);
+#endif
     int failed = 0;
     #pragma omp parallel num_threads(threads)
     {
-    float *scratch = calloc((size_t)scratch_floats(&j) + 16, sizeof(float));
+    float *scratch = calloc((size_t)floats + 16, sizeof(float));
     float *buf = scratch ? (float *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63) : NULL;  /* 64-byte rows */
     if (!scratch) {
         #pragma omp atomic write
@@ -144,6 +162,15 @@ int paged_prefill_attention(const float *q, const uint8_t *k, const uint8_t *v, 
         if (!buf) continue;
         const int s = tasks[3 * t], h = tasks[3 * t + 1], t0 = tasks[3 * t + 2] * j.qblock;
         const int len = (int)(q_starts[s + 1] - q_starts[s]), t1 = t0 + j.qblock < len ? t0 + j.qblock : len;
+#ifdef PP_AMX
+        if (amx) {  /* by position: a row's arithmetic stays a function of its position and the pages */
+            const int64_t cut = AMX_MIN_POS - first_pos[s];
+            const int mid = cut <= t0 ? t0 : cut >= t1 ? t1 : (int)cut;
+            if (mid > t0) task_avx512(&j, s, h, t0, mid, buf);
+            if (mid < t1) task_amx(&j, s, h, mid, t1, buf);
+            continue;
+        }
+#endif
 #ifdef KV_AVX512
         if (vec == KV_PATH_AVX512) { task_avx512(&j, s, h, t0, t1, buf); continue; }
 #endif
@@ -155,6 +182,6 @@ int paged_prefill_attention(const float *q, const uint8_t *k, const uint8_t *v, 
     free(scratch);
     }
     free(tasks);
-    (void)vec;
+    (void)vec, (void)amx;
     return failed ? -1 : 0;
 }

@@ -15,7 +15,7 @@ from qoqserve.kernels.cpu.paged_decode import _FLAGS, FORMATS, PATHS, check_page
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _SIGNATURES = {"paged_prefill_attention": (
     _I, [_P, _P, _P, _L, _L, _I, _P, _P, _P, _P] + [_I] * 6 + [ctypes.c_float, _I]),
-    "paged_prefill_isa": (_I, [])}
+    "paged_prefill_isa": (_I, []), "paged_prefill_amx": (_I, [_I, _I])}
 
 
 def load():
@@ -29,6 +29,14 @@ def available() -> bool:
 def isa() -> str:
     """The path the kernel takes now: "avx512", "avx2" or "scalar" (reads QOQSERVE_CPU_ISA)."""
     return PATHS[load().paged_prefill_isa()]
+
+
+def amx_from(fmt: str, head_dim: int) -> int | None:
+    """The first query position whose prefill attention takes the AMX tiles
+    (KV4 pages, head_dim a multiple of 64, a CPU with AMX-INT8, QOQSERVE_CPU_ISA
+    not below "amx"), or None where no position does."""
+    pos = load().paged_prefill_amx(FORMATS[fmt], head_dim)
+    return pos if pos >= 0 else None
 
 
 @torch.library.custom_op("qoqserve::paged_prefill", mutates_args=())

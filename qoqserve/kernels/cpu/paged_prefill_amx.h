@@ -1,0 +1,291 @@
+/* The AMX path of paged_prefill.c for KV4 pages (included once by it, after
+ * paged_prefill_avx512.h; entered only where the CPU has AMX-INT8 and
+ * QOQSERVE_CPU_ISA allows it, for head_dim a multiple of 64).
+ *
+ * Why: the fp32 path is bound by its multiply-adds, 16 per instruction for
+ * q . k and as many for p . v, and on long prompts it is most of a prefill.
+ * Here both products are tile products of bytes (tdpbsud: 16 x 16 x 64 per
+ * instruction) and the codes never leave bytes:
+ * - the scores are those of the decode kernel's VNNI path (kv4_digits.h: the
+ *   query in three 8-bit digits of a 22-bit integer, exact INT32 sums, the
+ *   same float steps), so a prompt's scores are bit for bit the ones its
+ *   decode steps make;
+ * - a row's weights over a tile of 64 keys, w = e * scale (e from the online
+ *   softmax, scale the V row's), as a 22-bit integer W = round(w / sw) (sw a
+ *   power of two, max W in [2^21, 2^22)), in three unsigned bytes, against the codes - 8 as signed
+ *   bytes (tdpbusd): sum W (u - 8) is exact in INT32 and rounded once; the
+ *   zero term, sum w (zero - 8), is summed apart in fp32 and removed at the
+ *   end, as the decode kernel does.
+ * The roundings beyond the fp32 path's are those two quantizations (2^-22 of
+ * the row's largest query element or weight in the tile). A row's arithmetic depends on its
+ * position and the pages only (tiles of 64 keys counted from position 0,
+ * digits and scales per row), so chunking, batch and threads change nothing.
+ *
+ * Tiles: 0-2 the three digits' INT32 sums, 4-6 the three digit rows (A),
+ * 7 the codes (B), all 16 rows x 64 bytes. */
+#ifdef KV_AVX512
+#define PP_AMX 1
+#include "amx_tiles.h"
+
+KV_AVX512_BEGIN
+#include "kv4_digits.h"
+
+#define PP_AMX_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c,amx-tile,amx-int8")))
+enum { AKEYS = 64 };  /* keys per online-softmax step: one tile's depth of weights */
+/* Queries from this position on take the tiles, the earlier ones the fp32
+ * path: below it the tiles' fixed costs (the codes' transposition per task,
+ * the digits) lose to the fp32 multiply-adds (docs/benchmarks.md) */
+enum { AMX_MIN_POS = 256 };
+
+/* whether a KV4 job of head_dim D takes the tiles */
+static int prefill_amx(int fmt, int D) {
+    return fmt == KV_INT4 && D % 64 == 0 && D <= 512 && amx_allowed() && avx512_supported();
+}
+
+/* floats of per-thread scratch for task_amx */
+static inline int64_t amx_scratch_floats(const pjob *j) {
+    const int64_t rb = ((int64_t)j->qblock * j->G + 15) / 16 * 16;
+    return rb * (qp_stride(j->D) + j->D + 33) + 40 * (int64_t)j->D + 6400;  /* the layout of task_amx_impl */
+}
+
+/* n <= AKEYS rows of (s, h) from position k0: the K codes as the B tiles of
+ * the scores (per 16 keys: dword x of the digits' order, x < D / 8 the low
+ * nibbles of packed dword x, else the high ones of dword x - D / 8, 64 bytes
+ * a row), the V codes as those of the weighted sum (per 16 slots of the
+ * planar order, 16 rows of 4 keys: slot i's 4 codes in dword i), and both
+ * rows' scales and zeros - 8; keys past n are zero codes and zero scales. */
+PP_AMX_FN static inline __attribute__((always_inline)) void amx_tile_rows(const pjob *j, int s, int64_t k0, int n,
+                                                                          int h, const int D, uint8_t *kb,
+                                                                          uint8_t *vb, uint8_t *packed, float *meta) {
+    const int nd = D / 8, half = D / 2;
+    float *ks = meta, *kz = ks + AKEYS, *vs = kz + AKEYS, *vz = vs + AKEYS;
+    for (int pass = 0; pass < 2; pass++) {
+        const uint8_t *pages = pass ? j->v : j->k;
+        for (int i = 0; i < AKEYS; i++) {  /* the rows' codes back to back, zeros past n */
+            uint8_t *dst = packed + (int64_t)i * half;
+            float *sc = pass ? vs : ks, *zr = pass ? vz : kz;
+            if (i >= n) {
+                memset(dst, 0, (size_t)half);
+                sc[i] = zr[i] = 0.f;
+                continue;
+            }
+            const uint8_t *r = pages + row_at(j, s, k0 + i, h);
+            memcpy(dst, r, (size_t)half);
+            sc[i] = half_at(r + half);
+            zr[i] = half_at(r + half + 2) - 8.f;
+        }
+        if (!pass) {
+            for (int blk = 0; blk < AKEYS / 16; blk++)
+                for (int seg = 0; seg < (nd + 7) / 8; seg++) {
+                    const int nw = nd - 8 * seg < 8 ? nd - 8 * seg : 8;
+                    __m512i lo[8], hi[8];
+                    transpose_codes(packed + (int64_t)16 * blk * half, half, 16, seg, nw, lo, hi);
+                    uint8_t *t = kb + (int64_t)blk * 2 * nd * 64;
+                    for (int i = 0; i < nw; i++) {
+                        _mm512_store_si512(t + (int64_t)(8 * seg + i) * 64, lo[i]);
+                        _mm512_store_si512(t + (int64_t)(nd + 8 * seg + i) * 64, hi[i]);
+                    }
+                }
+            continue;
+        }
+        const __m128i nib = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
+        for (int quad = 0; quad < AKEYS / 4; quad++)
+            for (int bb = 0; bb < half / 16; bb++) {  /* 16 packed bytes: slots 32 bb .. 32 bb + 31 */
+                __m128i x[2][4];
+                for (int k = 0; k < 4; k++) {
+                    const __m128i c = _mm_loadu_si128((const __m128i *)(packed + (int64_t)(4 * quad + k) * half + 16 * bb));
+                    x[0][k] = _mm_sub_epi8(_mm_and_si128(c, nib), eight);
+                    x[1][k] = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(c, 4), nib), eight);
+                }
+                for (int hh = 0; hh < 2; hh++) {
+                    const __m128i ab0 = _mm_unpacklo_epi8(x[hh][0], x[hh][1]), ab1 = _mm_unpackhi_epi8(x[hh][0], x[hh][1]);
+                    const __m128i cd0 = _mm_unpacklo_epi8(x[hh][2], x[hh][3]), cd1 = _mm_unpackhi_epi8(x[hh][2], x[hh][3]);
+                    __m128i *row = (__m128i *)(vb + ((int64_t)(2 * bb + hh) * (AKEYS / 4) + quad) * 64);
+                    _mm_store_si128(row, _mm_unpacklo_epi16(ab0, cd0));
+                    _mm_store_si128(row + 1, _mm_unpackhi_epi16(ab0, cd0));
+                    _mm_store_si128(row + 2, _mm_unpacklo_epi16(ab1, cd1));
+                    _mm_store_si128(row + 3, _mm_unpackhi_epi16(ab1, cd1));
+                }
+            }
+    }
+}
+
+/* 16 weights (>= 0) times 1 / sw -> W = round(w / sw) < 2^24, its three
+ * bytes (unsigned digits: W = 65536 a + 256 b + c) at dig, dig + ds, dig + 2 ds */
+PP_AMX_FN static inline __attribute__((always_inline)) void weight_digits(__m512 w, __m512 inv, int8_t *dig,
+                                                                          int64_t ds) {
+    const __m512i W = _mm512_cvtps_epi32(_mm512_mul_ps(w, inv));
+    _mm_storeu_si128((__m128i *)(dig + 2 * ds), _mm512_cvtepi32_epi8(W));
+    _mm_storeu_si128((__m128i *)(dig + ds), _mm512_cvtepi32_epi8(_mm512_srli_epi32(W, 8)));
+    _mm_storeu_si128((__m128i *)dig, _mm512_cvtepi32_epi8(_mm512_srli_epi32(W, 16)));
+}
+
+/* ints [3][16][16] of the three tiles of sums -> digit p's row i */
+static inline __m512i sums_row(const int32_t *ci, int p, int i) { return _mm512_load_si512(ci + 256 * p + 16 * i); }
+
+PP_AMX_FN static inline __attribute__((always_inline)) void task_amx_impl(const pjob *j, int s, int h, int t0, int t1,
+                                                                          float *buf, const int D) {
+    const int G = j->G, R = (t1 - t0) * G, RB = (R + 15) / 16 * 16, nd = D / 8;
+    const int64_t qs = qp_stride(D);
+    int32_t *qd = (int32_t *)buf;                                   /* RB rows of digits and tail */
+    float *o = (float *)(qd + (RB * qs + 15) / 16 * 16);            /* RB x D, planar slot order */
+    float *lz = o + (int64_t)RB * D, *m = lz + (int64_t)RB * 32;    /* per row: sum and zero term (16 lanes each), max */
+    float *meta = m + (RB + 15) / 16 * 16;                          /* 4 x AKEYS: K, V scales and zeros - 8 */
+    float *sc = meta + 4 * AKEYS;                                   /* 16 x AKEYS scores */
+    int32_t *ci = (int32_t *)(sc + 16 * AKEYS);                     /* 4 x 3 x 16 x 16 sums */
+    int32_t *neg = ci + 4 * 768;                                    /* 3 x 16 x 16: the sums' start */
+    int8_t *wd = (int8_t *)(neg + 768);                              /* 3 x 16 x AKEYS weight digits */
+    float *wsc = (float *)(wd + 3 * 16 * AKEYS);                    /* 16 rows' sw */
+    uint8_t *kb = (uint8_t *)(wsc + 16), *vb = kb + 64 * (int64_t)D, *packed = vb + 64 * (int64_t)D;
+    const int64_t base = j->q_starts[s], pos0 = j->first_pos[s] + t0, last = j->first_pos[s] + t1 - 1;
+    for (int r = 0; r < RB; r++) {
+        if (r < R) kv4_query_digits(j->q + ((base + t0 + r / G) * j->H + h * G + r % G) * D, j->qscale, D, qd + r * qs);
+        else memset(qd + r * qs, 0, sizeof(int32_t) * (size_t)qs);
+        m[r] = -INFINITY;
+    }
+    memset(o, 0, sizeof(float) * (size_t)RB * D);
+    memset(lz, 0, sizeof(float) * (size_t)RB * 32);
+    amx_begin();
+    for (int64_t k0 = 0; k0 <= last; k0 += AKEYS) {
+        const int n = (int)(last + 1 - k0 < AKEYS ? last + 1 - k0 : AKEYS);
+        amx_tile_rows(j, s, k0, n, h, D, kb, vb, packed, meta);
+        const int first = (int)(k0 > pos0 ? k0 - pos0 : 0) * G;  /* the first row that sees this tile */
+        for (int r0 = first / 16 * 16; r0 < R; r0 += 16) {
+            /* scores of 16 rows x 16 keys a block: the tiles' sums of every block first,
+             * so that the vector code reads stores the tile unit finished long ago */
+            const int blocks = (n + 15) / 16;
+            for (int i = 0; i < 16; i++)  /* the rows' -8 sum(digit p), 16 lanes each */
+                for (int p = 0; p < 3; p++)
+                    _mm512_store_si512(neg + 256 * p + 16 * i, _mm512_set1_epi32(-qd[(r0 + i) * qs + 6 * nd + 2 + p]));
+            if (D == 64) {
+                _tile_loadd(4, qd + r0 * qs, qs * 4);
+                _tile_loadd(5, qd + r0 * qs + 2 * nd, qs * 4);
+                _tile_loadd(6, qd + r0 * qs + 4 * nd, qs * 4);
+            }
+            for (int blk = 0; blk < blocks; blk++) {  /* the sums start at -8 sum(digit): Q . (u - 8) */
+                _tile_loadd(0, neg, 64);
+                _tile_loadd(1, neg + 256, 64);
+                _tile_loadd(2, neg + 512, 64);
+                for (int st = 0; st < D / 64; st++) {
+                    if (D != 64) {
+                        const int32_t *a = qd + r0 * qs + 16 * st;
+                        _tile_loadd(4, a, qs * 4);
+                        _tile_loadd(5, a + 2 * nd, qs * 4);
+                        _tile_loadd(6, a + 4 * nd, qs * 4);
+                    }
+                    _tile_loadd(7, kb + ((int64_t)blk * 2 * nd + 16 * st) * 64, 64);
+                    _tile_dpbsud(0, 4, 7);
+                    _tile_dpbsud(1, 5, 7);
+                    _tile_dpbsud(2, 6, 7);
+                }
+                _tile_stored(0, ci + 768 * blk, 64);
+                _tile_stored(1, ci + 768 * blk + 256, 64);
+                _tile_stored(2, ci + 768 * blk + 512, 64);
+            }
+            for (int blk = 0; blk < blocks; blk++) {
+                const __m512 scale = _mm512_load_ps(meta + 16 * blk), zero = _mm512_load_ps(meta + AKEYS + 16 * blk);
+                const int32_t *cb = ci + 768 * blk;
+                for (int i = 0; i < 16 && r0 + i < R; i++) {
+                    const __m512i sum[3] = {sums_row(cb, 0, i), sums_row(cb, 1, i), sums_row(cb, 2, i)};
+                    _mm512_store_ps(sc + i * AKEYS + 16 * blk, kv4_score_centred(sum, qd + (r0 + i) * qs + 6 * nd, scale, zero));
+                }
+            }
+            for (int i = 0; i < 16; i++) {  /* online softmax, then the row's weights as digits */
+                const int r = r0 + i;
+                const int64_t p = pos0 + r / G;
+                const int nv = r < R ? (int)(p - k0 + 1 < n ? p - k0 + 1 : n) : 0;
+                if (nv <= 0) {  /* a row that does not see this tile (or no row): weights 0 */
+                    for (int q = 0; q < 3; q++) memset(wd + q * 16 * AKEYS + i * AKEYS, 0, AKEYS);
+                    wsc[i] = 0.f;
+                    continue;
+                }
+                const float *row = sc + i * AKEYS;
+                float *orow = o + (int64_t)r * D, *lrow = lz + (int64_t)r * 32;
+                __mmask16 valid[AKEYS / 16], above = 0;
+                const __m512 mo = _mm512_set1_ps(m[r]);
+                for (int u = 0; u < AKEYS / 16; u++) {
+                    valid[u] = lane_mask(nv - 16 * u);
+                    above |= _mm512_mask_cmp_ps_mask(valid[u], _mm512_load_ps(row + 16 * u), mo, _CMP_GT_OQ);
+                }
+                if (above) {  /* rare after the first tiles: a new max, and what was summed under the old one rescaled */
+                    __m512 mv = _mm512_set1_ps(-INFINITY);
+                    for (int u = 0; u < AKEYS / 16; u++) mv = _mm512_mask_max_ps(mv, valid[u], mv, _mm512_load_ps(row + 16 * u));
+                    const float mx = _mm512_reduce_max_ps(mv);
+                    const __m512 f = _mm512_set1_ps(exp2f(m[r] - mx));
+                    for (int c = 0; c < D; c += 16) _mm512_store_ps(orow + c, _mm512_mul_ps(_mm512_load_ps(orow + c), f));
+                    for (int c = 0; c < 32; c += 16) _mm512_store_ps(lrow + c, _mm512_mul_ps(_mm512_load_ps(lrow + c), f));
+                    m[r] = mx;
+                }
+                const __m512 mr = _mm512_set1_ps(m[r]);
+                __m512 lv = _mm512_load_ps(lrow), zv = _mm512_load_ps(lrow + 16), w[AKEYS / 16], wmax = _mm512_setzero_ps();
+                for (int u = 0; u < AKEYS / 16; u++) {
+                    const __m512 e = _mm512_maskz_mov_ps(valid[u], exp2_ps(_mm512_sub_ps(_mm512_load_ps(row + 16 * u), mr)));
+                    w[u] = _mm512_mul_ps(e, _mm512_load_ps(meta + 2 * AKEYS + 16 * u));
+                    lv = _mm512_add_ps(lv, e);
+                    zv = _mm512_fmadd_ps(w[u], _mm512_load_ps(meta + 3 * AKEYS + 16 * u), zv);
+                    wmax = _mm512_max_ps(wmax, w[u]);
+                }
+                _mm512_store_ps(lrow, lv);
+                _mm512_store_ps(lrow + 16, zv);
+                /* W = w / sw rounded, sw the power of two with max w / sw in [2^21, 2^22):
+                 * |sum W (u - 8)| < 2^31 over 64 keys, and w / sw is exact */
+                const float wm = _mm512_reduce_max_ps(wmax);
+                uint32_t bits;
+                memcpy(&bits, &wm, 4);
+                const int ex = (int)(bits >> 23) - 127;  /* wm in [2^ex, 2^(ex + 1)): normal, or 0 */
+                const uint32_t ib = (uint32_t)(127 + 21 - ex) << 23, sb = (uint32_t)(127 + ex - 21) << 23;
+                float fi, fs;
+                memcpy(&fi, &ib, 4);
+                memcpy(&fs, &sb, 4);
+                const __m512 inv = _mm512_set1_ps(wm > 1e-30f ? fi : 0.f);
+                wsc[i] = wm > 1e-30f ? fs : 0.f;
+                for (int u = 0; u < AKEYS / 16; u++) weight_digits(w[u], inv, wd + i * AKEYS + 16 * u, 16 * AKEYS);
+            }
+            _tile_loadd(4, wd, AKEYS);
+            _tile_loadd(5, wd + 16 * AKEYS, AKEYS);
+            _tile_loadd(6, wd + 32 * AKEYS, AKEYS);
+            for (int cg0 = 0; cg0 < D / 16; cg0 += 4) {  /* o += sw * sum W (u - 8), 4 x 16 slots at a time */
+                const int ng = D / 16 - cg0 < 4 ? D / 16 - cg0 : 4;
+                for (int g = 0; g < ng; g++) {
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_loadd(7, vb + (int64_t)(cg0 + g) * (AKEYS / 4) * 64, 64);
+                    _tile_dpbusd(0, 4, 7);
+                    _tile_dpbusd(1, 5, 7);
+                    _tile_dpbusd(2, 6, 7);
+                    _tile_stored(0, ci + 768 * g, 64);
+                    _tile_stored(1, ci + 768 * g + 256, 64);
+                    _tile_stored(2, ci + 768 * g + 512, 64);
+                }
+                for (int i = 0; i < 16 && r0 + i < R; i++) {
+                    if (wsc[i] == 0.f) continue;  /* the row does not see the tile, or its weights are 0 */
+                    const __m512 sw = _mm512_set1_ps(wsc[i]);
+                    for (int g = 0; g < ng; g++) {  /* 65536 a + 256 b + c: the exact sum in INT32, rounded once */
+                        const int32_t *cb = ci + 768 * g;
+                        const __m512i S = _mm512_add_epi32(
+                            _mm512_add_epi32(_mm512_slli_epi32(sums_row(cb, 0, i), 16), _mm512_slli_epi32(sums_row(cb, 1, i), 8)),
+                            sums_row(cb, 2, i));
+                        float *dst = o + (int64_t)(r0 + i) * D + 16 * (cg0 + g);
+                        _mm512_store_ps(dst, _mm512_fmadd_ps(sw, _mm512_cvtepi32_ps(S), _mm512_load_ps(dst)));
+                    }
+                }
+            }
+        }
+    }
+    amx_end();
+    for (int r = 0; r < R; r++) {
+        float *dst = j->out + ((base + t0 + r / G) * j->H + h * G + r % G) * D;
+        const float l = _mm512_reduce_add_ps(_mm512_load_ps(lz + (int64_t)r * 32));
+        const float z = _mm512_reduce_add_ps(_mm512_load_ps(lz + (int64_t)r * 32 + 16));
+        store_output(o + (int64_t)r * D, KV_INT4, D, D, _mm512_set1_ps(z), _mm512_set1_ps(1.f / l), NULL, dst);
+    }
+}
+
+PP_AMX_FN static void task_amx(const pjob *j, int s, int h, int t0, int t1, float *buf) {
+    if (j->D == 64) task_amx_impl(j, s, h, t0, t1, buf, 64);
+    else if (j->D == 128) task_amx_impl(j, s, h, t0, t1, buf, 128);
+    else task_amx_impl(j, s, h, t0, t1, buf, j->D);
+}
+KV_AVX512_END
+#endif
