@@ -42,22 +42,28 @@ def _queries(t, heads, d, seed):
     return torch.randn(t, heads, d, generator=torch.Generator().manual_seed(seed)) * 2
 
 
+def _against_the_reference(fmt, heads, hkv, d, bs, lens, chunks, seed):
+    """The last `chunks[i]` queries of sequences of `lens[i]` tokens (the rest a
+    cached prefix), all in one call, held to the fp64 reference at 1e-5."""
+    layout, attn, cache, tables = _case(fmt, heads, hkv, d, bs, lens, seed=seed)
+    firsts = [n - c for n, c in zip(lens, chunks)]
+    starts = [0]
+    for c in chunks:
+        starts.append(starts[-1] + c)
+    q = _queries(starts[-1], heads, d, seed=seed + 1)
+    got = attn.prefill(q, cache, tables, starts, firsts, d ** -0.5)
+    ref = _reference(layout, q, cache, tables, starts, firsts, d ** -0.5)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    return attn, cache, tables, q, starts, firsts, got
+
+
 @pytest.mark.parametrize("bs", [16, 24])
 @pytest.mark.parametrize("heads,hkv,d", SHAPES)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_prefill_attention_matches_the_fp64_reference(fmt, heads, hkv, d, bs, isa):
     # whole prompts (first position 0) and chunks after a cached prefix, of
     # lengths around the 16- and 48-key tiles and the 16- to 64-query tasks
-    lens, chunks = [1, 40, 77, 130], [1, 40, 9, 70]
-    layout, attn, cache, tables = _case(fmt, heads, hkv, d, bs, lens)
-    firsts = [n - c for n, c in zip(lens, chunks)]
-    starts = [0]
-    for c in chunks:
-        starts.append(starts[-1] + c)
-    q = _queries(starts[-1], heads, d, seed=1)
-    got = attn.prefill(q, cache, tables, starts, firsts, d ** -0.5)
-    ref = _reference(layout, q, cache, tables, starts, firsts, d ** -0.5)
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    _against_the_reference(fmt, heads, hkv, d, bs, [1, 40, 77, 130], [1, 40, 9, 70], seed=0)
 
 
 @pytest.mark.parametrize("fmt", ["int4", "bfloat16", "float32"])
@@ -105,15 +111,8 @@ def test_amx_prefill_matches_the_fp64_reference_and_the_fp32_path(heads, hkv, d,
     # after a cached prefix, around the 64-key tiles and 16-row blocks
     start = _amx_from(d)
     lens, chunks = [start + 1, start + 130, start + 333, 70], [start + 1, 70, 9, 70]
-    layout, attn, cache, tables = _case("int4", heads, hkv, d, bs, lens, seed=5)
-    firsts = [n - c for n, c in zip(lens, chunks)]
-    starts = [0]
-    for c in chunks:
-        starts.append(starts[-1] + c)
-    q = _queries(starts[-1], heads, d, seed=6)
-    got = attn.prefill(q, cache, tables, starts, firsts, d ** -0.5)
-    ref = _reference(layout, q, cache, tables, starts, firsts, d ** -0.5)
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    attn, cache, tables, q, starts, firsts, got = _against_the_reference("int4", heads, hkv, d, bs, lens, chunks,
+                                                                         seed=5)
     monkeypatch.setenv("QOQSERVE_CPU_ISA", "avx512-vnni")  # the AVX-512 fp32 path for every query
     assert paged_prefill.amx_from("int4", d) is None
     fp32 = attn.prefill(q, cache, tables, starts, firsts, d ** -0.5)

@@ -120,6 +120,13 @@ PP_AMX_FN static inline __attribute__((always_inline)) void weight_digits(__m512
     _mm_storeu_si128((__m128i *)dig, _mm512_cvtepi32_epi8(_mm512_srli_epi32(W, 16)));
 }
 
+/* the three digits' tiles of sums (0-2) -> ints [3][16][16] */
+PP_AMX_FN static inline __attribute__((always_inline)) void store_sums(int32_t *at) {
+    _tile_stored(0, at, 64);
+    _tile_stored(1, at + 256, 64);
+    _tile_stored(2, at + 512, 64);
+}
+
 /* ints [3][16][16] of the three tiles of sums -> digit p's row i */
 static inline __m512i sums_row(const int32_t *ci, int p, int i) { return _mm512_load_si512(ci + 256 * p + 16 * i); }
 
@@ -178,9 +185,7 @@ PP_AMX_FN static inline __attribute__((always_inline)) void task_amx_impl(const 
                     _tile_dpbsud(1, 5, 7);
                     _tile_dpbsud(2, 6, 7);
                 }
-                _tile_stored(0, ci + 768 * blk, 64);
-                _tile_stored(1, ci + 768 * blk + 256, 64);
-                _tile_stored(2, ci + 768 * blk + 512, 64);
+                store_sums(ci + 768 * blk);
             }
             for (int blk = 0; blk < blocks; blk++) {
                 const __m512 scale = _mm512_load_ps(meta + 16 * blk), zero = _mm512_load_ps(meta + AKEYS + 16 * blk);
@@ -254,9 +259,7 @@ PP_AMX_FN static inline __attribute__((always_inline)) void task_amx_impl(const 
                     _tile_dpbusd(0, 4, 7);
                     _tile_dpbusd(1, 5, 7);
                     _tile_dpbusd(2, 6, 7);
-                    _tile_stored(0, ci + 768 * g, 64);
-                    _tile_stored(1, ci + 768 * g + 256, 64);
-                    _tile_stored(2, ci + 768 * g + 512, 64);
+                    store_sums(ci + 768 * g);
                 }
                 for (int i = 0; i < 16 && r0 + i < R; i++) {
                     if (wsc[i] == 0.f) continue;  /* the row does not see the tile, or its weights are 0 */

@@ -1,18 +1,42 @@
-import os, sys, time, torch
+"""One layer's prefill attention call over KV4 pages (9 query heads, 3 KV
+heads, head_dim 64, block 16), the AMX tiles (default) against
+QOQSERVE_CPU_ISA=avx512-vnni (the fp32 AVX-512 path for every query), three
+rounds taking turns. Run from the repository root:
+
+    python docs/benchmarks/xeon_amx/prefill_amx_1207/attention_calls.py 64x64 32x128 16x256 8x512 --calls 20
+    python docs/benchmarks/xeon_amx/prefill_amx_1207/attention_calls.py 1x512 1x768 1x1024 4x1024 1x2048 --calls 10
+"""
+import argparse
+import os
+import sys
+import time
+
 sys.path.insert(0, "tests")
-from test_paged_prefill import _case, _queries
-for L, B in [(64, 64), (128, 32), (256, 16), (512, 8)]:
+from test_paged_prefill import _case, _queries  # noqa: E402
+
+ap = argparse.ArgumentParser()
+ap.add_argument("shapes", nargs="+", help="BxL: B prompts of L tokens from position 0")
+ap.add_argument("--calls", type=int, default=10)
+args = ap.parse_args()
+for shape in args.shapes:
+    B, L = map(int, shape.split("x"))
     layout, attn, cache, tables = _case("int4", 9, 3, 64, 16, [L] * B)
     q = _queries(L * B, 9, 64, seed=1)
     starts = [i * L for i in range(B + 1)]
-    def run():
+
+    def fastest():
         best = 1e9
-        for _ in range(20):
-            t = time.perf_counter(); attn.prefill(q, cache, tables, starts, [0] * B, 0.125); best = min(best, time.perf_counter() - t)
+        for _ in range(args.calls):
+            t = time.perf_counter()
+            attn.prefill(q, cache, tables, starts, [0] * B, 0.125)
+            best = min(best, time.perf_counter() - t)
         return best
+
     r = []
-    for rep in range(3):
-        os.environ.pop("QOQSERVE_CPU_ISA", None); a = run()
-        os.environ["QOQSERVE_CPU_ISA"] = "avx512-vnni"; f = run()
-        r.append(f"{a*1e3:.2f}/{f*1e3:.2f}")
-    print(f"{B}x{L} amx/fp32 ms:", " ".join(r))
+    for _ in range(3):
+        os.environ.pop("QOQSERVE_CPU_ISA", None)
+        a = fastest()
+        os.environ["QOQSERVE_CPU_ISA"] = "avx512-vnni"
+        f = fastest()
+        r.append(f"{a * 1e3:.2f}/{f * 1e3:.2f}")
+    print(f"{B}x{L} amx/fp32 ms:", " ".join(r), flush=True)

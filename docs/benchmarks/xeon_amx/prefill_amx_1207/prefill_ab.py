@@ -1,7 +1,10 @@
-import sys, time
-from qoqserve.llm import LLM
+import sys
+import time
+
 from qoqserve.bench.offline import make_prompts
+from qoqserve.llm import LLM
 from qoqserve.sampling_params import SamplingParams
+
 shapes = [tuple(map(int, s.split("x"))) for s in sys.argv[1:]]
 llm = LLM(model="qoq", enable_prefix_caching=False)
 e = llm.engine
