@@ -8,8 +8,8 @@
  * instruction) and the codes never leave bytes:
  * - the scores are those of the decode kernel's VNNI path (kv4_digits.h: the
  *   query in three 8-bit digits of a 22-bit integer, exact INT32 sums, the
- *   same float steps), so a prompt's scores are bit for bit the ones its
- *   decode steps make;
+ *   same float steps: one code for both), so for the same query and key
+ *   the two kernels make the same score;
  * - a row's weights over a tile of 64 keys, w = e * scale (e from the online
  *   softmax, scale the V row's), as a 22-bit integer W = round(w / sw) (sw a
  *   power of two, max W in [2^21, 2^22)), in three unsigned bytes, against the codes - 8 as signed
