@@ -66,30 +66,37 @@ def test_prefill_attention_matches_the_fp64_reference(fmt, heads, hkv, d, bs, is
     _against_the_reference(fmt, heads, hkv, d, bs, [1, 40, 77, 130], [1, 40, 9, 70], seed=0)
 
 
-@pytest.mark.parametrize("fmt", ["int4", "bfloat16", "float32"])
-def test_a_query_does_not_depend_on_chunking_batch_or_threads(fmt, isa):
-    heads, hkv, d, n = 9, 3, 64, 150
-    layout, attn, cache, tables = _case(fmt, heads, hkv, d, 16, [n, 60])
-    q = _queries(n, heads, d, seed=2)
+def _invariant(attn, cache, tables, q, other, sizes, single=()):
+    """Sequence 0's queries q (all of its prompt) give the same bits whole, cut
+    into chunks of each size (in one call, and the first three one call each,
+    as are the `single` (start, end) ones), behind sequence 1's `other` in one
+    batch, and on 1 or 8 threads (8: tasks of 16 queries instead of 64)."""
+    n, m = q.shape[0], other.shape[0]
     whole = attn.prefill(q, cache, tables[:1], [0, n], [0], 0.125)
-    for size in (1, 7, 64):
+    for size in sizes:
         cuts = list(range(0, n, size)) + [n]
         rows = tables[:1].expand(len(cuts) - 1, -1)
-        chunked = attn.prefill(q, cache, rows, cuts, cuts[:-1], 0.125)   # every chunk in one call
-        assert torch.equal(chunked, whole), size
-        for a, b in zip(cuts[:3], cuts[1:4]):                             # chunks one call each
-            assert torch.equal(attn.prefill(q[a:b], cache, tables[:1], [0, b - a], [a], 0.125), whole[a:b])
-    other = _queries(60, heads, d, seed=3)
-    mixed = attn.prefill(torch.cat([other, q]), cache, tables[[1, 0]], [0, 60, 60 + n], [0, 0], 0.125)
-    assert torch.equal(mixed[60:], whole)
+        assert torch.equal(attn.prefill(q, cache, rows, cuts, cuts[:-1], 0.125), whole), size
+        single = [*single, *zip(cuts[:3], cuts[1:4])]
+    for a, b in single:
+        assert torch.equal(attn.prefill(q[a:b], cache, tables[:1], [0, b - a], [a], 0.125), whole[a:b]), (a, b)
+    mixed = attn.prefill(torch.cat([other, q]), cache, tables[[1, 0]], [0, m, m + n], [0, 0], 0.125)
+    assert torch.equal(mixed[m:], whole)
     threads = torch.get_num_threads()
-    for t in (1, 8):  # 8 threads: tasks of 16 queries instead of 64, the same rows
+    for t in (1, 8):
         try:
             torch.set_num_threads(t)
             alone = attn.prefill(q, cache, tables[:1], [0, n], [0], 0.125)
         finally:
             torch.set_num_threads(threads)
         assert torch.equal(alone, whole), t
+
+
+@pytest.mark.parametrize("fmt", ["int4", "bfloat16", "float32"])
+def test_a_query_does_not_depend_on_chunking_batch_or_threads(fmt, isa):
+    heads, hkv, d, n = 9, 3, 64, 150
+    _, attn, cache, tables = _case(fmt, heads, hkv, d, 16, [n, 60])
+    _invariant(attn, cache, tables, _queries(n, heads, d, seed=2), _queries(60, heads, d, seed=3), (1, 7, 64))
 
 
 def _amx_from(d):
@@ -125,26 +132,9 @@ def test_amx_prefill_matches_the_fp64_reference_and_the_fp32_path(heads, hkv, d,
 def test_amx_prefill_does_not_depend_on_chunking_batch_or_threads():
     heads, hkv, d = 9, 3, 64
     n = _amx_from(d) + 200
-    layout, attn, cache, tables = _case("int4", heads, hkv, d, 16, [n, 300], seed=7)
-    q = _queries(n, heads, d, seed=8)
-    whole = attn.prefill(q, cache, tables[:1], [0, n], [0], 0.125)
-    for size in (1, 7, 64, 100):
-        cuts = list(range(0, n, size)) + [n]
-        rows = tables[:1].expand(len(cuts) - 1, -1)
-        assert torch.equal(attn.prefill(q, cache, rows, cuts, cuts[:-1], 0.125), whole), size
-    a, b = 250, 262  # one call for a chunk across the first AMX position
-    assert torch.equal(attn.prefill(q[a:b], cache, tables[:1], [0, b - a], [a], 0.125), whole[a:b])
-    other = _queries(300, heads, d, seed=9)
-    mixed = attn.prefill(torch.cat([other, q]), cache, tables[[1, 0]], [0, 300, 300 + n], [0, 0], 0.125)
-    assert torch.equal(mixed[300:], whole)
-    threads = torch.get_num_threads()
-    for t in (1, 8):
-        try:
-            torch.set_num_threads(t)
-            alone = attn.prefill(q, cache, tables[:1], [0, n], [0], 0.125)
-        finally:
-            torch.set_num_threads(threads)
-        assert torch.equal(alone, whole), t
+    _, attn, cache, tables = _case("int4", heads, hkv, d, 16, [n, 300], seed=7)
+    _invariant(attn, cache, tables, _queries(n, heads, d, seed=8), _queries(300, heads, d, seed=9), (1, 7, 64, 100),
+               single=[(250, 262)])  # one call for a chunk across the first AMX position
 
 
 @pytest.mark.parametrize("path", ["avx512", "avx2"])
