@@ -42,12 +42,6 @@ static int prefill_amx(int fmt, int D) {
     return fmt == KV_INT4 && D % 64 == 0 && D <= 512 && amx_allowed() && avx512_supported();
 }
 
-/* floats of per-thread scratch for task_amx */
-static inline int64_t amx_scratch_floats(const pjob *j) {
-    const int64_t rb = ((int64_t)j->qblock * j->G + 15) / 16 * 16;
-    return rb * (qp_stride(j->D) + j->D + 81) + 40 * (int64_t)j->D + 6400;  /* task_amx_impl's layout */
-}
-
 #include "paged_prefill_amx_rows.h"
 
 /* 16 weights (>= 0) times 1 / sw -> W = round(w / sw) < 2^24, its three
@@ -83,6 +77,33 @@ typedef struct {
     uint8_t *kb, *vb, *packed;
     int64_t qs;
 } amx_bufs;
+
+/* A task's buffers for RB rows (a multiple of 16) laid out from buf, each
+ * 64-byte aligned where buf is; the floats they take. With buf NULL only the
+ * size (amx_scratch_floats), so that the two cannot disagree. */
+static int64_t amx_layout(amx_bufs *b, float *buf, int64_t RB, int D) {
+    const int64_t qs = qp_stride(D), neg = (RB * qs + 15) / 16 * 16, o = neg + RB * 48, lz = o + RB * D;
+    const int64_t m = lz + RB * 32, meta = m + RB, sc = meta + 4 * AKEYS, ci = sc + 16 * AKEYS;
+    const int64_t wd = ci + 4 * 768, wsc = wd + 3 * 16 * AKEYS / 4, kb = wsc + 16;
+    const int64_t total = kb + 40 * (int64_t)D;  /* K, V tile operands and the packed rows: 64, 64, 32 D bytes */
+    if (!buf) return total;
+    b->qs = qs;
+    b->qd = (int32_t *)buf;
+    b->neg = (int32_t *)(buf + neg);
+    b->o = buf + o, b->lz = buf + lz, b->m = buf + m, b->meta = buf + meta, b->sc = buf + sc;
+    b->ci = (int32_t *)(buf + ci);
+    b->wd = (int8_t *)(buf + wd);
+    b->wsc = buf + wsc;
+    b->kb = (uint8_t *)(buf + kb);
+    b->vb = b->kb + 64 * (int64_t)D;
+    b->packed = b->vb + 64 * (int64_t)D;
+    return total;
+}
+
+/* floats of per-thread scratch for task_amx */
+static inline int64_t amx_scratch_floats(const pjob *j) {
+    return amx_layout(NULL, NULL, ((int64_t)j->qblock * j->G + 15) / 16 * 16, j->D);
+}
 
 /* the score sums of rows r0.. x the tile's keys, out of the tiles into b->ci */
 PP_AMX_FN static inline __attribute__((always_inline)) void score_tiles(const amx_bufs *b, int r0, int blocks,
@@ -220,20 +241,7 @@ PP_AMX_FN static inline __attribute__((always_inline)) void task_amx_impl(const 
                                                                           float *buf, const int D) {
     const int G = j->G, R = (t1 - t0) * G, RB = (R + 15) / 16 * 16, nd = D / 8;
     amx_bufs b;
-    b.qs = qp_stride(D);
-    b.qd = (int32_t *)buf;
-    b.neg = b.qd + (RB * b.qs + 15) / 16 * 16;
-    b.o = (float *)(b.neg + (int64_t)RB * 48);
-    b.lz = b.o + (int64_t)RB * D;
-    b.m = b.lz + (int64_t)RB * 32;
-    b.meta = b.m + RB;
-    b.sc = b.meta + 4 * AKEYS;
-    b.ci = (int32_t *)(b.sc + 16 * AKEYS);
-    b.wd = (int8_t *)(b.ci + 4 * 768);
-    b.wsc = (float *)(b.wd + 3 * 16 * AKEYS);
-    b.kb = (uint8_t *)(b.wsc + 16);
-    b.vb = b.kb + 64 * (int64_t)D;
-    b.packed = b.vb + 64 * (int64_t)D;
+    amx_layout(&b, buf, RB, D);
     const int64_t base = j->q_starts[s], pos0 = j->first_pos[s] + t0, last = j->first_pos[s] + t1 - 1;
     for (int r = 0; r < RB; r++) {
         int32_t *qr = b.qd + r * b.qs;
