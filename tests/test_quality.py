@@ -218,7 +218,7 @@ def test_engine_subject_scores_as_it_decodes(qoq_tiny):
 def test_table_renders_the_same_after_a_json_round_trip():
     import json
 
-    from qoqserve.eval.quality import to_markdown
+    from qoqserve.eval.quality_table import to_markdown
     row = dict(ppl=21.0, ppl_delta=0.0, kl_mean=0.0, kl_p99=0.0, same_top=1.0, greedy_agreement=1.0, greedy_prefix=1.0,
                passkey={1024: 0.9, 2048: 0.5}, passkey_free={1024: 0.85, 2048: 0.25}, json_rate=0.75)
     table = {"options": {"lengths": [1024, 2048]},
@@ -301,7 +301,7 @@ def test_a_group_size_that_does_not_tile_the_model_fails_before_any_work():
 
 
 def test_a_table_shows_only_the_tasks_it_measured():
-    from qoqserve.eval.quality import to_markdown
+    from qoqserve.eval.quality_table import to_markdown
     row = {k: v for k, v in _row("g64", kl_mean=0.25).items()
            if k not in ("greedy_agreement", "greedy_prefix", "passkey", "passkey_free", "json_rate")}
     md = to_markdown({"options": {"lengths": [1024], "tasks": []}, "rows": [row]})

@@ -25,7 +25,7 @@ from dataclasses import replace
 
 import torch
 
-from qoqserve.eval import quality
+from qoqserve.eval import quality, quality_table
 from qoqserve.quant.config import NO_TRANSFORMS, ROTATIONS, get_preset, with_rotation
 
 MAIN_ROWS = ["rtn-w8a8", "rtn-kv4", "rtn-w4a16-g64", "rtn-w4a8kv4-chn", "rtn-w4a8kv4-g64",
@@ -105,7 +105,7 @@ def write_doc(path: str, table: dict, blocks: dict[str, list[str]]) -> None:
         if not pattern.search(text):
             raise ValueError(f"{path} has no '<!-- eval accuracy: {name} -->' ... "
                              "'<!-- end eval accuracy -->' block to regenerate")
-        body = measured_line(table, names) + "\n\n" + quality.to_markdown(table, names, LABELS) + "\n"
+        body = measured_line(table, names) + "\n\n" + quality_table.to_markdown(table, names, LABELS) + "\n"
         text = pattern.sub(lambda m: m.group(1) + body + m.group(2), text, count=1)
     with open(path, "w") as f:
         f.write(text)
@@ -123,7 +123,7 @@ def register_args(p) -> None:
     p.add_argument("--model", default=None, help="the FP model (default: the embedded one)")
     p.add_argument("--no-engine", dest="engine", action="store_false",
                    help=f"leave out the '{ENGINE}' checkpoint run by the serving engine")
-    p.add_argument("--tasks", nargs="*", choices=quality.TASKS, default=list(quality.TASKS),
+    p.add_argument("--tasks", nargs="*", choices=quality_table.TASKS, default=list(quality_table.TASKS),
                    help="measured besides perplexity, KL and same top (default: all; a table measured "
                         "with fewer is only resumed with the same)")
     p.add_argument("--rotation", choices=ROTATIONS, default=None,
@@ -154,5 +154,5 @@ def run_cmd(args) -> int:
     opts = quality.QualityOptions(tasks=tuple(args.tasks))
     table = quality.run_quality(args.model, configs, engines, opts, on_row=write, reuse=earlier)
     for name, names in blocks.items():
-        print(f"\n{name}:\n" + quality.to_markdown(table, names, LABELS))
+        print(f"\n{name}:\n" + quality_table.to_markdown(table, names, LABELS))
     return 0
