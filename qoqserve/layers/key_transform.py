@@ -31,10 +31,41 @@ class KeyTransform(nn.Module):
             self.shift.weight_loader = lambda param, loaded, _part: param.copy_(
                 materialize(loaded.narrow(0, *kv_heads)))
 
+    def hadamard_scales(self) -> torch.Tensor | None:
+        """c [D] where R = H diag(c) exactly, H the Sylvester +-1 Hadamard
+        matrix of order D (a power of two): the shipped checkpoints' signed
+        Hadamard / sqrt(D), which the CPU kernels then apply as a fast
+        Walsh-Hadamard transform (D log2 D sums instead of D^2 multiply-adds);
+        None for any other R. Worked out once per value of R (kept until R is
+        written again)."""
+        r = self.rotation
+        key = (r.data_ptr(), r._version)
+        if getattr(self, "_scales_for", None) != key:
+            d = r.shape[0]
+            scales = None
+            if d & (d - 1) == 0 and r.dim() == 2 and r.shape == (d, d):
+                scales = r[0].contiguous()
+                if not torch.equal(r, sylvester(d, r.dtype, r.device) * scales):
+                    scales = None
+            self._scales, self._scales_for = scales, key
+        return self._scales
+
     def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, H, D], k [T, Hkv, D] -> the transformed pair, same shapes and dtypes."""
         r = self.rotation
         return q @ r, (k - self.shift) @ r
+
+
+def sylvester(d: int, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """The Sylvester Hadamard matrix of order d (a power of two): H[i, j] =
+    (-1)^popcount(i & j)."""
+    i = torch.arange(d, device=device)
+    bits = i[:, None] & i[None, :]
+    parity = torch.zeros_like(bits)
+    while bool(bits.any()):
+        parity ^= bits & 1
+        bits = bits >> 1
+    return (1 - 2 * parity).to(dtype)
 
 
 def share_equal_rotations(model: nn.Module) -> int:
@@ -43,7 +74,8 @@ def share_equal_rotations(model: nn.Module) -> int:
     same signed Hadamard: shared, a decode step reads one R (D*D floats) that
     stays in cache instead of one cold copy a layer, each on the path from
     the qkv projection to attention. For a model whose weights are final:
-    an R changed in place afterwards changes every layer that shares it."""
+    an R changed in place afterwards changes every layer that shares it.
+    Each R's Hadamard scales (hadamard_scales) are worked out here too."""
     kept: list[nn.Parameter] = []
     for module in model.modules():
         if not isinstance(module, KeyTransform):
@@ -54,5 +86,6 @@ def share_equal_rotations(model: nn.Module) -> int:
             kept.append(r)
         else:
             module.rotation = same
+        module.hadamard_scales()  # worked out now, not inside a captured step (whose torch ops would break it)
     return len(kept)
 

@@ -76,5 +76,8 @@ class CpuTokenOps(TorchTokenOps):
 
     def qkv_rope(self, qkv, positions, rope, key_transform, num_heads, num_kv_heads, head_dim):
         kt = key_transform
+        if kt is None:
+            return elementwise.qkv_rope(qkv, positions, rope.cos, rope.sin, num_heads, num_kv_heads, head_dim)
+        scales = kt.hadamard_scales()  # a signed Hadamard R: the fast transform
         return elementwise.qkv_rope(qkv, positions, rope.cos, rope.sin, num_heads, num_kv_heads, head_dim,
-                                    None if kt is None else kt.shift, None if kt is None else kt.rotation)
+                                    kt.shift, kt.rotation if scales is None else scales, scales is not None)

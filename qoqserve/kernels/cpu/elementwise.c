@@ -81,15 +81,18 @@ void silu_mul(const void *gu, void *y, int64_t T, int64_t I, int bf16, int threa
 
 /* token t of qkv_rope (below) */
 static void rope_token(const void *qkv, int64_t row, int64_t t, int H, int Hkv, int D, const int64_t *pos,
-                       const float *cos, const float *sin, const void *shift, const void *rot, void *q,
-                       void *k, void *v, int bf16) {
+                       const float *cos, const float *sin, const void *shift, const void *rot, int hadamard,
+                       void *q, void *k, void *v, int bf16) {
     /* head_dim <= 512; a bf16 R is widened once per token when it fits
      * the scratch (head_dim <= 128), else row by row. fp32 rows are read
      * where they are and rotated straight into their output rows; bf16
      * ones are widened into x first and rounded on the way out. */
-    float x[ROT_GROUP][512], y[ROT_GROUP][512], rmat[128 * 128], sh[512];
-    const float *R = NULL;
-    if (rot && !bf16) R = (const float *)rot;
+    float x[ROT_GROUP][512], y[ROT_GROUP][512], rmat[128 * 128], sh[512], scales[512];
+    const float *R = NULL, *C = NULL;  /* R, or with hadamard its column scales C */
+    if (rot && hadamard) {
+        if (bf16) load_row(rot, bf16, 0, D, scales);
+        C = bf16 ? scales : (const float *)rot;
+    } else if (rot && !bf16) R = (const float *)rot;
     else if (rot && D <= 128) { load_row(rot, bf16, 0, (int64_t)D * D, rmat); R = rmat; }
     const float *c = cos + pos[t] * D, *s = sin + pos[t] * D;
     const int half = D / 2;
@@ -113,8 +116,9 @@ static void rope_token(const void *qkv, int64_t row, int64_t t, int H, int Hkv, 
             }
             out[j] = bf16 ? x[j] : (float *)(is_k ? k : q) + oi;
         }
-        if (rot && R) rotate_heads(y, R, out, nh, D);
-        for (int j = 0; rot && !R && j < nh; j++) {
+        if (C) hadamard_heads(y, C, out, nh, D);
+        else if (R) rotate_heads(y, R, out, nh, D);
+        for (int j = 0; rot && !R && !C && j < nh; j++) {
             for (int d = 0; d < D; d++) out[j][d] = 0.f;
             for (int e = 0; e < D; e++) {
                 float rr[512];
@@ -138,12 +142,13 @@ static void rope_token(const void *qkv, int64_t row, int64_t t, int H, int Hkv, 
  * pos[t] from the fp32 tables cos/sin [max_pos, D], rounded once; with
  * rot != NULL then q R and (k - shift) R (shift [Hkv, D], R [D, D] row-major:
  * layers/key_transform.py), each output summed over e in order by fused
- * multiply-adds. */
+ * multiply-adds; with hadamard, rot holds R's column scales c [D] instead,
+ * for R = H diag(c), H the Sylvester Hadamard matrix (key_rotation.h). */
 void qkv_rope(const void *qkv, int64_t row, int64_t T, int H, int Hkv, int D, const int64_t *pos,
-              const float *cos, const float *sin, const void *shift, const void *rot, void *q,
+              const float *cos, const float *sin, const void *shift, const void *rot, int hadamard, void *q,
               void *k, void *v, int bf16, int threads) {
     TEAM_RUN(threads, T >= PAR_ROWS, for (int64_t t = T * tm.t / tm.T; t < T * (tm.t + 1) / tm.T; t++)
-             rope_token(qkv, row, t, H, Hkv, D, pos, cos, sin, shift, rot, q, k, v, bf16));
+             rope_token(qkv, row, t, H, Hkv, D, pos, cos, sin, shift, rot, hadamard, q, k, v, bf16));
 }
 
 #include "argmax_row.h"

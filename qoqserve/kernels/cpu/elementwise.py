@@ -18,7 +18,7 @@ _SIGNATURES = {
     "rms_norm": (None, [_P, _L, _P, _P, _L, _L, _F, _I, _I]),
     "add_rms_norm": (None, [_P, _P, _P, _P, _L, _L, _F, _I, _I]),
     "silu_mul": (None, [_P, _P, _L, _L, _I, _I]),
-    "qkv_rope": (None, [_P, _L, _L, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I]),
+    "qkv_rope": (None, [_P, _L, _L, _I, _I, _I, _P, _P, _P, _P, _P, _I, _P, _P, _P, _I, _I]),
     "argmax_rows": (None, [_P, _L, _L, _L, _P, _I]),
 }
 DTYPES = (torch.float32, torch.bfloat16)
@@ -102,10 +102,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def qkv_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              num_heads: int, num_kv_heads: int, head_dim: int, shift: torch.Tensor | None = None,
-             rotation: torch.Tensor | None = None):
+             rotation: torch.Tensor | None = None, hadamard: bool = False):
     """qkv [T, (H + 2 Hkv) D] -> q [T, H, D], k, v [T, Hkv, D] (contiguous) with
     RoPE on q, k (cos/sin: fp32 [max_pos, D]) and, given rotation, the key
-    transform q R, (k - shift) R."""
+    transform q R, (k - shift) R. hadamard: rotation is c [D], the column
+    scales of R = H diag(c) with H the Sylvester Hadamard matrix
+    (KeyTransform.hadamard_scales), applied as a fast Walsh-Hadamard transform."""
     _check(qkv)
     t = qkv.shape[0]
     if qkv.stride(1) != 1 or head_dim > MAX_HEAD_DIM or head_dim % 2:
@@ -117,14 +119,16 @@ def qkv_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
         raise ValueError("qkv_rope: the key transform must be contiguous, in the activations' dtype")
     if not (cos.is_contiguous() and sin.is_contiguous() and positions.is_contiguous()):
         raise ValueError("qkv_rope: contiguous cos/sin tables and positions")
+    if hadamard and rotation is not None and (rotation.shape != (head_dim,) or head_dim & (head_dim - 1)):
+        raise ValueError("qkv_rope: Hadamard scales are one per channel, head_dim a power of two")
     q = graph.empty(t, num_heads, head_dim, dtype=qkv.dtype)
     k = graph.empty(t, num_kv_heads, head_dim, dtype=qkv.dtype)
     v = graph.empty(t, num_kv_heads, head_dim, dtype=qkv.dtype)
     graph.launch(load().qkv_rope, qkv.data_ptr(), qkv.stride(0), t, num_heads, num_kv_heads, head_dim,
                  positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                  None if shift is None else shift.data_ptr(), None if rotation is None else rotation.data_ptr(),
-                 q.data_ptr(), k.data_ptr(), v.data_ptr(), int(qkv.dtype == torch.bfloat16),
-                 torch.get_num_threads())
+                 int(hadamard and rotation is not None), q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                 int(qkv.dtype == torch.bfloat16), torch.get_num_threads())
     return q, k, v
 
 
