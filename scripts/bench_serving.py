@@ -92,10 +92,11 @@ def bench_system(name: str, cmd: str, args) -> list[dict]:
     summaries = []
     try:
         wait_up(base, proc, args.startup_timeout)
-        # warm-up: compiled graphs (batch 1 and batch > 1), caches, first allocations
+        # warm-up: compiled graphs (batch 1 and batch > 1), caches, first allocations;
+        # prompts of another seed, so that no measured prompt is in a prefix cache
         for n, c in ((2, 1), (8, 8)):
             run_load(LoadConfig(base_url=base, num_requests=n, concurrency=c, output_len=8,
-                                input_words=args.input_words), progress=False)
+                                input_words=args.input_words, seed=args.seed + 1000), progress=False)
         for c in args.concurrency:
             cfg = LoadConfig(base_url=base, num_requests=num_requests(args, c), concurrency=c,
                              input_words=args.input_words,
