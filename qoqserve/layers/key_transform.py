@@ -27,6 +27,8 @@ class KeyTransform(nn.Module):
         # identity until a checkpoint (or the quantizer) fills them in
         self.shift = nn.Parameter(torch.zeros(num_kv_heads, head_dim, dtype=dtype), requires_grad=False)
         self.rotation = nn.Parameter(torch.eye(head_dim, dtype=dtype), requires_grad=False)
+        self._scales: torch.Tensor | None = None  # hadamard_scales(), for the R it was worked out from:
+        self._scales_for: tuple[int, int] | None = None  # (data_ptr, version)
         if kv_heads is not None:
             self.shift.weight_loader = lambda param, loaded, _part: param.copy_(
                 materialize(loaded.narrow(0, *kv_heads)))
@@ -40,7 +42,7 @@ class KeyTransform(nn.Module):
         written again)."""
         r = self.rotation
         key = (r.data_ptr(), r._version)
-        if getattr(self, "_scales_for", None) != key:
+        if self._scales_for != key:
             d = r.shape[0]
             scales = None
             if d & (d - 1) == 0 and r.dim() == 2 and r.shape == (d, d):
