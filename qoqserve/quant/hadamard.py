@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from qoqserve.layers.key_transform import sylvester
+
 
 def _is_prime(q: int) -> bool:
     if q < 2:
@@ -55,7 +57,7 @@ def _paley2(q: int) -> torch.Tensor:
 
 def _base(m: int) -> torch.Tensor | None:
     if m in (1, 2):
-        return _sylvester(m)
+        return sylvester(m, torch.int64)
     if m % 4:
         return None
     if _is_prime(m - 1) and (m - 1) % 4 == 3:
@@ -63,13 +65,6 @@ def _base(m: int) -> torch.Tensor | None:
     if _is_prime(m // 2 - 1) and (m // 2 - 1) % 4 == 1:
         return _paley2(m // 2 - 1)
     return None
-
-
-def _sylvester(n: int) -> torch.Tensor:
-    h = torch.ones(1, 1, dtype=torch.int64)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h
 
 
 def hadamard_matrix(n: int) -> torch.Tensor | None:
@@ -85,7 +80,7 @@ def hadamard_matrix(n: int) -> torch.Tensor | None:
     for e in range(k, -1, -1):
         base = _base(n >> e)
         if base is not None:
-            return torch.kron(_sylvester(1 << e), base).to(torch.float64)
+            return torch.kron(sylvester(1 << e, torch.int64), base).to(torch.float64)
     return None
 
 
