@@ -13,20 +13,33 @@ cache would hold them; exploration only, the runtime has none of them):
   --sink N          keep the first N tokens of each window unquantized
   --kmean           subtract each window's mean key (post-RoPE) before quantizing
   --qk-had          multiply q and k by a normalized Hadamard matrix per head
+  --kv-clip R       K/V ranges clipped to R of (max - min) about their middle;
+                    "search": per row, the least squared error of 1, .95, .9, .85, .8
+  --down-rotation   an online signed Hadamard on every down_proj input (QuaRot's
+                    R4), its transpose folded into down_proj; "plain": down_proj's
+                    reorder and smoothing off, "folded": both applied after the
+                    Hadamard (online too)
+  --kl              also KL to the FP model and same-top (eval/kl.py)
 The KeyTransform that came out of these (`key_transform=True`) needs no patch.
 """
 import argparse
 import ast
+import dataclasses
 import json
 import time
 
+import torch
+
+from qoqserve.eval import kl
 from qoqserve.eval.perplexity import LICENSE_TEXTS, perplexity, read_texts
+from qoqserve.kernels import kv_ref
 from qoqserve.layers import attention
 from qoqserve.model_loader import load_model_source
+from qoqserve.quant import pipeline
 from qoqserve.quant.calibration import load_calibration
 from qoqserve.quant.config import get_preset
 from qoqserve.quant.hadamard import hadamard_matrix
-from qoqserve.quant.pipeline import quantize_model
+from qoqserve.quant.transforms.smooth import smooth_scales
 
 
 def parse_args():
@@ -37,6 +50,9 @@ def parse_args():
     p.add_argument("--sink", type=int, default=0)
     p.add_argument("--kmean", action="store_true")
     p.add_argument("--qk-had", action="store_true")
+    p.add_argument("--kv-clip", default=None)
+    p.add_argument("--down-rotation", choices=["plain", "folded"], default=None)
+    p.add_argument("--kl", action="store_true")
     p.add_argument("--tokens", type=int, default=4096, help="evaluation tokens (0 = all)")
     return p.parse_args()
 
@@ -65,21 +81,99 @@ def patch_attention(args) -> None:
     attention.PagedAttention.forward = forward
 
 
+def patch_kv_clip(ratio: str) -> None:
+    grid = [1.0, 0.95, 0.9, 0.85, 0.8] if ratio == "search" else [float(ratio)]
+
+    def quantize_kv4(x):
+        xf = x.float()
+        lo, hi = xf.amin(dim=-1), xf.amax(dim=-1)
+        best = None
+        for r in grid:
+            mid, half = (hi + lo) / 2, (hi - lo) / 2 * r
+            amax = torch.maximum((mid - half).abs(), (mid + half).abs())
+            scale = torch.maximum(2 * half / 15, amax * 2.0**-14).half()
+            scale = torch.where(scale > 0, scale, torch.full_like(scale, kv_ref.FP16_TINY))
+            zero = (-(mid - half) / scale.float()).half()
+            codes = torch.round(xf / scale.float()[..., None] + zero.float()[..., None]).clamp(0, 15)
+            err = ((codes - zero.float()[..., None]) * scale.float()[..., None] - xf).pow(2).sum(-1)
+            if best is None:
+                best = [err, codes, scale, zero]
+                continue
+            m = err < best[0]
+            best = [torch.where(m, err, best[0]), torch.where(m[..., None], codes, best[1]),
+                    torch.where(m, scale, best[2]), torch.where(m, zero, best[3])]
+        return best[1].to(torch.uint8), best[2], best[3]
+
+    kv_ref.quantize_kv4 = quantize_kv4
+
+
+def patch_down_rotation(mode: str) -> None:
+    """down_proj's input a -> a Q (Q = diag(signs) H / sqrt(I), seeded per layer)
+    on every call, W -> W Q, after the residual rotation."""
+    rotate = pipeline.rotate_model
+
+    def rotate_model(model, seed=0, q=None):
+        rotate(model, seed=seed, q=q)
+        inter = model.layers[0].mlp.down_proj.in_features
+        h = hadamard_matrix(inter)
+        gen = torch.Generator().manual_seed(seed + 4)
+        for layer in model.layers:
+            signs = torch.randint(0, 2, (inter,), generator=gen).double() * 2 - 1
+            rot = signs[:, None] * h / inter ** 0.5
+            down = layer.mlp.down_proj
+            down.weight.data.copy_(down.weight.data.double() @ rot)
+            down.register_buffer("_r4", rot.float())
+            down.register_forward_pre_hook(lambda m, a: (a[0] @ m._r4.to(a[0].dtype),))
+
+    def reorder_down(layer, act_absmax):
+        down = layer.mlp.down_proj
+        if mode == "plain":
+            return torch.arange(down.in_features)
+        perm = torch.argsort(act_absmax.to(down.weight.device), descending=True, stable=True)
+        down._r4.copy_(down._r4[:, perm])
+        down.weight.data.copy_(down.weight.data[:, perm])
+        return perm
+
+    def smooth_down(layer, act_absmax, alpha):
+        down = layer.mlp.down_proj
+        if mode == "plain":
+            return torch.ones(down.in_features, dtype=torch.float64)
+        s = smooth_scales(act_absmax, down.weight.detach().abs().amax(dim=0), alpha)
+        down._r4.copy_(down._r4.double() / s[None, :])
+        down.weight.data.copy_(down.weight.data.double() * s[None, :])
+        return s
+
+    pipeline.rotate_model, pipeline.reorder_down, pipeline.smooth_down = rotate_model, reorder_down, smooth_down
+
+
 def main():
     args = parse_args()
     cfg = get_preset(args.preset, **{k: ast.literal_eval(v) for k, v in
                                      (item.split("=", 1) for item in args.set)})
     if args.kv != "kv" or args.sink or args.kmean or args.qk_had:
         patch_attention(args)
+    if args.down_rotation:
+        patch_down_rotation(args.down_rotation)
     src = load_model_source(None)
     ids = src.tokenizer.encode(read_texts(list(LICENSE_TEXTS)))
     ids = ids[:args.tokens] if args.tokens else ids
     calib = load_calibration(src.tokenizer, None, cfg.calib_samples, cfg.calib_seq_len)
     start = time.time()
-    result = quantize_model(src, cfg, calib, progress=False)
-    ppl = perplexity(result.model.prompt_logprobs, ids, 512, 512).ppl
+    result = pipeline.quantize_model(src, cfg, calib, progress=False)
+    if args.kv_clip:  # after quantizing: only the cache's rounding changes
+        patch_kv_clip(args.kv_clip)
+    extra = {}
+    if args.kl:
+        fp_cfg = dataclasses.replace(cfg, w_bits=16, a_bits=16, kv_bits=16, scale_tuning_epochs=0)
+        fp = pipeline.build_fp_model(src, fp_cfg, "cpu")
+        d = kl.compare(fp.prompt_logits, result.model.prompt_logits, ids, 512, 512)
+        ppl, extra = d.ppl, dict(fp_ppl=round(d.ref_ppl, 3), kl=round(d.kl_mean, 4), kl_p99=round(d.kl_p99, 3),
+                                 same_top=round(d.same_top, 4))
+    else:
+        ppl = perplexity(result.model.prompt_logprobs, ids, 512, 512).ppl
     print(json.dumps(dict(preset=args.preset, set=args.set, kv=args.kv, sink=args.sink,
-                          kmean=args.kmean, qk_had=args.qk_had, tokens=len(ids), ppl=round(ppl, 3),
+                          kmean=args.kmean, qk_had=args.qk_had, kv_clip=args.kv_clip,
+                          down_rotation=args.down_rotation, tokens=len(ids), ppl=round(ppl, 3), **extra,
                           alpha_attn=[i.get("alpha_attn") for i in result.layer_info],
                           seconds=round(time.time() - start))), flush=True)
 
