@@ -89,7 +89,7 @@ QOQSERVE_TEST_DEVICE=cuda stage tests 150 gpu_kernel_tests.txt \
 stage meta 40 kernel_meta.txt "$PY" scripts/gpu_kernel_meta.py "$out/kernel_meta.jsonl"
 stage gemm 150 bench_gemm.txt "$PY" -m qoqserve.cli.main bench kernels --only gemm --out-dir "$out"
 stage attention 90 bench_attention.txt "$PY" -m qoqserve.cli.main bench kernels --only attention --out-dir "$out"
-stage smoke 60 engine_smoke.txt "$PY" scripts/gpu_engine_smoke.py --device cuda --out "$out/engine_smoke.json"
+stage smoke 120 engine_smoke.txt "$PY" scripts/gpu_engine_smoke.py --device cuda --out "$out/engine_smoke.json"
 left=$(( budget - ($(date +%s) - t_start) ))
 [ "$left" -lt 30 ] && left=30
 stage throughput "$left" e2e.txt "$PY" -m qoqserve.cli.main bench throughput --device cuda \

@@ -3,9 +3,12 @@
 the torch path on CPU, on synthetic QoQ models (no downloads, no
 tokenizer files), through the public LLM API only.
 
-fp32 runs must give the same greedy tokens and logprobs within --atol;
-fp16 runs are reported (tokens may part after a near-tie, logprob drift).
-Exit 1 if any fp32 comparison fails or a run crashes.
+Each model and dtype runs twice on the device: as served (decode steps in
+CUDA graphs, engine/graphed_decode.py; the row says which sizes were
+captured) and with enforce_eager. fp32 runs must give the same greedy
+tokens and logprobs within --atol, and the graphed run the eager run's
+tokens; fp16 runs are reported (tokens may part after a near-tie, logprob
+drift). Exit 1 if any fp32 comparison fails or a run crashes.
 
     python3 scripts/gpu_engine_smoke.py --device cuda --out engine_smoke.json
 On CPU (a smoke test of this script) TRITON_INTERPRET=1 --device cpu.
@@ -34,16 +37,21 @@ def compare(ref, got, atol: float) -> dict:
             "max_logprob_diff": worst, "ok": all(equal) and len(ref) == len(got) and worst <= atol}
 
 
-def generate(model: str, device: str, kernels: str, dtype: str, max_tokens: int, prompts=PROMPTS):
+def generate(model: str, device: str, kernels: str, dtype: str, max_tokens: int, prompts=PROMPTS,
+             enforce_eager: bool = False):
     from qoqserve.llm import LLM
     from qoqserve.sampling_params import SamplingParams
 
-    llm = LLM(model, dtype=dtype, kernels=kernels, device=device, num_blocks=64, max_model_len=256)
+    t0 = time.perf_counter()
+    llm = LLM(model, dtype=dtype, kernels=kernels, device=device, num_blocks=64, max_model_len=256,
+              max_num_seqs=16, enforce_eager=enforce_eager)
+    load = time.perf_counter() - t0
     stats = llm.engine.stats()
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=True)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     return outs, {"kv_kernel": stats.get("kv_kernel"), "linear_paths": sorted(set(stats.get("linear_paths", []))),
+                  "captured_decode_sizes": stats.get("captured_decode_sizes"), "load_seconds": load,
                   "seconds": time.perf_counter() - t0}
 
 
@@ -68,19 +76,26 @@ def main(argv=None) -> int:
             failed = True
             continue
         for dtype in args.dtypes:
-            row = {"model": model, "dtype": dtype, "reference": ref_info}
-            try:
-                got, info = generate(model, args.device, "triton", dtype, args.max_tokens, prompts)
-                row.update(info=info, **compare(ref, got, args.atol))
-                failed |= dtype == "float32" and not row["ok"]
-            except Exception as e:
-                row["error"] = f"{type(e).__name__}: {str(e)[:500]}"
-                failed = True
-            report.append(row)
-            print(json.dumps(row), flush=True)
-            if args.out:  # rewritten after every row: a later crash keeps what is known
-                with open(args.out, "w") as f:
-                    json.dump(report, f, indent=2)
+            runs = {}
+            for mode in ("graphed", "eager"):
+                row = {"model": model, "dtype": dtype, "mode": mode, "reference": ref_info}
+                try:
+                    got, info = generate(model, args.device, "triton", dtype, args.max_tokens, prompts,
+                                         enforce_eager=mode == "eager")
+                    runs[mode] = got
+                    row.update(info=info, **compare(ref, got, args.atol))
+                    if mode == "eager" and "graphed" in runs:
+                        row["graphed_equals_eager"] = compare(got, runs["graphed"], args.atol)
+                        row["ok"] &= row["graphed_equals_eager"]["tokens_equal"]
+                    failed |= dtype == "float32" and not row["ok"]
+                except Exception as e:
+                    row["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+                    failed = True
+                report.append(row)
+                print(json.dumps(row), flush=True)
+                if args.out:  # rewritten after every row: a later crash keeps what is known
+                    with open(args.out, "w") as f:
+                        json.dump(report, f, indent=2)
     print("# engine smoke:", "FAILED" if failed else "ok", flush=True)
     return 1 if failed else 0
 

@@ -62,8 +62,9 @@ def test_engine_smoke_runs_the_triton_path_against_the_torch_path_on_cpu(tmp_pat
                      "--max-tokens", "3", "--num-prompts", "2", "--out", str(out)])
     import json
     rows = json.loads(out.read_text())
-    assert rc == 0 and rows[0]["ok"], rows
+    assert rc == 0 and [r["mode"] for r in rows] == ["graphed", "eager"] and all(r["ok"] for r in rows), rows
     assert rows[0]["info"]["kv_kernel"] == "triton" and rows[0]["reference"]["kv_kernel"] == "torch"
+    assert rows[1]["graphed_equals_eager"]["tokens_equal"] and rows[1]["info"]["captured_decode_sizes"] == []
 
 
 def test_kernel_meta_keeps_views_and_reads_compiled_kernels():

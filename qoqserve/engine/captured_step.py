@@ -84,6 +84,25 @@ def pad_decode_rows(bufs: dict, lo: int, hi: int, pad_slot: int) -> None:
     bufs["context_lens"][lo:hi] = 0
 
 
+def write_decode_inputs(bufs: dict, held: list[tuple | None], rows, block_size: int) -> None:
+    """Rows 0.. of a captured step's input buffers (write_decode_row's, plus
+    block_tables) for `rows` (step_inputs.decode_rows). held[i]: (request,
+    preemptions, blocks written) of what row i's block table holds, kept
+    across steps: block tables only grow while a sequence runs (a preemption
+    gives it a new one), so only the blocks a row does not hold yet are
+    written."""
+    tables = bufs["block_tables"]
+    for i, row in enumerate(rows):
+        seq = row[0]
+        table = seq.block_table
+        write_decode_row(bufs, i, row, block_size)
+        h = held[i]
+        done = h[2] if h is not None and h[:2] == (seq.request_id, seq.num_preemptions) else 0
+        if done < len(table):
+            tables[i, done:len(table)] = table[done:]
+            held[i] = (seq.request_id, seq.num_preemptions, len(table))
+
+
 class CapturedDecode:
     def __init__(self, model, kv_caches: list[torch.Tensor], capture_sizes: list[int],
                  max_blocks_per_seq: int, block_size: int, pad_slot: int, max_burst: int = 1):
@@ -240,16 +259,4 @@ class CapturedDecode:
         return step
 
     def _write_inputs(self, decodes: list[Sequence], drafts: list[Row] = ()) -> None:
-        np, bs = self._np, self.block_size
-        tables = np["block_tables"]
-        for i, row in enumerate(decode_rows(decodes, drafts)):
-            seq = row[0]
-            table = seq.block_table
-            write_decode_row(np, i, row, bs)
-            # block tables only grow while a sequence runs (a preemption gives it a
-            # new one): write what this row does not hold yet
-            held = self._rows[i]
-            done = held[2] if held is not None and held[:2] == (seq.request_id, seq.num_preemptions) else 0
-            if done < len(table):
-                tables[i, done:len(table)] = table[done:]
-                self._rows[i] = (seq.request_id, seq.num_preemptions, len(table))
+        write_decode_inputs(self._np, self._rows, decode_rows(decodes, drafts), self.block_size)

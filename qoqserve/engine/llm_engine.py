@@ -77,9 +77,9 @@ class LLMEngine:
         self.trackers: dict[str, OutputTracker] = {}
         self.isolation = StepIsolation(self.runner)
         spec = config.speculative()
-        captured = self.runner.captured
+        graphs = self.runner.decode_graphs()
         self.speculator = (Speculator(spec, self.block_manager, self.max_model_len,
-                                      captured.max_size if captured is not None else sched.max_num_seqs)
+                                      graphs.max_size if graphs is not None else sched.max_num_seqs)
                            if spec is not None else None)
         # failures of steps: pinned on (and ended only) one request, or not
         # (every request of the step ended); /health reports them

@@ -11,6 +11,7 @@ from qoqserve.engine.backends import select_backends
 from qoqserve.engine.captured_burst import BurstResult
 from qoqserve.engine.captured_mixed import CapturedMixed
 from qoqserve.engine.captured_step import CapturedDecode, default_capture_sizes
+from qoqserve.engine.graphed_decode import GraphedDecode
 from qoqserve.engine.kv_budget import num_blocks_for_budget
 from qoqserve.engine.parallel_world import ParallelWorld
 from qoqserve.engine.scheduler import ScheduledBatch
@@ -92,16 +93,20 @@ class ModelRunner:
         self.sampler = Sampler(config.seed)
         self.staging = HostStaging(self.device)
         self._log_load()
-        self.captured: CapturedDecode | None = None
+        self.captured: CapturedDecode | None = None  # CPU: recorded C calls
+        self.graphed: GraphedDecode | None = None     # CUDA: CUDA graphs
         sizes = self._capture_sizes(config, world)
-        if sizes:
-            width = -(-max_positions // self.block_size)
+        width = -(-max_positions // self.block_size)
+        if sizes and self.device.type == "cpu":
             self.captured = CapturedDecode(self.model, self.kv_caches, sizes, width, self.block_size,
                                            pad_slot=self.num_blocks * self.block_size,
                                            max_burst=config.scheduler.num_scheduler_steps)
             self.captured.capture_all()
             if self.captured.disabled:
                 self.captured = None
+        elif sizes:
+            self.use_graphs(GraphedDecode(self.model, self.kv_caches, sizes, width, self.block_size,
+                                          pad_slot=self.num_blocks * self.block_size, device=self.device))
         # steps with prefill chunks: captured per padded shape where decodes are
         self.mixed = (CapturedMixed(self.model, self.kv_caches, self.captured.sizes, config.scheduler.max_num_seqs,
                                     width, self.block_size, pad_slot=self.num_blocks * self.block_size)
@@ -110,15 +115,26 @@ class ModelRunner:
         self.one_shot = OneShotSteps() if self.captured is not None else None
 
     def _capture_sizes(self, config: EngineConfig, world) -> list[int]:
-        """The decode batch sizes captured: none on GPU, with --enforce-eager or
-        tensor parallelism (a captured step replays C kernels only; the
-        all-reduces are not among them), none past what the linears allow."""
-        if self.device.type != "cpu" or config.enforce_eager or world is not None:
+        """The decode batch sizes captured (as C call lists on CPU, CUDA graphs
+        on CUDA): none on other devices, with --enforce-eager or tensor
+        parallelism (the all-reduces are not among what a step records), none
+        past what the linears allow."""
+        if self.device.type not in ("cpu", "cuda") or config.enforce_eager or world is not None:
             return []
         sizes = config.capture_size_list() or default_capture_sizes(config.scheduler.max_num_seqs)
         limits = [m.method.capture_rows(self.dtype) for m in self.model.modules() if isinstance(m, Linear)]
         most = min((n for n in limits if n is not None), default=None)  # larger batches run op by op
         return [s for s in sizes if most is None or s <= most]
+
+    def use_graphs(self, graphed: GraphedDecode) -> None:
+        """Run decode steps through `graphed` (captured here; if that fails,
+        op by op)."""
+        graphed.capture_all()
+        self.graphed = graphed if not graphed.disabled else None
+
+    def decode_graphs(self) -> CapturedDecode | GraphedDecode | None:
+        """What decode steps replay from, if anything."""
+        return self.captured if self.captured is not None else self.graphed
 
     def _log_load(self) -> None:
         paths: dict[str, int] = {}
@@ -147,7 +163,7 @@ class ModelRunner:
                 "kv_bytes_per_token": self.layout.bytes_per_token() * len(self.kv_caches),
                 "num_kv_blocks": self.num_blocks, "block_size": self.block_size,
                 "linear_paths": paths, "dtype": str(self.dtype).replace("torch.", ""),
-                "captured_decode_sizes": self.captured.sizes if self.captured else [],
+                "captured_decode_sizes": self.decode_graphs().sizes if self.decode_graphs() else [],
                 # eager steps recorded and run back to back (one_shot.py; a kind that cannot be is logged)
                 "one_shot_eager_steps": self.one_shot is not None}
 
@@ -193,8 +209,9 @@ class ModelRunner:
         same K/V to the same slots, and the seeded generators draw again from
         where they were."""
         self.sampler.begin()
-        if not batch.prefills and self.captured is not None:
-            out = self.captured.logits(batch.decodes)
+        graphs = self.decode_graphs()
+        if not batch.prefills and graphs is not None:
+            out = graphs.logits(batch.decodes)
             if out is not None:
                 return self.sampler(out[0], batch.sampled, greedy=out[1])
         if batch.prefills and self.mixed is not None:
@@ -221,7 +238,8 @@ class ModelRunner:
         self.sampler.begin()
         rows = [(seq, len(seq) + j, t) for seq, d in zip(batch.decodes, drafts) for j, t in enumerate(d)]
         b = len(batch.decodes)
-        out = self.captured.logits(batch.decodes, rows) if self.captured is not None else None
+        graphs = self.decode_graphs()
+        out = graphs.logits(batch.decodes, rows) if graphs is not None else None
         if out is None:
             out = self.model.compute_logits(self.execute(step_inputs(batch, self.block_size, rows))), None
         logits, greedy = out
@@ -244,7 +262,8 @@ class ModelRunner:
         return self.captured.bursts.run_sequences(batch.decodes, n, self.sampler)
 
     def step_seconds(self, rows: int) -> float | None:
-        """The last captured decode step of this many rows took (None: none yet)."""
+        """The last captured decode step of this many rows took (None: none yet,
+        or steps that cannot run in bursts: only CPU captured steps do)."""
         return self.captured.step_seconds.get(rows) if self.captured is not None else None
 
     def rollback(self) -> None:
