@@ -106,6 +106,7 @@ class GraphedDecode:
     def max_size(self) -> int:
         return self.sizes[-1]
 
+    @torch.inference_mode()
     def capture_all(self) -> None:
         """Capture every size now, largest first; on a failure none is used."""
         start = time.perf_counter()
