@@ -2,11 +2,13 @@
 counterpart of captured_step.py's recorded C calls.
 
 A decode step of B sequences launches the same kernels every time; only its
-inputs change. So for each size in `capture_sizes` the model's forward, its
-LM head and each row's argmax are captured once into a CUDA graph whose
-inputs are static device tensors owned here (token ids, positions, slots,
-context lengths, block tables) and whose outputs (logits, greedy tokens)
-stay where the capture left them. A step writes its rows into pinned host
+inputs change. So for each size in `capture_sizes` the model's forward is
+captured once into a CUDA graph whose inputs are static device tensors
+owned here (token ids, positions, slots, context lengths, block tables) and
+whose output (the hidden states) stays where the capture left it. The LM
+head and each row's argmax run after the replay, over the real rows only:
+two launches, and no logits buffer per graph (at a 128k vocabulary the
+captured logits of every size would take gigabytes of the pool). A step writes its rows into pinned host
 buffers (block tables incrementally), copies them into the static tensors
 with non_blocking copies on the stream, and replays: no per-kernel launch
 from Python. A batch between two sizes runs in the next larger graph; its
@@ -16,9 +18,9 @@ no sequence owns and attend to nothing (context length 0), as on CPU.
 What makes a forward capturable is that nothing in it reads the device
 from the host: the Triton decode attention picks its context splits from
 the block table's width, which is fixed (kernels/triton/paged_decode.py).
-Sampling stays the sampler's: greedy rows take the graph's argmax (only
-token ids come back to the host), drawn rows sample from the logits on the
-device. A capture that fails leaves the engine running op by op, and says
+Sampling stays the sampler's: greedy rows take the argmax made on the
+device (only token ids come back to the host), drawn rows sample from the
+logits on the device. A capture that fails leaves the engine running op by op, and says
 so once; `enforce_eager` never captures.
 """
 from __future__ import annotations
@@ -39,7 +41,6 @@ from qoqserve.layers.sampler import argmax_tokens
 log = logging.getLogger(__name__)
 
 INPUTS = ("ids", "positions", "slots", "context_lens", "block_tables")
-Outputs = tuple[torch.Tensor, torch.Tensor]
 
 
 class CudaGraphs:
@@ -51,7 +52,7 @@ class CudaGraphs:
         self.device = device
         self.pool = None
 
-    def capture(self, fn: Callable[[], Outputs]) -> tuple[Callable[[], None], Outputs]:
+    def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
         # warm-up off the capture: Triton compiles, cuBLAS picks its kernels and
         # workspaces, the caching allocator sees the sizes
         side = torch.cuda.Stream(self.device)
@@ -69,17 +70,13 @@ class CudaGraphs:
 
 class EagerGraphs:
     """The same contract run eagerly: replay runs the forward again on the
-    static inputs and writes its results into the captured outputs. For
+    static inputs and writes its result into the captured output. For
     devices without graphs, and for testing GraphedDecode's bookkeeping (the
     static buffers, padding, incremental block tables) where CUDA is not."""
 
-    def capture(self, fn: Callable[[], Outputs]) -> tuple[Callable[[], None], Outputs]:
+    def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
         out = fn()
-
-        def replay() -> None:
-            for static, fresh in zip(out, fn()):
-                static.copy_(fresh)
-        return replay, out
+        return lambda: out.copy_(fn()), out
 
 
 class GraphedDecode:
@@ -98,7 +95,7 @@ class GraphedDecode:
         # copies even on the host's own device: the graphs read only these
         self.static = {k: v.to(device, copy=True) for k, v in self.host.items()}
         self._held: list[tuple | None] = [None] * n  # what each row's block table holds (write_decode_inputs)
-        self.replays: dict[int, tuple[Callable[[], None], Outputs]] = {}
+        self.replays: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}  # size: (replay, hidden)
         self.disabled: str | None = None
         self.capture_seconds = 0.0
 
@@ -123,14 +120,12 @@ class GraphedDecode:
         self.capture_seconds = time.perf_counter() - start
         log.info("captured decode graphs for batch sizes %s in %.2f s", self.sizes, self.capture_seconds)
 
-    def _forward(self, size: int) -> Outputs:
+    def _forward(self, size: int) -> torch.Tensor:
         s = self.static
         meta = AttentionMetadata(is_prefill=False, slot_mapping=s["slots"][:size],
                                  block_tables=s["block_tables"][:size], context_lens=s["context_lens"][:size],
                                  num_decodes=size)
-        hidden = self.model(s["ids"][:size], s["positions"][:size], meta, self.kv_caches)
-        logits = self.model.compute_logits(hidden)
-        return logits, argmax_tokens(logits)
+        return self.model(s["ids"][:size], s["positions"][:size], meta, self.kv_caches)
 
     def _reset_rows(self, lo: int, hi: int) -> None:
         pad_decode_rows(self._np, lo, hi, self.pad_slot)
@@ -150,7 +145,7 @@ class GraphedDecode:
             return None
         return self.sizes[bisect.bisect_left(self.sizes, batch_size)]
 
-    def logits(self, decodes: list[Sequence], drafts: list[Row] = ()) -> Outputs | None:
+    def logits(self, decodes: list[Sequence], drafts: list[Row] = ()) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(logits [rows, vocab], argmax [rows]) of one decode step, or None when
         this batch cannot run in a graph. Rows as CapturedDecode.logits: one per
         decode, then one per draft of a speculative step."""
@@ -165,6 +160,7 @@ class GraphedDecode:
         if size > b:
             self._reset_rows(b, size)
         self._upload(size)
-        replay, (logits, greedy) = self.replays[size]
+        replay, hidden = self.replays[size]
         replay()
-        return logits[:b], greedy[:b]
+        logits = self.model.compute_logits(hidden[:b])
+        return logits, argmax_tokens(logits)
