@@ -171,8 +171,8 @@ class EngineConfig:
                                      "checkpoints on the CPU kernels, float otherwise",
                              choices=LM_HEAD_DTYPES)
     compile: bool = opt(False, "torch.compile the decode attention of the torch path")
-    enforce_eager: bool = opt(False, "run every step op by op: no captured decode steps (CPU; "
-                                     "docs/runtime.md)")
+    enforce_eager: bool = opt(False, "run every step op by op: no captured decode steps (recorded C "
+                                     "calls on CPU, CUDA graphs on CUDA; docs/runtime.md)")
     capture_sizes: str | list[int] | None = opt(
         None, "decode batch sizes to capture, comma-separated (default: 1-8, then every 8 up to "
               "--max-num-seqs); a batch runs in the next larger captured size")
