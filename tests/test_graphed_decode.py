@@ -8,6 +8,7 @@ import gc
 import pytest
 import torch
 
+from qoqserve.engine.captured_step import reset_decode_rows
 from qoqserve.engine.graphed_decode import EagerGraphs, GraphedDecode
 from qoqserve.llm import LLM
 from qoqserve.sampling_params import SamplingParams
@@ -92,7 +93,7 @@ def test_padding_rows_write_the_scratch_page(qoq_tiny):
     llm.generate(prompts, params)
     assert all(c[pad_page].any() for c in r.kv_caches)
     # rows reset as padding read token 0 at position 0 and attend to nothing
-    g._reset_rows(0, g.max_size)
+    reset_decode_rows(g._np, g._held, 0, g.max_size, g.pad_slot)
     assert g._np["context_lens"].sum() == 0 and (g._np["slots"] == g.pad_slot).all()
     assert all(h is None for h in g._held)
 

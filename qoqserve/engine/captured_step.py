@@ -84,6 +84,18 @@ def pad_decode_rows(bufs: dict, lo: int, hi: int, pad_slot: int) -> None:
     bufs["context_lens"][lo:hi] = 0
 
 
+def reset_decode_rows(bufs: dict, held: list[tuple | None], lo: int, hi: int, pad_slot: int) -> None:
+    """Rows lo..hi as padding (pad_decode_rows), holding no block table
+    (held: write_decode_inputs's)."""
+    pad_decode_rows(bufs, lo, hi, pad_slot)
+    held[lo:hi] = [None] * (hi - lo)
+
+
+def bucket_size(sizes: list[int], batch_size: int) -> int | None:
+    """The smallest of the sorted captured `sizes` that holds the batch (None: none does)."""
+    return sizes[bisect.bisect_left(sizes, batch_size)] if batch_size <= sizes[-1] else None
+
+
 def write_decode_inputs(bufs: dict, held: list[tuple | None], rows, block_size: int) -> None:
     """Rows 0.. of a captured step's input buffers (write_decode_row's, plus
     block_tables) for `rows` (step_inputs.decode_rows). held[i]: (request,
@@ -219,15 +231,11 @@ class CapturedDecode:
             self._no_head(e)
 
     def _reset_rows(self, lo: int, hi: int) -> None:
-        pad_decode_rows(self._np, lo, hi, self.pad_slot)
-        for i in range(lo, hi):
-            self._rows[i] = None
+        reset_decode_rows(self._np, self._rows, lo, hi, self.pad_slot)
 
     def bucket(self, batch_size: int) -> int | None:
         """The captured size a decode batch runs in, or None (op by op)."""
-        if self.disabled or batch_size > self.max_size:
-            return None
-        return self.sizes[bisect.bisect_left(self.sizes, batch_size)]
+        return None if self.disabled else bucket_size(self.sizes, batch_size)
 
     def logits(self, decodes: list[Sequence], drafts: list[Row] = ()
                ) -> tuple[torch.Tensor, torch.Tensor | None] | None:

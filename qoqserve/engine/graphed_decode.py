@@ -25,14 +25,13 @@ so once; `enforce_eager` never captures.
 """
 from __future__ import annotations
 
-import bisect
 import logging
 import time
 from typing import Callable
 
 import torch
 
-from qoqserve.engine.captured_step import pad_decode_rows, write_decode_inputs
+from qoqserve.engine.captured_step import bucket_size, reset_decode_rows, write_decode_inputs
 from qoqserve.engine.sequence import Sequence
 from qoqserve.engine.step_inputs import Row, decode_rows
 from qoqserve.layers.attention import AttentionMetadata
@@ -107,9 +106,10 @@ class GraphedDecode:
     def capture_all(self) -> None:
         """Capture every size now, largest first; on a failure none is used."""
         start = time.perf_counter()
+        # every row padding while capturing: the forwards write only the scratch page
+        reset_decode_rows(self._np, self._held, 0, self.max_size, self.pad_slot)
+        self._upload(self.max_size)
         for size in reversed(self.sizes):
-            self._reset_rows(0, self.max_size)
-            self._upload(self.max_size)
             try:
                 self.replays[size] = self.graphs.capture(lambda size=size: self._forward(size))
             except Exception as e:  # anything the capture cannot hold: run op by op instead
@@ -127,12 +127,6 @@ class GraphedDecode:
                                  num_decodes=size)
         return self.model(s["ids"][:size], s["positions"][:size], meta, self.kv_caches)
 
-    def _reset_rows(self, lo: int, hi: int) -> None:
-        pad_decode_rows(self._np, lo, hi, self.pad_slot)
-        self._np["block_tables"][lo:hi] = 0
-        for i in range(lo, hi):
-            self._held[i] = None
-
     def _upload(self, rows: int) -> None:
         """The first `rows` rows of every input to the static tensors, queued on
         the stream before the replay that reads them."""
@@ -141,9 +135,7 @@ class GraphedDecode:
 
     def bucket(self, batch_size: int) -> int | None:
         """The captured size a decode batch runs in, or None (op by op)."""
-        if self.disabled or not self.replays or batch_size > self.max_size:
-            return None
-        return self.sizes[bisect.bisect_left(self.sizes, batch_size)]
+        return None if self.disabled or not self.replays else bucket_size(self.sizes, batch_size)
 
     def logits(self, decodes: list[Sequence], drafts: list[Row] = ()) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(logits [rows, vocab], argmax [rows]) of one decode step, or None when
@@ -153,12 +145,11 @@ class GraphedDecode:
         size = self.bucket(b)
         if size is None:
             return None
-        # a host buffer may still be feeding the last step's copies: wait for them
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        # the host buffers are free again: the last step's copies were done by
+        # the time its sampler's .tolist() returned (as engine/staging.py's)
         write_decode_inputs(self._np, self._held, decode_rows(decodes, drafts), self.block_size)
         if size > b:
-            self._reset_rows(b, size)
+            reset_decode_rows(self._np, self._held, b, size, self.pad_slot)
         self._upload(size)
         replay, hidden = self.replays[size]
         replay()
