@@ -82,27 +82,26 @@ def patch_attention(args) -> None:
 
 
 def patch_kv_clip(ratio: str) -> None:
+    """The cache's own KV4 rounding of each row clamped to `ratio` of its range
+    about the middle (or per row the least squared error of the grid)."""
     grid = [1.0, 0.95, 0.9, 0.85, 0.8] if ratio == "search" else [float(ratio)]
+    quantize = kv_ref.quantize_kv4
 
     def quantize_kv4(x):
         xf = x.float()
-        lo, hi = xf.amin(dim=-1), xf.amax(dim=-1)
+        lo, hi = xf.amin(dim=-1, keepdim=True), xf.amax(dim=-1, keepdim=True)
         best = None
         for r in grid:
             mid, half = (hi + lo) / 2, (hi - lo) / 2 * r
-            amax = torch.maximum((mid - half).abs(), (mid + half).abs())
-            scale = torch.maximum(2 * half / 15, amax * 2.0**-14).half()
-            scale = torch.where(scale > 0, scale, torch.full_like(scale, kv_ref.FP16_TINY))
-            zero = (-(mid - half) / scale.float()).half()
-            codes = torch.round(xf / scale.float()[..., None] + zero.float()[..., None]).clamp(0, 15)
-            err = ((codes - zero.float()[..., None]) * scale.float()[..., None] - xf).pow(2).sum(-1)
+            q = quantize(xf.clamp(mid - half, mid + half) if r < 1 else xf)
+            err = (kv_ref.dequantize_kv4(*q, torch.float32) - xf).pow(2).sum(-1)
             if best is None:
-                best = [err, codes, scale, zero]
+                best = [err, *q]
                 continue
             m = err < best[0]
-            best = [torch.where(m, err, best[0]), torch.where(m[..., None], codes, best[1]),
-                    torch.where(m, scale, best[2]), torch.where(m, zero, best[3])]
-        return best[1].to(torch.uint8), best[2], best[3]
+            best = [torch.where(m, err, best[0]), torch.where(m[..., None], q[0], best[1]),
+                    torch.where(m, q[1], best[2]), torch.where(m, q[2], best[3])]
+        return best[1], best[2], best[3]
 
     kv_ref.quantize_kv4 = quantize_kv4
 
