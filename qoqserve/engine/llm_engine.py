@@ -46,6 +46,10 @@ class LLMEngine:
             log.info("sampling defaults from the generation config: %s (--generation-config vllm "
                      "ignores them)", self.sampling_defaults)
         context = context_len(config, self.arch)
+        if not config.scheduler.max_model_len and context < self.arch.max_position_embeddings:
+            log.warning("context window %d tokens, the model's sliding attention window (of its %d "
+                        "positions): past it the model would attend to fewer tokens than qoqserve's "
+                        "attention does", context, self.arch.max_position_embeddings)
         self.quant_config = source.quant_config
         self.executor = None
         tp = config.parallel.tensor_parallel_size

@@ -217,6 +217,7 @@ def load_gguf(path: str) -> ModelSource:
         max_position_embeddings=int(meta.get(f"{a}.context_length", 4096)),
         tie_word_embeddings="output.weight" not in by_name,
         attention_bias="blk.0.attn_q.bias" in by_name,
+        sliding_window=int(meta.get(f"{a}.attention.sliding_window") or 0) or None,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
     )
 

@@ -21,6 +21,21 @@ class UnsupportedModelError(ValueError):
     pass
 
 
+def _sliding_window(cfg: dict[str, Any], arch: str) -> int | None:
+    """The window of an HF config whose attention really slides: Qwen2 configs
+    carry a `sliding_window` that only `use_sliding_window` turns on, and
+    transformers' `layer_types` says per layer."""
+    window = cfg.get("sliding_window")
+    if not window:
+        return None
+    if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+        return None
+    types = cfg.get("layer_types")
+    if types is not None and "sliding_attention" not in types:
+        return None
+    return int(window)
+
+
 @dataclass
 class ModelArchConfig:
     architecture: str  # key of SUPPORTED_ARCHITECTURES
@@ -38,6 +53,9 @@ class ModelArchConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 has bias on q/k/v
+    # tokens a query sees where the model was trained with sliding-window
+    # attention (Mistral 7B v0.1, Qwen2 with use_sliding_window); None: all of them
+    sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -83,6 +101,7 @@ class ModelArchConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v bias; Llama-style configs say so explicitly
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias")),
+            sliding_window=_sliding_window(cfg, arch),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
@@ -98,6 +117,7 @@ class ModelArchConfig:
             "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
             "rope_scaling": self.rope_scaling, "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings, "attention_bias": self.attention_bias,
+            "sliding_window": self.sliding_window, "use_sliding_window": self.sliding_window is not None,
             "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_ids,
             "torch_dtype": torch_dtype,
         }
