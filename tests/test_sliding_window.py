@@ -1,7 +1,7 @@
 """Models trained with sliding-window attention (Mistral 7B v0.1; Qwen2 with
 use_sliding_window): qoqserve's attention is not windowed, so it is the
 model's only while the context fits the window, and the context is bounded by
-it (engine/model_runner.context_len)."""
+it (engine/context_window.py)."""
 import pytest
 import torch
 import transformers
@@ -9,7 +9,7 @@ from test_model_parity import SMALL, full_logits, ours_from
 from test_quant_pipeline import _any_tokenizer
 
 from qoqserve.config import EngineConfig, SchedulerConfig
-from qoqserve.engine.model_runner import context_len
+from qoqserve.engine.context_window import context_len, warn_about_context
 from qoqserve.llm import LLM
 from qoqserve.models.arch import ModelArchConfig
 from qoqserve.sampling_params import SamplingParams
@@ -69,6 +69,18 @@ def test_the_window_bounds_the_context():
     with pytest.raises(ValueError, match="sliding attention window \\(4096 tokens\\)"):
         context_len(config(8192), arch)
     assert context_len(config(None), _arch(architectures=["MistralForCausalLM"])) == 32768
+
+
+def test_a_context_past_the_trained_positions_or_cut_by_the_window_is_logged(caplog):
+    windowed = _arch(architectures=["MistralForCausalLM"], sliding_window=4096)
+    plain = _arch(architectures=["LlamaForCausalLM"])
+    cases = [(plain, None, 32768, None), (plain, 65536, 65536, "past the 32768 positions"),
+             (windowed, None, 4096, "sliding attention window"), (windowed, 2048, 2048, None)]
+    for arch, asked, context, said in cases:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="qoqserve.engine.context_window"):
+            warn_about_context(context, EngineConfig(model="x", scheduler=SchedulerConfig(max_model_len=asked)), arch)
+        assert (said in caplog.text) if said else not caplog.records, (asked, caplog.text)
 
 
 def test_an_engine_on_a_windowed_model_refuses_prompts_past_the_window(tmp_path):

@@ -9,9 +9,10 @@ from qoqserve.config import EngineConfig
 from qoqserve.engine import burst
 from qoqserve.engine.admission import Admission, PreparedRequest
 from qoqserve.engine.block_manager import BlockManager
+from qoqserve.engine.context_window import context_len, warn_about_context
 from qoqserve.engine.executor import TensorParallelExecutor
 from qoqserve.engine.isolation import StepIsolation
-from qoqserve.engine.model_runner import ModelRunner, context_len
+from qoqserve.engine.model_runner import ModelRunner
 from qoqserve.engine.output import OutputTracker, RequestOutput
 from qoqserve.engine.scheduler import ScheduledBatch, Scheduler
 from qoqserve.engine.sequence import Sequence
@@ -46,10 +47,7 @@ class LLMEngine:
             log.info("sampling defaults from the generation config: %s (--generation-config vllm "
                      "ignores them)", self.sampling_defaults)
         context = context_len(config, self.arch)
-        if not config.scheduler.max_model_len and context < self.arch.max_position_embeddings:
-            log.warning("context window %d tokens, the model's sliding attention window (of its %d "
-                        "positions): past it the model would attend to fewer tokens than qoqserve's "
-                        "attention does", context, self.arch.max_position_embeddings)
+        warn_about_context(context, config, self.arch)
         self.quant_config = source.quant_config
         self.executor = None
         tp = config.parallel.tensor_parallel_size

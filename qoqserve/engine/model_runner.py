@@ -44,21 +44,6 @@ def resident_bytes(module: torch.nn.Module) -> int:
     return total
 
 
-def context_len(config: EngineConfig, arch: ModelArchConfig) -> int:
-    """The positions a model must handle: the context window asked for, or the
-    model's. Attention here always sees the whole context, which is the model's
-    sliding-window attention only while the context fits the window, so the
-    window bounds it (as vLLM's --disable-sliding-window does)."""
-    asked, window = config.scheduler.max_model_len, arch.sliding_window
-    if asked and window and asked > window:
-        raise ValueError(f"--max-model-len {asked} is longer than the model's sliding attention window "
-                         f"({window} tokens): qoqserve's attention is not windowed, so it matches the "
-                         f"model only up to {window} tokens; ask for at most that")
-    if asked:
-        return asked
-    return min(arch.max_position_embeddings, window or arch.max_position_embeddings)
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, arch: ModelArchConfig, tensors, max_positions: int,
                  quant: QuantizationConfig | None = None, world: ParallelWorld | None = None,

@@ -13,7 +13,8 @@ import sys
 import torch
 
 from qoqserve.config import EngineConfig
-from qoqserve.engine.model_runner import ModelRunner, context_len
+from qoqserve.engine.context_window import context_len
+from qoqserve.engine.model_runner import ModelRunner
 from qoqserve.engine.parallel_world import ParallelWorld, join_world
 from qoqserve.model_loader import load_model_source
 
