@@ -6,7 +6,7 @@ import transformers
 from qoqserve.layers.attention import AttentionMetadata
 from qoqserve.layers.attention_backends import AttentionBackend
 from qoqserve.layers.kv_cache import DenseKVCacheLayout
-from qoqserve.models.arch import ModelArchConfig
+from qoqserve.models.arch import ModelArchConfig, UnsupportedModelError
 from qoqserve.models.llama import LlamaForCausalLM
 
 SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
@@ -96,3 +96,10 @@ def test_wrong_shape_is_named():
     state["model.layers.0.self_attn.v_proj.weight"] = torch.zeros(5, 64)
     with pytest.raises(ValueError, match="v_proj"):
         model.load_weights(state.items())
+
+
+def test_an_activation_other_than_silu_is_refused():
+    cfg = tiny_llama3().config.to_dict()
+    assert ModelArchConfig.from_hf_config({**cfg, "hidden_act": "swish"}).architecture == "llama"
+    with pytest.raises(UnsupportedModelError, match="hidden_act 'gelu'"):
+        ModelArchConfig.from_hf_config({**cfg, "hidden_act": "gelu"})

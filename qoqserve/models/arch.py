@@ -67,6 +67,9 @@ class ModelArchConfig:
             raise UnsupportedModelError(
                 f"unsupported architecture {archs or cfg.get('model_type')!r}; "
                 f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):  # the MLP is SwiGLU; another activation would run as SiLU
+            raise UnsupportedModelError(f"unsupported hidden_act {act!r}: the MLP here is SwiGLU (silu)")
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         eos = cfg.get("eos_token_id")
