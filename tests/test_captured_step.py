@@ -10,6 +10,7 @@ import torch
 from qoqserve.engine.captured_step import default_capture_sizes
 from qoqserve.kernels.cpu import elementwise, float_linear, graph
 from qoqserve.layers.key_transform import KeyTransform
+from qoqserve.layers.norm import RMSNorm
 from qoqserve.layers.rotary import RotaryEmbedding
 from qoqserve.layers.token_ops import CpuTokenOps, TorchTokenOps
 from qoqserve.llm import LLM
@@ -62,6 +63,13 @@ def test_float_linear_paths_follow_the_isa_cap(monkeypatch):
         float_linear.path()
 
 
+def _qk_norms(head_dim, dtype, g):
+    norms = tuple(RMSNorm(head_dim, 1e-6, dtype) for _ in range(2))
+    for n in norms:
+        n.weight.data = (1 + torch.randn(head_dim, generator=g)).to(dtype)
+    return norms
+
+
 @needs_c
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_token_ops_match_torch_and_are_row_invariant(dtype):
@@ -88,10 +96,16 @@ def test_cpu_token_ops_match_torch_and_are_row_invariant(dtype):
     kt.rotation.data = torch.linalg.qr(torch.randn(16, 16, generator=g))[0].to(dtype).contiguous()
     qkv = torch.randn(t, (4 + 2 * 2) * 16, generator=g).to(dtype)
     pos = torch.randint(0, 500, (t,), generator=g)
+    qk = _qk_norms(16, dtype, g)  # Qwen3's per-head norms before RoPE
     for transform in (None, kt):
-        for a, b in zip(c.qkv_rope(qkv, pos, rope, transform, 4, 2, 16),
-                        ref.qkv_rope(qkv, pos, rope, transform, 4, 2, 16)):
-            close(a, b)
+        for norms in (None, qk):
+            for a, b in zip(c.qkv_rope(qkv, pos, rope, transform, 4, 2, 16, norms),
+                            ref.qkv_rope(qkv, pos, rope, transform, 4, 2, 16, norms)):
+                close(a, b)
+    normed = c.qkv_rope(qkv, pos, rope, kt, 4, 2, 16, qk)
+    assert all((a - b).abs().max() > 0.1 for a, b in zip(normed[:2], c.qkv_rope(qkv, pos, rope, kt, 4, 2, 16)))
+    assert all(torch.equal(a, b[3:4]) for a, b in zip(c.qkv_rope(qkv[3:4], pos[3:4], rope, kt, 4, 2, 16, qk),
+                                                       normed))
     # each row alone gives the bits it gets in the batch
     assert torch.equal(c.rms_norm(x[4:5], w, 1e-5), c.rms_norm(x, w, 1e-5)[4:5])
     assert torch.equal(c.silu_mul(gu[2:3]), c.silu_mul(gu)[2:3])
@@ -119,6 +133,10 @@ def test_rope_with_the_key_transform_matches_torch_at_the_model_head_sizes(dtype
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     got = c.qkv_rope(qkv, pos, rope, kt, heads, kv_heads, head_dim)
     for a, b in zip(got, ref.qkv_rope(qkv, pos, rope, kt, heads, kv_heads, head_dim)):
+        assert (a.float() - b.float()).abs().max() <= tol * max(1.0, b.float().abs().max().item())
+    qk = _qk_norms(head_dim, dtype, g)
+    for a, b in zip(c.qkv_rope(qkv, pos, rope, kt, heads, kv_heads, head_dim, qk),
+                    ref.qkv_rope(qkv, pos, rope, kt, heads, kv_heads, head_dim, qk)):
         assert (a.float() - b.float()).abs().max() <= tol * max(1.0, b.float().abs().max().item())
     assert all(torch.equal(a[2:3], b) for a, b in zip(got, c.qkv_rope(qkv[2:3], pos[2:3], rope, kt, heads,
                                                                       kv_heads, head_dim)))

@@ -161,7 +161,10 @@ def _tiny_model(kind: str, vocab: int, **extra):
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, **extra)
-    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[kind]
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+           "qwen3": transformers.Qwen3Config}[kind]
+    if kind == "qwen3":  # its head_dim is its own, not hidden / heads
+        common["head_dim"] = 32
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cls(**common))
     with torch.no_grad():
@@ -170,7 +173,7 @@ def _tiny_model(kind: str, vocab: int, **extra):
     return model
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_hf_dir_round_trip(kind, tmp_path, hf_gguf_tokenizer):
     tied = kind == "qwen2"
     model = _tiny_model(kind, 49152, tie_word_embeddings=tied)
@@ -186,8 +189,10 @@ def test_hf_dir_round_trip(kind, tmp_path, hf_gguf_tokenizer):
     a = src.arch
     assert (a.architecture, a.hidden_size, a.num_layers, a.num_heads, a.num_kv_heads) == \
         (kind, 64, 2, 4, 2)
-    assert (a.head_dim, a.intermediate_size, a.vocab_size, a.rms_norm_eps) == (16, 96, 49152, 1e-6)
+    assert (a.head_dim, a.intermediate_size, a.vocab_size, a.rms_norm_eps) == \
+        (32 if kind == "qwen3" else 16, 96, 49152, 1e-6)
     assert a.tie_word_embeddings == tied and a.attention_bias == (kind == "qwen2")
+    assert a.qk_norm == (kind == "qwen3")
     assert sorted(a.eos_token_ids) == [0, 2] == sorted(src.tokenizer.eos_token_ids)
     assert src.name == tmp_path.name
     ref = model.state_dict()
@@ -197,6 +202,8 @@ def test_hf_dir_round_trip(kind, tmp_path, hf_gguf_tokenizer):
         assert t.dtype == ref[name].dtype and torch.equal(t, ref[name]), name
     if kind == "qwen2":
         assert "model.layers.1.self_attn.k_proj.bias" in got
+    if kind == "qwen3":
+        assert got["model.layers.1.self_attn.k_norm.weight"].shape == (32,)
     tok = src.tokenizer
     for text in TEXTS:
         assert tok.encode(text) == hf_gguf_tokenizer(text).input_ids, text
@@ -210,6 +217,7 @@ _GGUF_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.wei
                "output_norm.weight", "lm_head.weight": "output.weight",
                "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
                "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
                "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 
@@ -229,6 +237,9 @@ def _write_gguf(path, model, arch: str, pre: str, rope_freqs=None):
     w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
+    if getattr(c, "head_dim", None):
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     tokens = [chr(i) for i in range(33, 33 + c.vocab_size - 1)] + ["<|eot|>"]
@@ -260,7 +271,7 @@ def _write_gguf(path, model, arch: str, pre: str, rope_freqs=None):
     w.close()
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_tiny_gguf_round_trip(kind, tmp_path):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -278,7 +289,8 @@ def test_tiny_gguf_round_trip(kind, tmp_path):
 
     src = load_model_source(str(path))
     assert src.name == f"tiny-{kind}" and src.arch.architecture == kind
-    assert src.arch.attention_bias == (kind == "qwen2")
+    assert src.arch.attention_bias == (kind == "qwen2") and src.arch.qk_norm == (kind == "qwen3")
+    assert src.arch.head_dim == (32 if kind == "qwen3" else 16)
     assert src.arch.rope_theta == 5e5 and src.arch.eos_token_ids == [299]
     if kind == "llama":
         got = dict(src.arch.rope_scaling)

@@ -33,6 +33,18 @@ def tiny_qwen2():
     return model
 
 
+def tiny_qwen3():
+    # head_dim 32, not hidden / heads = 16: q_size 128 against a hidden size of 64
+    cfg = transformers.Qwen3Config(**SMALL, head_dim=32, tie_word_embeddings=False)
+    cfg.architectures = ["Qwen3ForCausalLM"]
+    model = transformers.Qwen3ForCausalLM(cfg)
+    with torch.no_grad():  # HF initialises the q/k norms to ones, which would not test them
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.uniform_(0.5, 2.0)
+    return model
+
+
 def ours_from(ref, dtype=torch.float32):
     arch = ModelArchConfig.from_hf_config(ref.config.to_dict())
     attention = AttentionBackend(DenseKVCacheLayout(arch.num_kv_heads, arch.head_dim, 16, dtype))
@@ -47,13 +59,15 @@ def full_logits(model, ids):
         return model.compute_logits(model(ids, torch.arange(len(ids)), meta, None))
 
 
-@pytest.mark.parametrize("make", [tiny_llama3, tiny_qwen2])
+@pytest.mark.parametrize("make", [tiny_llama3, tiny_qwen2, tiny_qwen3])
 def test_tiny_configs_match_transformers(make):
     torch.manual_seed(0)
     ref = make().eval()
     model, arch = ours_from(ref)
     if make is tiny_qwen2:
         assert arch.attention_bias and arch.tie_word_embeddings
+    elif make is tiny_qwen3:
+        assert arch.qk_norm and arch.head_dim == 32 and not arch.attention_bias
     else:
         assert arch.rope_scaling["rope_type"] == "llama3"
     # long enough that llama3 scaling (original context 64) matters

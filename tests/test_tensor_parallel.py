@@ -111,6 +111,16 @@ def test_two_ranks_match_one_fp32(tiny_ref):
             tiny_split()
 
 
+def test_two_ranks_match_one_with_qwen3s_qk_norms():
+    # the q/k norms' weights are per channel, shared by every head: whole on each rank
+    model = "synthetic:tiny-qwen3"
+    ref = LLM(model, dtype="float32", **SMALL)
+    assert ref.engine.arch.qk_norm
+    with LLM(model, dtype="float32", tensor_parallel_size=2, **SMALL) as split:
+        compare(ref, split, 1e-4)
+        plan_matches(split, "fp32", full=True)
+
+
 @pytest.mark.parametrize("fmt", ["w8a8kv8", "w4a8kv4"])
 def test_two_ranks_match_one_quantized(fmt, request):
     if fmt == "w8a8kv8":

@@ -107,6 +107,8 @@ def plan_memory(arch: ModelArchConfig, p: Precision, device: str, seq_len: int,
     released = head_keeps_own_copy(p, device, dtype, group_size)
     embed = arch.vocab_size * arch.hidden_size * elem * (1 if arch.tie_word_embeddings or released else 2)
     norms = (2 * arch.num_layers + 1) * arch.hidden_size * elem
+    if arch.qk_norm:  # Qwen3's q and k norms, one weight per channel of a head
+        norms += 2 * arch.num_layers * arch.head_dim * elem
     # the fp32 RoPE cos/sin tables of every position the engine allows
     rope = 2 * (max_positions or arch.max_position_embeddings) * arch.head_dim * 4
     weights = lin + embed + norms + rope

@@ -1,7 +1,7 @@
 """The per-token ops between a decoder layer's GEMMs and attention, as one
 swappable object (like the attention and linear backends): embedding lookup,
 RMSNorm (optionally fused with the residual add before it), q/k/v split with
-RoPE and the key transform, SiLU * mul.
+RoPE and the key transform (after Qwen3's per-head q/k norms), SiLU * mul.
 
 * `TorchTokenOps`: torch ops (any device and dtype);
 * `CpuTokenOps`: one C call per op (kernels/cpu/elementwise.c) where torch
@@ -40,15 +40,18 @@ class TorchTokenOps:
         return F.silu(gate) * up
 
     def qkv_rope(self, qkv: torch.Tensor, positions: torch.Tensor, rope, key_transform,
-                 num_heads: int, num_kv_heads: int, head_dim: int):
+                 num_heads: int, num_kv_heads: int, head_dim: int, qk_norm=None):
         """qkv [T, (H + 2 Hkv) D] -> q [T, H, D], k, v [T, Hkv, D] after RoPE
-        (and the key transform when there is one)."""
+        (and the key transform when there is one); qk_norm: the (q, k) RMSNorms
+        over each head before RoPE, or None."""
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         t = positions.shape[0]
         q = q.reshape(t, num_heads, head_dim)
         k = k.reshape(t, num_kv_heads, head_dim)
         v = v.reshape(t, num_kv_heads, head_dim)
+        if qk_norm is not None:
+            q, k = (TorchTokenOps.rms_norm(self, x, n.weight, n.eps) for x, n in zip((q, k), qk_norm))
         q, k = rope(positions, q, k)
         if key_transform is not None:
             q, k = key_transform(q, k)
@@ -74,10 +77,13 @@ class CpuTokenOps(TorchTokenOps):
     def silu_mul(self, gate_up):
         return elementwise.silu_mul(gate_up)
 
-    def qkv_rope(self, qkv, positions, rope, key_transform, num_heads, num_kv_heads, head_dim):
+    def qkv_rope(self, qkv, positions, rope, key_transform, num_heads, num_kv_heads, head_dim, qk_norm=None):
         kt = key_transform
+        norms = {} if qk_norm is None else dict(q_norm=qk_norm[0].weight, k_norm=qk_norm[1].weight,
+                                                  eps=qk_norm[0].eps)
         if kt is None:
-            return elementwise.qkv_rope(qkv, positions, rope.cos, rope.sin, num_heads, num_kv_heads, head_dim)
+            return elementwise.qkv_rope(qkv, positions, rope.cos, rope.sin, num_heads, num_kv_heads, head_dim,
+                                        **norms)
         scales = kt.hadamard_scales()  # a signed Hadamard R: the fast transform
         return elementwise.qkv_rope(qkv, positions, rope.cos, rope.sin, num_heads, num_kv_heads, head_dim,
-                                    kt.shift, kt.rotation if scales is None else scales, scales is not None)
+                                    kt.shift, kt.rotation if scales is None else scales, scales is not None, **norms)

@@ -1,4 +1,4 @@
-"""GGUF files (llama.cpp format) for the llama and qwen2 architectures.
+"""GGUF files (llama.cpp format) for the llama, qwen2 and qwen3 architectures.
 
 Weights are dequantized to float32 (F16/BF16/F32 stay as stored) and renamed
 to HF names. llama.cpp's converter reorders attn_q/attn_k rows of "llama"
@@ -25,12 +25,13 @@ from .lazy import LazyTensor
 from .schema import check_inventory
 from .tokenizer import tokenizer_from_gguf_metadata
 
-_ARCHS = {"llama": "llama", "qwen2": "qwen2"}
+_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
                  "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
 _BLOCK_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
                 "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
                 "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
                 "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")

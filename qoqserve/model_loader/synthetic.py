@@ -4,6 +4,7 @@ benchmarks that need no downloaded checkpoint (GPU runs have no network).
     synthetic:llama-3-8b            full-precision weights
     synthetic:llama-3-8b:qoq-g128   a QoQ W4A8 checkpoint (g128, g64 or chn) with KV4
     synthetic:llama-2-7b:qoq-g128-kv8   ... with KV8 pages instead
+    synthetic:qwen3-8b:qoq-g128     Qwen3 (per-head q/k norms)
 
 Token ids are generated directly (the tokenizer is a placeholder whose
 tokens are "t<id>"), so outputs are meaningless but every kernel runs on the
@@ -37,8 +38,12 @@ ARCHS = {
     "llama-2-13b": (32000, 5120, 13824, 40, 40, 40, 128, 10000.0, False),
     "mistral-7b": (32000, 4096, 14336, 32, 32, 8, 128, 1000000.0, False),
     "smollm2-135m": (49152, 576, 1536, 30, 9, 3, 64, 100000.0, True),
+    "qwen3-8b": (151936, 4096, 12288, 36, 32, 8, 128, 1000000.0, False),
     "tiny": (512, 128, 256, 2, 4, 2, 32, 10000.0, False),
+    "tiny-qwen3": (512, 128, 256, 2, 4, 2, 64, 1000000.0, False),
 }
+# the architecture where it is not "llama" (qwen3: per-head q/k norms)
+ARCHITECTURE = {"qwen3-8b": "qwen3", "tiny-qwen3": "qwen3"}
 FORMATS = ("fp", "qoq-g128", "qoq-g64", "qoq-chn")
 
 
@@ -50,7 +55,8 @@ def synthetic_arch(name: str) -> ModelArchConfig:
     if name not in ARCHS:
         raise ModelLoadError(f"unknown synthetic model {name!r}; choose from {sorted(ARCHS)}")
     vocab, h, inter, layers, heads, kv, hd, theta, tied = ARCHS[name]
-    return ModelArchConfig(architecture="llama", vocab_size=vocab, hidden_size=h, intermediate_size=inter,
+    return ModelArchConfig(architecture=ARCHITECTURE.get(name, "llama"), vocab_size=vocab, hidden_size=h,
+                           intermediate_size=inter,
                            num_layers=layers, num_heads=heads, num_kv_heads=kv, head_dim=hd,
                            rope_theta=theta, max_position_embeddings=8192, tie_word_embeddings=tied,
                            bos_token_id=1, eos_token_ids=[2])

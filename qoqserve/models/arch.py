@@ -8,12 +8,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-_HF_NAMES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
+_HF_NAMES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+             "qwen3": ("Qwen3ForCausalLM", "qwen3")}
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 
 
@@ -28,7 +30,7 @@ def _sliding_window(cfg: dict[str, Any], arch: str) -> int | None:
     window = cfg.get("sliding_window")
     if not window:
         return None
-    if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window", False):
         return None
     types = cfg.get("layer_types")
     if types is not None and "sliding_attention" not in types:
@@ -58,6 +60,11 @@ class ModelArchConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def qk_norm(self) -> bool:
+        """Qwen3: an RMSNorm over each q and k head (weights [head_dim]) before RoPE."""
+        return self.architecture == "qwen3"
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelArchConfig":

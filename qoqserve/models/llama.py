@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over paged attention.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) over paged attention.
 
 Tensors flow flattened: a batch is one [T, hidden] matrix of all its new
 tokens, so linears see every request at once and attention alone knows where
@@ -55,10 +55,14 @@ class Attention(nn.Module):
         self.key_transform = (KeyTransform(self.num_kv_heads, self.head_dim, dtype,
                                            (kv0, self.num_kv_heads) if tp.size > 1 else None)
                               if key_transform else None)
+        if cfg.qk_norm:  # one weight per channel, shared by every head: whole on every rank
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, ops)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, ops)
+        self.qk_norm = (self.q_norm, self.k_norm) if cfg.qk_norm else None
 
     def forward(self, positions, x, meta: AttentionMetadata, cache):
         q, k, v = self.ops.qkv_rope(self.qkv_proj(x), positions, self.rope, self.key_transform,
-                                    self.num_heads, self.num_kv_heads, self.head_dim)
+                                    self.num_heads, self.num_kv_heads, self.head_dim, self.qk_norm)
         return self.o_proj(self.attn(q, k, v, meta, cache))
 
 

@@ -128,6 +128,10 @@ class QuantConfig:
         """Raise, before any work, if this config cannot quantize a model of these
         dimensions: groups must tile every linear's input (qkv and gate_up take
         the hidden size, o_proj heads x head_dim, down_proj the intermediate size)."""
+        if self.smooth_attention and self.kv_bits == 4 and arch.qk_norm:
+            raise ValueError(f"{self.name}: SmoothAttention scales the q and k rows of qkv_proj, which this "
+                             "model's per-head q/k norms (Qwen3) normalize away; quantize it without "
+                             "smooth_attention (the key transform handles its keys)")
         if self.w_bits != 4 or not self.group_size:
             return
         widths = {"hidden size": arch.hidden_size, "heads x head_dim": arch.num_heads * arch.head_dim,

@@ -82,7 +82,7 @@ void silu_mul(const void *gu, void *y, int64_t T, int64_t I, int bf16, int threa
 /* token t of qkv_rope (below) */
 static void rope_token(const void *qkv, int64_t row, int64_t t, int H, int Hkv, int D, const int64_t *pos,
                        const float *cos, const float *sin, const void *shift, const void *rot, int hadamard,
-                       void *q, void *k, void *v, int bf16) {
+                       const void *qn, const void *kn, float eps, void *q, void *k, void *v, int bf16) {
     /* head_dim <= 512; a bf16 R is widened once per token when it fits
      * the scratch (head_dim <= 128), else row by row. fp32 rows are read
      * where they are and rotated straight into their output rows; bf16
@@ -94,6 +94,11 @@ static void rope_token(const void *qkv, int64_t row, int64_t t, int H, int Hkv, 
         C = bf16 ? scales : (const float *)rot;
     } else if (rot && !bf16) R = (const float *)rot;
     else if (rot && D <= 128) { load_row(rot, bf16, 0, (int64_t)D * D, rmat); R = rmat; }
+    float nw[2][512];  /* the q and k norms' weights */
+    if (qn) {
+        load_row(qn, bf16, 0, D, nw[0]);
+        load_row(kn, bf16, 0, D, nw[1]);
+    }
     const float *c = cos + pos[t] * D, *s = sin + pos[t] * D;
     const int half = D / 2;
     for (int h0 = 0; h0 < H + Hkv; h0 += ROT_GROUP) {
@@ -102,9 +107,10 @@ static void rope_token(const void *qkv, int64_t row, int64_t t, int H, int Hkv, 
         for (int j = 0; j < nh; j++) {
             const int h = h0 + j, is_k = h >= H;
             const int64_t oi = (t * (is_k ? Hkv : H) + (is_k ? h - H : h)) * D;
-            const float *xj = bf16 ? x[j] : (const float *)qkv + t * row + (int64_t)h * D;
+            const float *xj = bf16 || qn ? x[j] : (const float *)qkv + t * row + (int64_t)h * D;
             float *yj = y[j];
-            if (bf16) load_row(qkv, bf16, t * row + (int64_t)h * D, D, x[j]);
+            if (bf16 || qn) load_row(qkv, bf16, t * row + (int64_t)h * D, D, x[j]);
+            if (qn) norm_row(x[j], nw[is_k], D, eps, bf16);  /* as rms_norm() rounds it */
             for (int d = 0; d < half; d++) yj[d] = xj[d] * c[d] + -xj[d + half] * s[d];
             for (int d = half; d < D; d++) yj[d] = xj[d] * c[d] + xj[d - half] * s[d];
             round_row(yj, D, bf16);
@@ -138,17 +144,19 @@ static void rope_token(const void *qkv, int64_t row, int64_t t, int H, int Hkv, 
 }
 
 /* qkv [T, row] (row >= (H + 2 Hkv) D elements: q | k | v) -> q [T, H, D],
- * k, v [T, Hkv, D] contiguous; RoPE (half-split) on q and k at positions
+ * k, v [T, Hkv, D] contiguous; with qn (and kn) != NULL first each q (k) head
+ * RMS-normalized with those weights [D] (Qwen3's q_norm, k_norm); RoPE
+ * (half-split) on q and k at positions
  * pos[t] from the fp32 tables cos/sin [max_pos, D], rounded once; with
  * rot != NULL then q R and (k - shift) R (shift [Hkv, D], R [D, D] row-major:
  * layers/key_transform.py), each output summed over e in order by fused
  * multiply-adds; with hadamard, rot holds R's column scales c [D] instead,
  * for R = H diag(c), H the Sylvester Hadamard matrix (key_rotation.h). */
 void qkv_rope(const void *qkv, int64_t row, int64_t T, int H, int Hkv, int D, const int64_t *pos,
-              const float *cos, const float *sin, const void *shift, const void *rot, int hadamard, void *q,
-              void *k, void *v, int bf16, int threads) {
+              const float *cos, const float *sin, const void *shift, const void *rot, int hadamard,
+              const void *qn, const void *kn, float eps, void *q, void *k, void *v, int bf16, int threads) {
     TEAM_RUN(threads, T >= PAR_ROWS, for (int64_t t = T * tm.t / tm.T; t < T * (tm.t + 1) / tm.T; t++)
-             rope_token(qkv, row, t, H, Hkv, D, pos, cos, sin, shift, rot, hadamard, q, k, v, bf16));
+             rope_token(qkv, row, t, H, Hkv, D, pos, cos, sin, shift, rot, hadamard, qn, kn, eps, q, k, v, bf16));
 }
 
 #include "argmax_row.h"

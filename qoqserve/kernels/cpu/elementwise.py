@@ -18,7 +18,7 @@ _SIGNATURES = {
     "rms_norm": (None, [_P, _L, _P, _P, _L, _L, _F, _I, _I]),
     "add_rms_norm": (None, [_P, _P, _P, _P, _L, _L, _F, _I, _I]),
     "silu_mul": (None, [_P, _P, _L, _L, _I, _I]),
-    "qkv_rope": (None, [_P, _L, _L, _I, _I, _I, _P, _P, _P, _P, _P, _I, _P, _P, _P, _I, _I]),
+    "qkv_rope": (None, [_P, _L, _L, _I, _I, _I, _P, _P, _P, _P, _P, _I, _P, _P, _F, _P, _P, _P, _I, _I]),
     "argmax_rows": (None, [_P, _L, _L, _L, _P, _I]),
 }
 DTYPES = (torch.float32, torch.bfloat16)
@@ -102,8 +102,11 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def qkv_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              num_heads: int, num_kv_heads: int, head_dim: int, shift: torch.Tensor | None = None,
-             rotation: torch.Tensor | None = None, hadamard: bool = False):
-    """qkv [T, (H + 2 Hkv) D] -> q [T, H, D], k, v [T, Hkv, D] (contiguous) with
+             rotation: torch.Tensor | None = None, hadamard: bool = False, q_norm: torch.Tensor | None = None,
+             k_norm: torch.Tensor | None = None, eps: float = 0.0):
+    """qkv [T, (H + 2 Hkv) D] -> q [T, H, D], k, v [T, Hkv, D] (contiguous) with,
+    given q_norm and k_norm ([D] weights, the activations' dtype), each q and k
+    head RMS-normalized first (rms_norm's rounding, epsilon eps), then
     RoPE on q, k (cos/sin: fp32 [max_pos, D]) and, given rotation, the key
     transform q R, (k - shift) R. hadamard: rotation is c [D], the column
     scales of R = H diag(c) with H the Sylvester Hadamard matrix
@@ -121,13 +124,17 @@ def qkv_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
         raise ValueError("qkv_rope: contiguous cos/sin tables and positions")
     if hadamard and rotation is not None and (rotation.shape != (head_dim,) or head_dim & (head_dim - 1)):
         raise ValueError("qkv_rope: Hadamard scales are one per channel, head_dim a power of two")
+    if (q_norm is None) != (k_norm is None) or q_norm is not None and any(
+            n.dtype != qkv.dtype or n.shape != (head_dim,) or not n.is_contiguous() for n in (q_norm, k_norm)):
+        raise ValueError("qkv_rope: q and k norm weights come together, [head_dim] in the activations' dtype")
     q = graph.empty(t, num_heads, head_dim, dtype=qkv.dtype)
     k = graph.empty(t, num_kv_heads, head_dim, dtype=qkv.dtype)
     v = graph.empty(t, num_kv_heads, head_dim, dtype=qkv.dtype)
     graph.launch(load().qkv_rope, qkv.data_ptr(), qkv.stride(0), t, num_heads, num_kv_heads, head_dim,
                  positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                  None if shift is None else shift.data_ptr(), None if rotation is None else rotation.data_ptr(),
-                 int(hadamard and rotation is not None), q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                 int(hadamard and rotation is not None), None if q_norm is None else q_norm.data_ptr(),
+                 None if k_norm is None else k_norm.data_ptr(), eps, q.data_ptr(), k.data_ptr(), v.data_ptr(),
                  int(qkv.dtype == torch.bfloat16), torch.get_num_threads())
     return q, k, v
 
