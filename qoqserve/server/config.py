@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass, field
 
 from qoqserve.config import opt
+from qoqserve.server.reasoning import PARSERS
 
 
 def _every() -> list[str]:
@@ -57,6 +58,9 @@ class ServerConfig:
     ssl_certfile: str | None = opt(None, "the certificate for HTTPS")
     ssl_ca_certs: str | None = opt(None, "CA certificates file")
     root_path: str = opt("", "the path prefix under which a proxy serves the API (and strips)")
+    reasoning_parser: str | None = opt(None, "split a thinking model's <think> ... </think> from its answer "
+                                             "into the chat message's `reasoning` (vLLM's names)",
+                                       choices=PARSERS)
     responses_store_size: int = opt(256, "stored /v1/responses (store: true) kept in memory for "
                                          "previous_response_id and GET")
 

@@ -10,6 +10,7 @@ import time
 
 from qoqserve.engine.output import RequestOutput
 from qoqserve.model_loader.tokenizer import Tokenizer
+from qoqserve.server.reasoning import ReasoningSplitter
 from qoqserve.server.tools import ToolCallParser
 
 # JSON has no -inf: a token a constraint rules out (in a top list longer than
@@ -137,10 +138,13 @@ class ChatFormat(Format):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def __init__(self, *args, tool_parser: ToolCallParser | None = None, **kwargs):
+    def __init__(self, *args, tool_parser: ToolCallParser | None = None,
+                 reasoning: ReasoningSplitter | None = None, include_reasoning: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
         self.sent_role = False
         self.tool_parser = tool_parser  # the request has tools: its text may hold tool calls
+        # --reasoning-parser: the text's reasoning apart (and tool calls read only in the answer)
+        self.reasoning, self.include_reasoning = reasoning, include_reasoning
 
     def _logprobs(self, entries) -> dict | None:
         if entries is None:
@@ -166,8 +170,13 @@ class ChatFormat(Format):
 
     def choice(self, out: RequestOutput) -> dict:
         message = {"role": "assistant", "content": out.text}
+        if self.reasoning is not None:
+            reasoning, message["content"] = self.reasoning.feed(out.text, final=True)
+            message["content"] = message["content"] or None
+            if self.include_reasoning:
+                message["reasoning"] = reasoning or None
         if self.tool_parser is not None:
-            content, _ = self.tool_parser.feed(out.text, final=True)
+            content, _ = self.tool_parser.feed(message["content"] or "", final=True)
             message["content"] = content.strip() or None
             if self.tool_parser.calls:
                 message["tool_calls"] = self.tool_parser.tool_calls()
@@ -181,6 +190,10 @@ class ChatFormat(Format):
             delta["role"] = "assistant"
             self.sent_role = True
         text, calls = out.delta_text, []
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.feed(text, final=out.finished)
+            if reasoning and self.include_reasoning:
+                delta["reasoning"] = reasoning
         if self.tool_parser is not None:
             text, calls = self.tool_parser.feed(text, final=out.finished)
         if text:

@@ -271,6 +271,8 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     max_completion_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="needs logprobs")
+    include_reasoning: bool = Field(True, description="vLLM's: with --reasoning-parser, false leaves the "
+                                                      "reasoning out of the answer")
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description='default "auto" with tools, else "none"')

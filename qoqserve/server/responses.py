@@ -95,6 +95,8 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"]
     content: str | None = Field(description="null when the turn is only tool calls")
     tool_calls: list[ToolCall] | None = Field(None, description="with tools: the calls the model made")
+    reasoning: str | None = Field(None, description="with --reasoning-parser: the text between <think> and "
+                                                    "</think> (null: none)")
 
 
 class ChatChoice(BaseModel):

@@ -1,5 +1,6 @@
 """Responses output items and the Responses event stream, from the chat
-path's choices and deltas (server/responses_api.py runs them): the text as
+path's choices and deltas (server/responses_api.py runs them): with
+--reasoning-parser the reasoning as one `reasoning` item first, the text as
 one `message` item, each tool call as a `function_call` item."""
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import uuid
 def output_items(choice: dict) -> list[dict]:
     """A finished chat choice ({"message", "logprobs"}) as output items."""
     message = choice["message"]
-    output = []
+    output = [reasoning_item(message["reasoning"], "completed")] if message.get("reasoning") else []
     if message.get("content") or not message.get("tool_calls"):
         logprobs = (choice.get("logprobs") or {}).get("content")
         output.append(message_item(message.get("content") or "", logprobs, "completed"))
@@ -33,6 +34,11 @@ def message_item(text: str, logprobs: list | None, status: str, item_id: str | N
             "role": "assistant", "content": [part] if status == "completed" or text else []}
 
 
+def reasoning_item(text: str, status: str) -> dict:
+    return {"id": f"rs_{uuid.uuid4().hex}", "type": "reasoning", "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
 def call_item(call_id: str, name: str, arguments: str, status: str, item_id: str | None = None) -> dict:
     return {"id": item_id or f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": status,
             "call_id": call_id, "name": name, "arguments": arguments}
@@ -48,12 +54,19 @@ class EventWriter:
     def __init__(self, run, trim: bool):
         self.run, self.trim = run, trim
         self.items: list[dict] = []     # every item opened so far, as it stands
+        self.thought: dict | None = None  # the open reasoning item
         self.text: dict | None = None   # the open message item
         self.call: dict | None = None   # the open function_call item
         self.held = ""                  # white space not sent yet
 
     def delta(self, choice: dict) -> list[str]:
         ev, d = [], choice["delta"]
+        if d.get("reasoning"):  # the reasoning comes before any text or call
+            if self.thought is None:
+                self.thought = reasoning_item("", "in_progress")
+                ev += self._added(self.thought)
+            self.thought["content"][0]["text"] += d["reasoning"]
+            ev.append(self._at(self.thought, "response.reasoning_text.delta", delta=d["reasoning"]))
         content = d.get("content") or ""
         if self.trim:
             content, self.held = self.held + content, ""
@@ -61,7 +74,7 @@ class EventWriter:
             content, self.held = body if self.text is not None else body.lstrip(), content[len(body):]
         if content:
             if self.text is None:
-                ev += self._close_call()
+                ev += self._close_thought() + self._close_call()
                 self.text = message_item("", None, "in_progress")
                 ev += self._added(self.text)
                 ev.append(self._at(self.text, "response.content_part.added",
@@ -72,7 +85,7 @@ class EventWriter:
             ev.append(self._at(self.text, "response.output_text.delta", delta=content, logprobs=lp))
         for call in d.get("tool_calls") or []:
             if call.get("id") is not None:
-                ev += self._close_text() + self._close_call()
+                ev += self._close_thought() + self._close_text() + self._close_call()
                 self.held = ""
                 self.call = call_item(call["id"], call["function"]["name"], "", "in_progress")
                 ev += self._added(self.call)
@@ -83,14 +96,14 @@ class EventWriter:
         return ev
 
     def close_all(self) -> list[str]:
-        return self._close_text() + self._close_call()
+        return self._close_thought() + self._close_text() + self._close_call()
 
     def _added(self, item: dict) -> list[str]:
         self.items.append(item)
         return [self.run.event("response.output_item.added", output_index=len(self.items) - 1, item=item)]
 
     def _at(self, item: dict, kind: str, **fields) -> str:
-        extra = {"content_index": 0} if item["type"] == "message" else {}
+        extra = {"content_index": 0} if item["type"] in ("message", "reasoning") else {}
         return self.run.event(kind, item_id=item["id"], output_index=self.items.index(item), **extra, **fields)
 
     def _done(self, item: dict) -> str:
@@ -104,6 +117,12 @@ class EventWriter:
         part = item["content"][0]
         return [self._at(item, "response.output_text.done", text=part["text"], logprobs=[]),
                 self._at(item, "response.content_part.done", part=part), self._done(item)]
+
+    def _close_thought(self) -> list[str]:
+        item, self.thought = self.thought, None
+        if item is None:
+            return []
+        return [self._at(item, "response.reasoning_text.done", text=item["content"][0]["text"]), self._done(item)]
 
     def _close_call(self) -> list[str]:
         item, self.call = self.call, None

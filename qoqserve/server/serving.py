@@ -42,6 +42,7 @@ from qoqserve.server.protocol import (
     SamplingFields,
     function_dicts,
 )
+from qoqserve.server.reasoning import ReasoningSplitter, after_reasoning, opens_reasoning
 from qoqserve.server.structured import requested_structure, spec_or_400
 from qoqserve.server.tools import (
     ToolCallParser,
@@ -71,6 +72,7 @@ class OpenAIServing:
         self.max_model_len = engine.max_model_len
         self.defaults = engine.sampling_defaults  # the model's generation config (vLLM's default)
         self.trust_request_chat_template = config.trust_request_chat_template
+        self.reasoning_parser = config.reasoning_parser
 
     # ---- validation -----------------------------------------------------------
 
@@ -172,6 +174,9 @@ class OpenAIServing:
             tag = tool_structural_tag(tools, choice, req.parallel_tool_calls)
             structure = spec_or_400({"structural_tag": tag}, "tools"), "tools"
         ids = self.chat_prompt(req, req.messages, tools, req.add_special_tokens)
+        thinks = self.reasoning_parser is not None and opens_reasoning(self.tokenizer.decode(ids[-16:], False))
+        if self.reasoning_parser is not None and structure[0] is not None:
+            structure = after_reasoning(structure[0], thinks), structure[1]
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         prepared = await self._prepare(req, ids, max_tokens, "messages", logprobs=req.logprobs,
                                        top_logprobs=req.top_logprobs or 0, structure=structure)
@@ -180,7 +185,9 @@ class OpenAIServing:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         choices = self._choices(prepared, req.n, 0, lambda i: ChatFormat(
             rid, self.model_name, self.tokenizer, len(ids), index=i, created=created, ranked_prompt=ranked,
-            tool_parser=ToolCallParser() if calls else None, tokens_as_ids=req.return_tokens_as_token_ids))
+            tool_parser=ToolCallParser() if calls else None, tokens_as_ids=req.return_tokens_as_token_ids,
+            reasoning=None if self.reasoning_parser is None else ReasoningSplitter(thinks),
+            include_reasoning=req.include_reasoning))
         return choices
 
     async def _scored_prompt(self, req: SamplingFields, ids: list[int], echo_top: int | None = None
