@@ -170,3 +170,25 @@ def test_responses_put_the_reasoning_in_its_own_item_first():
                      "response.output_text.done", "response.content_part.done", "response.output_item.done"]
     assert events[3]["text"] == "Let me see." and events[3]["output_index"] == 0
     assert [i["type"] for i in w.items] == ["reasoning", "message"]
+
+
+@pytest.mark.parametrize("opened", [True, False])
+def test_tool_calls_and_every_constraint_kind_compose_after_the_reasoning(reference_llm, opened):
+    import xgrammar as xgr
+
+    from qoqserve.sampling_params import StructuredOutputs
+    from qoqserve.server.tools import tool_structural_tag
+
+    grammars = reference_llm.engine.grammars
+    fns = [{"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}]
+    call = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+    think = ("" if opened else "<think>") + "hm</think>\n"
+    for choice in ("auto", "required", {"type": "function", "function": {"name": "f"}}):
+        spec = after_reasoning(StructuredOutputs(structural_tag=tool_structural_tag(fns, choice, True)), opened)
+        assert xgr.GrammarMatcher(grammars.compile(spec)).accept_string(think + call), choice
+    for kind, answer in ((dict(choice=["yes", "no"]), "no"), (dict(grammar='root ::= "a" | "b"'), "b"),
+                         (dict(json_object=True), "{}"), (dict(regex="[0-9]+"), "42")):
+        m = xgr.GrammarMatcher(grammars.compile(after_reasoning(StructuredOutputs(**kind), opened)))
+        assert m.accept_string(think + answer), kind
+        assert not xgr.GrammarMatcher(grammars.compile(after_reasoning(StructuredOutputs(**kind), opened))) \
+            .accept_string(think + "<think>"), kind
