@@ -162,9 +162,11 @@ def _tiny_model(kind: str, vocab: int, **extra):
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, **extra)
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-           "qwen3": transformers.Qwen3Config}[kind]
+           "qwen3": transformers.Qwen3Config, "phi3": transformers.Phi3Config}[kind]
     if kind == "qwen3":  # its head_dim is its own, not hidden / heads
         common["head_dim"] = 32
+    if kind == "phi3":
+        common["pad_token_id"] = 0
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cls(**common))
     with torch.no_grad():
@@ -173,7 +175,7 @@ def _tiny_model(kind: str, vocab: int, **extra):
     return model
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "phi3"])
 def test_hf_dir_round_trip(kind, tmp_path, hf_gguf_tokenizer):
     tied = kind == "qwen2"
     model = _tiny_model(kind, 49152, tie_word_embeddings=tied)
@@ -204,6 +206,9 @@ def test_hf_dir_round_trip(kind, tmp_path, hf_gguf_tokenizer):
         assert "model.layers.1.self_attn.k_proj.bias" in got
     if kind == "qwen3":
         assert got["model.layers.1.self_attn.k_norm.weight"].shape == (32,)
+    if kind == "phi3":  # fused in the checkpoint: q, k, v rows; gate, up rows
+        assert got["model.layers.1.self_attn.qkv_proj.weight"].shape == (64 + 2 * 32, 64)
+        assert got["model.layers.1.mlp.gate_up_proj.weight"].shape == (2 * 96, 64)
     tok = src.tokenizer
     for text in TEXTS:
         assert tok.encode(text) == hf_gguf_tokenizer(text).input_ids, text
@@ -218,6 +223,7 @@ _GGUF_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.wei
                "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
                "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+               "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
                "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 
@@ -271,7 +277,7 @@ def _write_gguf(path, model, arch: str, pre: str, rope_freqs=None):
     w.close()
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "phi3"])
 def test_tiny_gguf_round_trip(kind, tmp_path):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 

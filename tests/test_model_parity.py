@@ -45,6 +45,13 @@ def tiny_qwen3():
     return model
 
 
+def tiny_phi3():
+    # q/k/v as one qkv_proj and gate/up as one gate_up_proj in the checkpoint
+    cfg = transformers.Phi3Config(**SMALL, pad_token_id=0, tie_word_embeddings=False)
+    cfg.architectures = ["Phi3ForCausalLM"]
+    return transformers.Phi3ForCausalLM(cfg)
+
+
 def ours_from(ref, dtype=torch.float32):
     arch = ModelArchConfig.from_hf_config(ref.config.to_dict())
     attention = AttentionBackend(DenseKVCacheLayout(arch.num_kv_heads, arch.head_dim, 16, dtype))
@@ -59,7 +66,7 @@ def full_logits(model, ids):
         return model.compute_logits(model(ids, torch.arange(len(ids)), meta, None))
 
 
-@pytest.mark.parametrize("make", [tiny_llama3, tiny_qwen2, tiny_qwen3])
+@pytest.mark.parametrize("make", [tiny_llama3, tiny_qwen2, tiny_qwen3, tiny_phi3])
 def test_tiny_configs_match_transformers(make):
     torch.manual_seed(0)
     ref = make().eval()
@@ -68,6 +75,8 @@ def test_tiny_configs_match_transformers(make):
         assert arch.attention_bias and arch.tie_word_embeddings
     elif make is tiny_qwen3:
         assert arch.qk_norm and arch.head_dim == 32 and not arch.attention_bias
+    elif make is tiny_phi3:
+        assert arch.fused_checkpoint_linears and "model.layers.0.self_attn.qkv_proj.weight" in ref.state_dict()
     else:
         assert arch.rope_scaling["rope_type"] == "llama3"
     # long enough that llama3 scaling (original context 64) matters
@@ -117,3 +126,9 @@ def test_an_activation_other_than_silu_is_refused():
     assert ModelArchConfig.from_hf_config({**cfg, "hidden_act": "swish"}).architecture == "llama"
     with pytest.raises(UnsupportedModelError, match="hidden_act 'gelu'"):
         ModelArchConfig.from_hf_config({**cfg, "hidden_act": "gelu"})
+
+
+def test_partial_rotary_embeddings_are_refused():
+    cfg = tiny_phi3().config.to_dict()
+    with pytest.raises(UnsupportedModelError, match="partial rotary"):
+        ModelArchConfig.from_hf_config({**cfg, "partial_rotary_factor": 0.75})

@@ -47,6 +47,10 @@ def tiny_source(kind: str, tmp_path) -> ModelSource:
         cfg = transformers.Qwen3Config(**common, head_dim=64, tie_word_embeddings=False)
         cfg.architectures = ["Qwen3ForCausalLM"]
         model = transformers.Qwen3ForCausalLM(cfg)
+    elif kind == "phi3":  # q/k/v and gate/up fused in the checkpoint
+        cfg = transformers.Phi3Config(**common, pad_token_id=0, tie_word_embeddings=False)
+        cfg.architectures = ["Phi3ForCausalLM"]
+        model = transformers.Phi3ForCausalLM(cfg)
     else:
         cfg = transformers.LlamaConfig(**common, tie_word_embeddings=False)
         cfg.architectures = ["LlamaForCausalLM"]
@@ -81,10 +85,10 @@ def _full(model, ids):
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tiny")
-    return {k: tiny_source(k, tmp) for k in ("llama", "qwen2", "qwen3")}
+    return {k: tiny_source(k, tmp) for k in ("llama", "qwen2", "qwen3", "phi3")}
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "phi3"])
 @pytest.mark.parametrize("preset", ["g64", "chn"])
 def test_qoq_simulation_tracks_fp_and_checkpoint_round_trips(sources, kind, preset, tmp_path):
     source = sources[kind]

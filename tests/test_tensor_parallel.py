@@ -111,11 +111,12 @@ def test_two_ranks_match_one_fp32(tiny_ref):
             tiny_split()
 
 
-def test_two_ranks_match_one_with_qwen3s_qk_norms():
-    # the q/k norms' weights are per channel, shared by every head: whole on each rank
-    model = "synthetic:tiny-qwen3"
+@pytest.mark.parametrize("model", ["synthetic:tiny-qwen3", "synthetic:tiny-phi3"])
+def test_two_ranks_match_one_for_qwen3_and_phi3(model):
+    # qwen3: the q/k norms' weights are per channel, shared by every head: whole on
+    # each rank; phi3: each rank takes its rows of every part of the fused tensors
     ref = LLM(model, dtype="float32", **SMALL)
-    assert ref.engine.arch.qk_norm
+    assert ref.engine.arch.qk_norm or ref.engine.arch.fused_checkpoint_linears
     with LLM(model, dtype="float32", tensor_parallel_size=2, **SMALL) as split:
         compare(ref, split, 1e-4)
         plan_matches(split, "fp32", full=True)

@@ -55,7 +55,7 @@ def load_transformers(source, dtype: torch.dtype):
     import transformers
 
     a = source.arch
-    cls_name = {"qwen2": "Qwen2", "qwen3": "Qwen3"}.get(a.architecture, "Llama")
+    cls_name = {"qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3"}.get(a.architecture, "Llama")
     cfg_cls = getattr(transformers, f"{cls_name}Config")
     cfg = cfg_cls(vocab_size=a.vocab_size, hidden_size=a.hidden_size,
                   intermediate_size=a.intermediate_size, num_hidden_layers=a.num_layers,

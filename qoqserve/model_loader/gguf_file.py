@@ -1,4 +1,4 @@
-"""GGUF files (llama.cpp format) for the llama, qwen2 and qwen3 architectures.
+"""GGUF files (llama.cpp format) for the llama, qwen2, qwen3 and phi3 architectures.
 
 Weights are dequantized to float32 (F16/BF16/F32 stay as stored) and renamed
 to HF names. llama.cpp's converter reorders attn_q/attn_k rows of "llama"
@@ -25,7 +25,7 @@ from .lazy import LazyTensor
 from .schema import check_inventory
 from .tokenizer import tokenizer_from_gguf_metadata
 
-_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
                  "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
@@ -34,16 +34,20 @@ _BLOCK_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
                 "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
                 "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
                 "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+# phi3 stores q/k/v as one attn_qkv and gate/up as one ffn_up (gate rows first)
+_FUSED_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _QUANT_SUFFIX = re.compile(r"[.-](I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def hf_tensor_name(gguf_name: str, fused: bool = False) -> str | None:
+    """The HF name of a GGUF tensor (fused: the architecture fuses q/k/v and gate/up)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _BLOCK_RE.match(gguf_name)
-    if m and m.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    names = {**_BLOCK_NAMES, **_FUSED_NAMES} if fused else _BLOCK_NAMES
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     return None
 
 
@@ -197,8 +201,11 @@ def load_gguf(path: str) -> ModelSource:
     kv_heads = meta.get(f"{a}.attention.head_count_kv", heads)
     if isinstance(kv_heads, list):
         raise UnsupportedModelError(f"{path}: per-layer KV head counts are not supported")
-    head_dim = int(meta.get(f"{a}.attention.key_length")
-                   or meta.get(f"{a}.rope.dimension_count") or hidden // heads)
+    head_dim = int(meta.get(f"{a}.attention.key_length") or hidden // heads)
+    rope_dims = int(meta.get(f"{a}.rope.dimension_count") or head_dim)
+    if rope_dims != head_dim:  # e.g. Phi-4-mini: 96 of 128
+        raise UnsupportedModelError(f"{path}: partial rotary embeddings ({rope_dims} of {head_dim} channels "
+                                    "a head) are not supported: RoPE here turns every channel of a head")
     theta = float(meta.get(f"{a}.rope.freq_base", 10000.0))
     if "token_embd.weight" not in by_name:
         raise ModelLoadError(f"{path}: missing tensor token_embd.weight")
@@ -226,7 +233,7 @@ def load_gguf(path: str) -> ModelSource:
     for t in parsed.tensors:
         if t.name == "rope_freqs.weight":
             continue  # folded into arch.rope_scaling above
-        hf = hf_tensor_name(t.name)
+        hf = hf_tensor_name(t.name, arch.fused_checkpoint_linears)
         if hf is None:
             raise ModelLoadError(f"{path}: unexpected tensor {t.name!r} for a {a} model")
         renamed[hf] = t

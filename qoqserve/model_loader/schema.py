@@ -47,7 +47,7 @@ def check_parallel_fit(arch: ModelArchConfig, quant: QuantizationConfig, size: i
 def expected_tensors(arch: ModelArchConfig,
                      quant: QuantizationConfig | None = None) -> dict[str, TensorSpec]:
     quant = quant or UnquantizedConfig()
-    return meta_model(arch, quant).checkpoint_schema(quant.stores_fused_linears)
+    return meta_model(arch, quant).checkpoint_schema(quant.stores_fused_linears or arch.fused_checkpoint_linears)
 
 
 def linear_shapes(arch: ModelArchConfig, tp: TensorParallel | None = None) -> dict[str, tuple[int, int]]:

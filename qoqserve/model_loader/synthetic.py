@@ -41,9 +41,11 @@ ARCHS = {
     "qwen3-8b": (151936, 4096, 12288, 36, 32, 8, 128, 1000000.0, False),
     "tiny": (512, 128, 256, 2, 4, 2, 32, 10000.0, False),
     "tiny-qwen3": (512, 128, 256, 2, 4, 2, 64, 1000000.0, False),
+    "tiny-phi3": (512, 128, 256, 2, 4, 2, 32, 10000.0, False),
 }
-# the architecture where it is not "llama" (qwen3: per-head q/k norms)
-ARCHITECTURE = {"qwen3-8b": "qwen3", "tiny-qwen3": "qwen3"}
+# the architecture where it is not "llama" (qwen3: per-head q/k norms; phi3:
+# q/k/v and gate/up fused in the checkpoint too)
+ARCHITECTURE = {"qwen3-8b": "qwen3", "tiny-qwen3": "qwen3", "tiny-phi3": "phi3"}
 FORMATS = ("fp", "qoq-g128", "qoq-g64", "qoq-chn")
 
 

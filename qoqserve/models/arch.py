@@ -9,13 +9,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _HF_NAMES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-             "qwen3": ("Qwen3ForCausalLM", "qwen3")}
+             "qwen3": ("Qwen3ForCausalLM", "qwen3"), "phi3": ("Phi3ForCausalLM", "phi3")}
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
 }
 
 
@@ -66,6 +67,12 @@ class ModelArchConfig:
         """Qwen3: an RMSNorm over each q and k head (weights [head_dim]) before RoPE."""
         return self.architecture == "qwen3"
 
+    @property
+    def fused_checkpoint_linears(self) -> bool:
+        """Phi-3: its checkpoints hold q/k/v as one qkv_proj and gate/up as one
+        gate_up_proj, as the model does, not one tensor per part."""
+        return self.architecture == "phi3"
+
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelArchConfig":
         archs = cfg.get("architectures") or []
@@ -85,6 +92,10 @@ class ModelArchConfig:
         rope_theta = cfg.get("rope_theta")
         # transformers >= 5 moves rope settings into "rope_parameters"
         params = cfg.get("rope_parameters")
+        partial = cfg.get("partial_rotary_factor") or (params or {}).get("partial_rotary_factor") or 1.0
+        if partial != 1.0:  # e.g. Phi-4-mini's 0.75
+            raise UnsupportedModelError(f"partial rotary embeddings (partial_rotary_factor {partial}) are not "
+                                        "supported: RoPE here turns every channel of a head")
         if isinstance(params, dict):
             rope_theta = params.get("rope_theta", rope_theta)
             if params.get("rope_type", "default") != "default":
