@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from qoqserve.engine.structured import choice_grammar
 from qoqserve.sampling_params import StructuredOutputs
+from qoqserve.server.tools import partial_suffix
 
 START, END = "<think>", "</think>"
 PARSERS = ("deepseek_r1", "qwen3")
@@ -53,14 +54,6 @@ def opens_reasoning(prompt_tail: str) -> bool:
     return prompt_tail.rfind(START) > prompt_tail.rfind(END)
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    """The length of the longest end of text that starts tag."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
-
-
 @dataclass
 class ReasoningSplitter:
     """Fed the output text piece by piece (or whole, with final), returns
@@ -86,7 +79,7 @@ class ReasoningSplitter:
             elif self._state == "reasoning":
                 i = self._buf.find(END)
                 if i < 0:
-                    keep = 0 if final else _partial_suffix(self._buf, END)
+                    keep = 0 if final else partial_suffix(self._buf, END)
                     reasoning += self._buf[:len(self._buf) - keep]
                     self._buf = self._buf[len(self._buf) - keep:]
                     return reasoning, content

@@ -144,7 +144,7 @@ class ToolCallParser:
             if self._state == "text":
                 i = self._buf.find(BEGIN)
                 if i < 0:
-                    keep = 0 if final else _partial_suffix(self._buf, BEGIN)
+                    keep = 0 if final else partial_suffix(self._buf, BEGIN)
                     content += self._buf[:len(self._buf) - keep]
                     self._buf = self._buf[len(self._buf) - keep:]
                     return content, deltas
@@ -185,8 +185,9 @@ class ToolCallParser:
                  "function": {"name": c["name"], "arguments": c["arguments"]}} for c in self.calls]
 
 
-def _partial_suffix(text: str, token: str) -> int:
-    """The length of the longest end of text that starts token."""
+def partial_suffix(text: str, token: str) -> int:
+    """The length of the longest end of text that starts token (what a stream
+    holds back until it knows whether the token comes)."""
     for n in range(min(len(token) - 1, len(text)), 0, -1):
         if token.startswith(text[-n:]):
             return n
