@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from qoqserve.engine.structured import choice_grammar
 from qoqserve.sampling_params import StructuredOutputs
-from qoqserve.server.tools import partial_suffix
+from qoqserve.server.tools import take_until
 
 START, END = "<think>", "</think>"
 PARSERS = ("deepseek_r1", "qwen3")
@@ -77,14 +77,11 @@ class ReasoningSplitter:
                 else:
                     self._state = "reasoning" if self.in_reasoning else "content"
             elif self._state == "reasoning":
-                i = self._buf.find(END)
-                if i < 0:
-                    keep = 0 if final else partial_suffix(self._buf, END)
-                    reasoning += self._buf[:len(self._buf) - keep]
-                    self._buf = self._buf[len(self._buf) - keep:]
+                before, self._buf, found = take_until(self._buf, END, final)
+                reasoning += before
+                if not found:
                     return reasoning, content
-                reasoning += self._buf[:i]
-                self._buf, self._state = self._buf[i + len(END):], "lead"
+                self._state = "lead"
             elif self._state == "lead":  # the blank lines a template puts before the answer
                 self._buf = self._buf.lstrip()
                 if not self._buf:

@@ -142,14 +142,11 @@ class ToolCallParser:
         content, deltas = "", []
         while True:
             if self._state == "text":
-                i = self._buf.find(BEGIN)
-                if i < 0:
-                    keep = 0 if final else partial_suffix(self._buf, BEGIN)
-                    content += self._buf[:len(self._buf) - keep]
-                    self._buf = self._buf[len(self._buf) - keep:]
+                before, self._buf, found = take_until(self._buf, BEGIN, final)
+                content += before
+                if not found:
                     return content, deltas
-                content += self._buf[:i]
-                self._buf, self._state = self._buf[i + len(BEGIN):], "head"
+                self._state = "head"
             elif self._state == "head":
                 m = _CALL_HEAD.match(self._buf)
                 if m is not None and m.end() == len(self._buf) and not final:
@@ -185,9 +182,19 @@ class ToolCallParser:
                  "function": {"name": c["name"], "arguments": c["arguments"]}} for c in self.calls]
 
 
-def partial_suffix(text: str, token: str) -> int:
-    """The length of the longest end of text that starts token (what a stream
-    holds back until it knows whether the token comes)."""
+def take_until(buf: str, token: str, final: bool) -> tuple[str, str, bool]:
+    """A stream's buffer at token: (the text before it, what follows it, True),
+    or where it has not come, (what can go out now, what is held back: an end
+    that may be its start, unless final, False)."""
+    i = buf.find(token)
+    if i >= 0:
+        return buf[:i], buf[i + len(token):], True
+    keep = 0 if final else _partial_suffix(buf, token)
+    return buf[:len(buf) - keep], buf[len(buf) - keep:], False
+
+
+def _partial_suffix(text: str, token: str) -> int:
+    """The length of the longest end of text that starts token."""
     for n in range(min(len(token) - 1, len(text)), 0, -1):
         if token.startswith(text[-n:]):
             return n
