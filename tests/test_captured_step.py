@@ -102,6 +102,10 @@ def test_cpu_token_ops_match_torch_and_are_row_invariant(dtype):
             for a, b in zip(c.qkv_rope(qkv, pos, rope, transform, 4, 2, 16, norms),
                             ref.qkv_rope(qkv, pos, rope, transform, 4, 2, 16, norms)):
                 close(a, b)
+    for a, b in zip(c.qkv_rope(qkv, pos, None, kt, 4, 2, 16, qk), ref.qkv_rope(qkv, pos, None, kt, 4, 2, 16, qk)):
+        close(a, b)  # a layer without RoPE (SmolLM3)
+    plain = c.qkv_rope(qkv, pos, None, None, 4, 2, 16)
+    assert torch.equal(plain[0].flatten(1), qkv[:, :64]) and torch.equal(plain[1].flatten(1), qkv[:, 64:96])
     normed = c.qkv_rope(qkv, pos, rope, kt, 4, 2, 16, qk)
     assert all((a - b).abs().max() > 0.1 for a, b in zip(normed[:2], c.qkv_rope(qkv, pos, rope, kt, 4, 2, 16)))
     assert all(torch.equal(a, b[3:4]) for a, b in zip(c.qkv_rope(qkv[3:4], pos[3:4], rope, kt, 4, 2, 16, qk),

@@ -52,6 +52,14 @@ def tiny_phi3():
     return transformers.Phi3ForCausalLM(cfg)
 
 
+def tiny_smollm3():
+    # every 4th layer without RoPE: layer 3 of 4
+    cfg = transformers.SmolLM3Config(**{**SMALL, "num_hidden_layers": 4}, pad_token_id=0, bos_token_id=1,
+                                     eos_token_id=2, tie_word_embeddings=True)
+    cfg.architectures = ["SmolLM3ForCausalLM"]
+    return transformers.SmolLM3ForCausalLM(cfg)
+
+
 def ours_from(ref, dtype=torch.float32):
     arch = ModelArchConfig.from_hf_config(ref.config.to_dict())
     attention = AttentionBackend(DenseKVCacheLayout(arch.num_kv_heads, arch.head_dim, 16, dtype))
@@ -66,7 +74,7 @@ def full_logits(model, ids):
         return model.compute_logits(model(ids, torch.arange(len(ids)), meta, None))
 
 
-@pytest.mark.parametrize("make", [tiny_llama3, tiny_qwen2, tiny_qwen3, tiny_phi3])
+@pytest.mark.parametrize("make", [tiny_llama3, tiny_qwen2, tiny_qwen3, tiny_phi3, tiny_smollm3])
 def test_tiny_configs_match_transformers(make):
     torch.manual_seed(0)
     ref = make().eval()
@@ -77,6 +85,9 @@ def test_tiny_configs_match_transformers(make):
         assert arch.qk_norm and arch.head_dim == 32 and not arch.attention_bias
     elif make is tiny_phi3:
         assert arch.fused_checkpoint_linears and "model.layers.0.self_attn.qkv_proj.weight" in ref.state_dict()
+    elif make is tiny_smollm3:
+        assert arch.nope_layers == (3,) and model.layers[3].self_attn.rope is None
+        assert ModelArchConfig.from_hf_config(arch.to_hf_config("float32")).nope_layers == (3,)
     else:
         assert arch.rope_scaling["rope_type"] == "llama3"
     # long enough that llama3 scaling (original context 64) matters
@@ -132,3 +143,24 @@ def test_partial_rotary_embeddings_are_refused():
     cfg = tiny_phi3().config.to_dict()
     with pytest.raises(UnsupportedModelError, match="partial rotary"):
         ModelArchConfig.from_hf_config({**cfg, "partial_rotary_factor": 0.75})
+
+
+@pytest.mark.parametrize("make", [tiny_phi3, tiny_smollm3])
+def test_the_engine_on_the_c_kernels_decodes_what_transformers_predicts(make, tmp_path):
+    """The served path (C token ops, captured decode steps, paged attention) on
+    the architectures whose loading or RoPE differs from Llama's."""
+    from test_quant_pipeline import _any_tokenizer
+
+    from qoqserve.llm import LLM
+    from qoqserve.sampling_params import SamplingParams
+
+    torch.manual_seed(0)
+    ref = make().eval()
+    ref.save_pretrained(tmp_path)
+    _any_tokenizer().save(str(tmp_path))
+    llm = LLM(str(tmp_path), dtype="float32", num_blocks=32, enable_prefix_caching=False)
+    prompt = torch.randint(3, SMALL["vocab_size"], (24,)).tolist()
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].token_ids
+    with torch.inference_mode():
+        logits = ref(torch.tensor([prompt + out])).logits[0]
+    assert logits[len(prompt) - 1:-1].argmax(-1).tolist() == out

@@ -47,6 +47,11 @@ def tiny_source(kind: str, tmp_path) -> ModelSource:
         cfg = transformers.Qwen3Config(**common, head_dim=64, tie_word_embeddings=False)
         cfg.architectures = ["Qwen3ForCausalLM"]
         model = transformers.Qwen3ForCausalLM(cfg)
+    elif kind == "smollm3":  # layer 1 of 2 without RoPE
+        cfg = transformers.SmolLM3Config(**common, pad_token_id=0, no_rope_layer_interval=2,
+                                         tie_word_embeddings=False)
+        cfg.architectures = ["SmolLM3ForCausalLM"]
+        model = transformers.SmolLM3ForCausalLM(cfg)
     elif kind == "phi3":  # q/k/v and gate/up fused in the checkpoint
         cfg = transformers.Phi3Config(**common, pad_token_id=0, tie_word_embeddings=False)
         cfg.architectures = ["Phi3ForCausalLM"]
@@ -85,10 +90,10 @@ def _full(model, ids):
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tiny")
-    return {k: tiny_source(k, tmp) for k in ("llama", "qwen2", "qwen3", "phi3")}
+    return {k: tiny_source(k, tmp) for k in ("llama", "qwen2", "qwen3", "phi3", "smollm3")}
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "phi3", "smollm3"])
 @pytest.mark.parametrize("preset", ["g64", "chn"])
 def test_qoq_simulation_tracks_fp_and_checkpoint_round_trips(sources, kind, preset, tmp_path):
     source = sources[kind]

@@ -43,7 +43,7 @@ class TorchTokenOps:
                  num_heads: int, num_kv_heads: int, head_dim: int, qk_norm=None):
         """qkv [T, (H + 2 Hkv) D] -> q [T, H, D], k, v [T, Hkv, D] after RoPE
         (and the key transform when there is one); qk_norm: the (q, k) RMSNorms
-        over each head before RoPE, or None."""
+        over each head before RoPE, or None; rope None: a layer without RoPE."""
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         t = positions.shape[0]
@@ -52,7 +52,8 @@ class TorchTokenOps:
         v = v.reshape(t, num_kv_heads, head_dim)
         if qk_norm is not None:
             q, k = (TorchTokenOps.rms_norm(self, x, n.weight, n.eps) for x, n in zip((q, k), qk_norm))
-        q, k = rope(positions, q, k)
+        if rope is not None:
+            q, k = rope(positions, q, k)
         if key_transform is not None:
             q, k = key_transform(q, k)
         return q, k, v
@@ -81,9 +82,9 @@ class CpuTokenOps(TorchTokenOps):
         kt = key_transform
         norms = {} if qk_norm is None else dict(q_norm=qk_norm[0].weight, k_norm=qk_norm[1].weight,
                                                   eps=qk_norm[0].eps)
+        cos, sin = (None, None) if rope is None else (rope.cos, rope.sin)
         if kt is None:
-            return elementwise.qkv_rope(qkv, positions, rope.cos, rope.sin, num_heads, num_kv_heads, head_dim,
-                                        **norms)
+            return elementwise.qkv_rope(qkv, positions, cos, sin, num_heads, num_kv_heads, head_dim, **norms)
         scales = kt.hadamard_scales()  # a signed Hadamard R: the fast transform
-        return elementwise.qkv_rope(qkv, positions, rope.cos, rope.sin, num_heads, num_kv_heads, head_dim,
+        return elementwise.qkv_rope(qkv, positions, cos, sin, num_heads, num_kv_heads, head_dim,
                                     kt.shift, kt.rotation if scales is None else scales, scales is not None, **norms)

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _HF_NAMES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-             "qwen3": ("Qwen3ForCausalLM", "qwen3"), "phi3": ("Phi3ForCausalLM", "phi3")}
+             "qwen3": ("Qwen3ForCausalLM", "qwen3"), "phi3": ("Phi3ForCausalLM", "phi3"),
+             "smollm3": ("SmolLM3ForCausalLM", "smollm3")}
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -17,11 +18,25 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "SmolLM3ForCausalLM": "smollm3",
 }
 
 
 class UnsupportedModelError(ValueError):
     pass
+
+
+def _nope_layers(cfg: dict[str, Any]) -> tuple[int, ...]:
+    """SmolLM3's layers without RoPE: its `no_rope_layers` flags (1: RoPE),
+    else every `no_rope_layer_interval`-th layer, as transformers derives them."""
+    n = cfg["num_hidden_layers"]
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        every = cfg.get("no_rope_layer_interval", 4)
+        flags = [int((i + 1) % every != 0) for i in range(n)]
+    if len(flags) != n:
+        raise UnsupportedModelError(f"no_rope_layers has {len(flags)} flags for {n} layers")
+    return tuple(i for i, f in enumerate(flags) if not f)
 
 
 def _sliding_window(cfg: dict[str, Any], arch: str) -> int | None:
@@ -59,6 +74,7 @@ class ModelArchConfig:
     # tokens a query sees where the model was trained with sliding-window
     # attention (Mistral 7B v0.1, Qwen2 with use_sliding_window); None: all of them
     sliding_window: int | None = None
+    nope_layers: tuple[int, ...] = ()  # SmolLM3: the layers whose attention has no RoPE
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -123,6 +139,7 @@ class ModelArchConfig:
             # Qwen2 always has q/k/v bias; Llama-style configs say so explicitly
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias")),
             sliding_window=_sliding_window(cfg, arch),
+            nope_layers=_nope_layers(cfg) if arch == "SmolLM3ForCausalLM" else (),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
@@ -141,4 +158,6 @@ class ModelArchConfig:
             "sliding_window": self.sliding_window, "use_sliding_window": self.sliding_window is not None,
             "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_ids,
             "torch_dtype": torch_dtype,
+            **({"no_rope_layers": [int(i not in self.nope_layers) for i in range(self.num_layers)]}
+               if self.architecture == "smollm3" else {}),
         }

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) over paged attention.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, SmolLM2/3) over paged attention.
 
 Tensors flow flattened: a batch is one [T, hidden] matrix of all its new
 tokens, so linears see every request at once and attention alone knows where
@@ -147,8 +147,8 @@ class LlamaForCausalLM(nn.Module):
         rope = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
                                cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, lambda name, i=i: method_for(f"layers.{i}.{name}"), attention, rope, dtype,
-                         key_transform, ops, tp)
+            DecoderLayer(cfg, lambda name, i=i: method_for(f"layers.{i}.{name}"), attention,
+                         None if i in cfg.nope_layers else rope, dtype, key_transform, ops, tp)
             for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         # lm_head and embeddings stay high precision (QoQ keeps them unquantized)

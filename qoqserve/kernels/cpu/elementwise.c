@@ -99,7 +99,7 @@ static void rope_token(const void *qkv, int64_t row, int64_t t, int H, int Hkv, 
         load_row(qn, bf16, 0, D, nw[0]);
         load_row(kn, bf16, 0, D, nw[1]);
     }
-    const float *c = cos + pos[t] * D, *s = sin + pos[t] * D;
+    const float *c = cos ? cos + pos[t] * D : NULL, *s = sin ? sin + pos[t] * D : NULL;
     const int half = D / 2;
     for (int h0 = 0; h0 < H + Hkv; h0 += ROT_GROUP) {
         const int nh = H + Hkv - h0 < ROT_GROUP ? H + Hkv - h0 : ROT_GROUP;
@@ -111,8 +111,9 @@ static void rope_token(const void *qkv, int64_t row, int64_t t, int H, int Hkv, 
             float *yj = y[j];
             if (bf16 || qn) load_row(qkv, bf16, t * row + (int64_t)h * D, D, x[j]);
             if (qn) norm_row(x[j], nw[is_k], D, eps, bf16);  /* as rms_norm() rounds it */
-            for (int d = 0; d < half; d++) yj[d] = xj[d] * c[d] + -xj[d + half] * s[d];
-            for (int d = half; d < D; d++) yj[d] = xj[d] * c[d] + xj[d - half] * s[d];
+            if (!c) memcpy(yj, xj, sizeof(float) * (size_t)D);  /* a layer without RoPE (SmolLM3) */
+            for (int d = 0; c && d < half; d++) yj[d] = xj[d] * c[d] + -xj[d + half] * s[d];
+            for (int d = half; c && d < D; d++) yj[d] = xj[d] * c[d] + xj[d - half] * s[d];
             round_row(yj, D, bf16);
             if (rot && is_k) {
                 const float *shj = bf16 ? sh : (const float *)shift + (int64_t)(h - H) * D;
@@ -146,7 +147,7 @@ static void rope_token(const void *qkv, int64_t row, int64_t t, int H, int Hkv, 
 /* qkv [T, row] (row >= (H + 2 Hkv) D elements: q | k | v) -> q [T, H, D],
  * k, v [T, Hkv, D] contiguous; with qn (and kn) != NULL first each q (k) head
  * RMS-normalized with those weights [D] (Qwen3's q_norm, k_norm); RoPE
- * (half-split) on q and k at positions
+ * (half-split; none where cos is NULL) on q and k at positions
  * pos[t] from the fp32 tables cos/sin [max_pos, D], rounded once; with
  * rot != NULL then q R and (k - shift) R (shift [Hkv, D], R [D, D] row-major:
  * layers/key_transform.py), each output summed over e in order by fused

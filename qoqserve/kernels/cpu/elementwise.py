@@ -107,7 +107,7 @@ def qkv_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
     """qkv [T, (H + 2 Hkv) D] -> q [T, H, D], k, v [T, Hkv, D] (contiguous) with,
     given q_norm and k_norm ([D] weights, the activations' dtype), each q and k
     head RMS-normalized first (rms_norm's rounding, epsilon eps), then
-    RoPE on q, k (cos/sin: fp32 [max_pos, D]) and, given rotation, the key
+    RoPE on q, k (cos/sin: fp32 [max_pos, D]; None: a layer without RoPE) and, given rotation, the key
     transform q R, (k - shift) R. hadamard: rotation is c [D], the column
     scales of R = H diag(c) with H the Sylvester Hadamard matrix
     (KeyTransform.hadamard_scales), applied as a fast Walsh-Hadamard transform."""
@@ -115,12 +115,13 @@ def qkv_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
     t = qkv.shape[0]
     if qkv.stride(1) != 1 or head_dim > MAX_HEAD_DIM or head_dim % 2:
         raise ValueError(f"qkv_rope: rows must be contiguous, head_dim even and <= {MAX_HEAD_DIM}")
-    if cos.dtype != torch.float32 or positions.dtype != torch.int64:
+    if (cos is not None and cos.dtype != torch.float32) or positions.dtype != torch.int64:
         raise ValueError("qkv_rope: fp32 cos/sin tables and int64 positions")
     if rotation is not None and (rotation.dtype != qkv.dtype or shift.dtype != qkv.dtype
                                  or not (rotation.is_contiguous() and shift.is_contiguous())):
         raise ValueError("qkv_rope: the key transform must be contiguous, in the activations' dtype")
-    if not (cos.is_contiguous() and sin.is_contiguous() and positions.is_contiguous()):
+    if (cos is None) != (sin is None) or cos is not None and not (cos.is_contiguous() and sin.is_contiguous()) \
+            or not positions.is_contiguous():
         raise ValueError("qkv_rope: contiguous cos/sin tables and positions")
     if hadamard and rotation is not None and (rotation.shape != (head_dim,) or head_dim & (head_dim - 1)):
         raise ValueError("qkv_rope: Hadamard scales are one per channel, head_dim a power of two")
@@ -131,7 +132,7 @@ def qkv_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
     k = graph.empty(t, num_kv_heads, head_dim, dtype=qkv.dtype)
     v = graph.empty(t, num_kv_heads, head_dim, dtype=qkv.dtype)
     graph.launch(load().qkv_rope, qkv.data_ptr(), qkv.stride(0), t, num_heads, num_kv_heads, head_dim,
-                 positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                 positions.data_ptr(), None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
                  None if shift is None else shift.data_ptr(), None if rotation is None else rotation.data_ptr(),
                  int(hadamard and rotation is not None), None if q_norm is None else q_norm.data_ptr(),
                  None if k_norm is None else k_norm.data_ptr(), eps, q.data_ptr(), k.data_ptr(), v.data_ptr(),
