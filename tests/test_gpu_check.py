@@ -58,11 +58,11 @@ def test_engine_smoke_comparison():
 def test_engine_smoke_runs_the_triton_path_against_the_torch_path_on_cpu(tmp_path):
     smoke = _script("gpu_engine_smoke")
     out = tmp_path / "smoke.json"
-    rc = smoke.main(["--device", "cpu", "--models", "synthetic:tiny:qoq-g64", "synthetic:tiny-qwen3:qoq-g64",
-                     "--dtypes", "float32", "--max-tokens", "3", "--num-prompts", "2", "--out", str(out)])
+    rc = smoke.main(["--device", "cpu", "--models", "synthetic:tiny:qoq-g64", "--dtypes", "float32",
+                     "--max-tokens", "3", "--num-prompts", "2", "--out", str(out)])
     import json
     rows = json.loads(out.read_text())
-    assert rc == 0 and [r["mode"] for r in rows] == ["graphed", "eager"] * 2 and all(r["ok"] for r in rows), rows
+    assert rc == 0 and [r["mode"] for r in rows] == ["graphed", "eager"] and all(r["ok"] for r in rows), rows
     assert rows[0]["info"]["kv_kernel"] == "triton" and rows[0]["reference"]["kv_kernel"] == "torch"
     assert rows[1]["graphed_equals_eager"]["tokens_equal"] and rows[1]["info"]["captured_decode_sizes"] == []
 

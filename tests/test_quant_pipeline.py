@@ -93,8 +93,8 @@ def sources(tmp_path_factory):
     return {k: tiny_source(k, tmp) for k in ("llama", "qwen2", "qwen3", "phi3", "smollm3")}
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "phi3", "smollm3"])
-@pytest.mark.parametrize("preset", ["g64", "chn"])
+@pytest.mark.parametrize("kind,preset", [(k, p) for k in ("llama", "qwen2") for p in ("g64", "chn")]
+                         + [(k, "g64") for k in ("qwen3", "phi3", "smollm3")])
 def test_qoq_simulation_tracks_fp_and_checkpoint_round_trips(sources, kind, preset, tmp_path):
     source = sources[kind]
     # SmoothAttention (off by default) on: these random models have outlier inputs it
