@@ -111,9 +111,12 @@ static void rope_token(const void *qkv, int64_t row, int64_t t, int H, int Hkv, 
             float *yj = y[j];
             if (bf16 || qn) load_row(qkv, bf16, t * row + (int64_t)h * D, D, x[j]);
             if (qn) norm_row(x[j], nw[is_k], D, eps, bf16);  /* as rms_norm() rounds it */
-            if (!c) memcpy(yj, xj, sizeof(float) * (size_t)D);  /* a layer without RoPE (SmolLM3) */
-            for (int d = 0; c && d < half; d++) yj[d] = xj[d] * c[d] + -xj[d + half] * s[d];
-            for (int d = half; c && d < D; d++) yj[d] = xj[d] * c[d] + xj[d - half] * s[d];
+            if (c) {
+                for (int d = 0; d < half; d++) yj[d] = xj[d] * c[d] + -xj[d + half] * s[d];
+                for (int d = half; d < D; d++) yj[d] = xj[d] * c[d] + xj[d - half] * s[d];
+            } else {
+                memcpy(yj, xj, sizeof(float) * (size_t)D);  /* a layer without RoPE (SmolLM3) */
+            }
             round_row(yj, D, bf16);
             if (rot && is_k) {
                 const float *shj = bf16 ? sh : (const float *)shift + (int64_t)(h - H) * D;
