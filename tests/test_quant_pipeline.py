@@ -340,3 +340,10 @@ def test_mixed_calibration_quantizes_and_records_its_windows(sources, tmp_path):
     quant = json.loads((tmp_path / "ckpt" / "quant_config.json").read_text())
     assert quant["calibration"]["windows"] == "2 x 96 + 6 x 32 tokens" and quant["calibration"]["samples"] == 8
     assert quant["config"]["calib_long_samples"] == 2
+
+
+def test_calibration_tokens_past_the_vocabulary_are_refused_by_name(sources):
+    # a tokenizer that is not the model's (here: one with a larger vocabulary)
+    bad = CalibrationSet([[1, 2, VOCAB + 5]], "0" * 64, "random")
+    with pytest.raises(ValueError, match=f"token id {VOCAB + 5} is past the model's vocabulary"):
+        quantize_model(sources["llama"], get_preset("g64", calib_samples=1, calib_seq_len=3), bad, progress=False)

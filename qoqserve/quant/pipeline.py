@@ -214,6 +214,10 @@ def quantize_model(source, cfg: QuantConfig, calib: CalibrationSet, device: str 
     rotation: the residual rotation to fold (e.g. one learned by an earlier run
     of the same config), instead of cfg.rotation's."""
     cfg.check_model(source.arch)
+    top = max((max(sample) for sample in calib.samples if sample), default=-1)
+    if top >= source.arch.vocab_size:  # an embedding lookup would fail deep inside the first pass
+        raise ValueError(f"calibration token id {top} is past the model's vocabulary ({source.arch.vocab_size} "
+                         "tokens): the tokenizer does not belong to this model")
     start = time.perf_counter()
     if torch.device(device).type == "cpu":
         prebuild.build_all()
