@@ -452,3 +452,26 @@ def test_gguf_shards_read_only_their_rows_and_blocks(default_source, monkeypatch
     seen.clear()
     lazy["model.embed_tokens.weight"].narrow(0, 16384, 16384).materialize()  # a third of the Q8_0 rows
     assert seen == [16384 * 18 * 34]
+
+
+def test_a_hugging_face_id_loads_from_the_local_cache_only(tmp_path, monkeypatch, hf_gguf_tokenizer):
+    """`qoqserve serve Qwen/Qwen3-0.6B` as vLLM takes it: the snapshot the HF
+    cache holds (refs/main names the commit), served under the id; an id the
+    cache lacks is refused with where it looked, and nothing is downloaded."""
+    repo = tmp_path / "hub" / "models--acme--tiny-llama"
+    snapshot = repo / "snapshots" / "0123abcd"
+    _tiny_model("llama", 49152).save_pretrained(snapshot)
+    hf_gguf_tokenizer.save_pretrained(snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    src = load_model_source("acme/tiny-llama")
+    assert src.name == "acme/tiny-llama" and src.arch.num_layers == 2
+    assert dict(src.iter_tensors()).keys() == _tiny_model("llama", 49152).state_dict().keys()
+    with pytest.raises(ModelLoadError, match="huggingface-cli download acme/other"):
+        load_model_source("acme/other")
+    monkeypatch.delenv("HF_HUB_CACHE")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))  # $HF_HOME/hub
+    assert load_model_source("acme/tiny-llama").name == "acme/tiny-llama"
+    with pytest.raises(ModelLoadError, match="no such file or directory"):
+        load_model_source("./acme/tiny-llama")  # a relative path stays a path

@@ -13,6 +13,7 @@ from qoqserve.errors import ModelLoadError
 from .base import ModelSource
 from .gguf_file import load_gguf
 from .hf_dir import load_hf_dir
+from .hub_cache import cached_snapshot, looks_like_repo_id
 from .synthetic import is_synthetic, load_synthetic
 
 DEFAULT_MODEL_ALIASES = ("default", "smollm2-135m-instruct")
@@ -46,8 +47,9 @@ def _is_gguf(path: str) -> bool:
 
 
 def load_model_source(path: str | None) -> ModelSource:
-    """Resolve `path` (None/"default", an HF model directory, a .gguf file, or
-    synthetic:NAME[:FORMAT] random weights of a real architecture).
+    """Resolve `path` (None/"default", an HF model directory, a .gguf file, a
+    Hugging Face id the local HF cache holds, or synthetic:NAME[:FORMAT]
+    random weights of a real architecture).
 
     Headers and sizes are validated here, so a broken checkpoint fails now
     rather than halfway through weight loading.
@@ -59,6 +61,14 @@ def load_model_source(path: str | None) -> ModelSource:
         src.name = DEFAULT_MODEL_NAME
         return src
     resolved = os.path.abspath(os.path.expanduser(path))
+    if not os.path.exists(resolved) and looks_like_repo_id(path):  # a Hugging Face id, as vLLM takes
+        src = _load_path(cached_snapshot(path))
+        src.name = path  # what vLLM serves it as, and so what clients send
+        return src
+    return _load_path(resolved, path)
+
+
+def _load_path(resolved: str, path: str | None = None) -> ModelSource:
     if not os.path.exists(resolved):
         raise ModelLoadError(f"{resolved}: no such file or directory (model path {path!r})")
     if os.path.isdir(resolved):
