@@ -308,6 +308,15 @@ def test_tiny_gguf_round_trip(kind, tmp_path):
     for name, t in got.items():
         assert torch.equal(t, ref[name]), name
     assert src.tokenizer.encode("ab<|eot|>") == [64, 65, 299]
+    # `qoqserve convert`: transformers reads the exported directory as the same model
+    from qoqserve.model_loader.export import export_hf_dir
+
+    out = export_hf_dir(str(path), str(tmp_path / "hf"), "float32")
+    again = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(again) is type(model)
+    ids = torch.arange(3, 40)[None]
+    with torch.inference_mode():
+        torch.testing.assert_close(again(ids).logits, model.eval()(ids).logits, atol=1e-4, rtol=1e-4)
 
 
 

@@ -157,6 +157,7 @@ class ModelArchConfig:
             "tie_word_embeddings": self.tie_word_embeddings, "attention_bias": self.attention_bias,
             "sliding_window": self.sliding_window, "use_sliding_window": self.sliding_window is not None,
             "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_ids,
+            "pad_token_id": None,  # unused here; Phi3Config's default id (32000) may pass a small vocabulary
             "torch_dtype": torch_dtype,
             **({"no_rope_layers": [int(i not in self.nope_layers) for i in range(self.num_layers)]}
                if self.architecture == "smollm3" else {}),
