@@ -164,3 +164,32 @@ def test_the_engine_on_the_c_kernels_decodes_what_transformers_predicts(make, tm
     with torch.inference_mode():
         logits = ref(torch.tensor([prompt + out])).logits[0]
     assert logits[len(prompt) - 1:-1].argmax(-1).tolist() == out
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_granites_multipliers_folded_at_load_give_transformers_logits(tied, tmp_path):
+    from test_quant_pipeline import _any_tokenizer
+
+    from qoqserve.model_loader import load_model_source
+
+    torch.manual_seed(0)
+    cfg = transformers.GraniteConfig(**SMALL, pad_token_id=0, tie_word_embeddings=tied, embedding_multiplier=12.0,
+                                     residual_multiplier=0.22, attention_multiplier=1 / 64, logits_scaling=8.0)
+    cfg.architectures = ["GraniteForCausalLM"]
+    ref = transformers.GraniteForCausalLM(cfg).eval()
+    ref.save_pretrained(tmp_path)
+    _any_tokenizer().save(str(tmp_path))
+    src = load_model_source(str(tmp_path))
+    assert src.arch.architecture == "llama"  # what is left once the multipliers are in the weights
+    model = LlamaForCausalLM(src.arch, AttentionBackend(DenseKVCacheLayout(2, 16, 16, torch.float32)), torch.float32)
+    model.load_weights(src.iter_tensors())
+    ids = torch.randint(0, SMALL["vocab_size"], (200,))
+    with torch.inference_mode():
+        expected = ref(ids[None]).logits[0].float()
+    assert expected.std() > 0.01  # logits_scaling 8 makes them small: the tolerance is 8x tighter
+    torch.testing.assert_close(full_logits(model, ids), expected, atol=1.25e-5, rtol=1e-4)
+    # a tensor-parallel rank's lazy reads fold alike, narrowed or whole
+    eager = dict(src.iter_tensors())
+    for name, lazy in src.lazy_iter_factory():
+        assert torch.equal(lazy.materialize(), eager[name]), name
+        assert torch.equal(lazy.narrow(0, 1, 2).materialize(), eager[name][1:3]), name

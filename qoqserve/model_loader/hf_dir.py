@@ -17,6 +17,7 @@ from qoqserve.models.arch import ModelArchConfig
 from .base import ModelSource, TensorIter, read_json_object
 from .generation_config import sampling_keys
 from .lazy import LazyTensor
+from .scalar_folds import factor_of, folded, granite_folds
 from .schema import check_inventory
 from .tokenizer import tokenizer_from_hf_dir
 
@@ -156,6 +157,8 @@ def load_hf_dir(path: str) -> ModelSource:
     if arch.bos_token_id is None:
         arch.bos_token_id = tokenizer.bos_token_id
 
+    folds = granite_folds(cfg, arch.head_dim, arch.tie_word_embeddings)
+
     def iter_tensors(lazy: bool = False) -> TensorIter:
         """lazy: LazyTensors, read when (and where) the loader materializes them;
         each stays readable until the next one is yielded."""
@@ -165,13 +168,16 @@ def load_hf_dir(path: str) -> ModelSource:
                            key=lambda n: located[n][1])
             with safe_open(file, framework="pt") as handle:
                 for name in names:
+                    factor = factor_of(folds, name)
                     if lazy:
                         yield name, LazyTensor(handle.get_slice(name), shapes[name],
-                                               functools.partial(quant.check_tensor, name, where=file))
+                                               functools.partial(quant.check_tensor, name, where=file),
+                                               transform=None if factor == 1.0 else
+                                               functools.partial(folded, factor=factor))
                         continue
                     tensor = handle.get_tensor(name)
                     quant.check_tensor(name, tensor, file)
-                    yield name, tensor
+                    yield name, folded(tensor, factor)
 
     return ModelSource(path=path, name=_display_name(path), arch=arch, tokenizer=tokenizer,
                        tensor_iter_factory=iter_tensors, quant_config=quant,

@@ -14,10 +14,12 @@ import torch
 
 class LazyTensor:
     def __init__(self, source, shape: tuple[int, ...], check: Callable[[torch.Tensor], None],
-                 index: tuple[slice, ...] | None = None):
+                 index: tuple[slice, ...] | None = None,
+                 transform: Callable[[torch.Tensor], torch.Tensor] | None = None):
         """source: a safetensors slice (indexable by a tuple of slices); check:
-        the format's value checks, run on what is read."""
-        self._source, self._check = source, check
+        the format's value checks, run on what is read; transform: applied to
+        what is read, elementwise (so it commutes with narrow), e.g. a fold."""
+        self._source, self._check, self._transform = source, check, transform
         self.shape = torch.Size(shape)
         self._index = index or tuple(slice(0, n) for n in shape)
 
@@ -29,9 +31,9 @@ class LazyTensor:
         index[dim] = slice(base + start, base + start + length)
         shape = list(self.shape)
         shape[dim] = length
-        return LazyTensor(self._source, tuple(shape), self._check, tuple(index))
+        return LazyTensor(self._source, tuple(shape), self._check, tuple(index), self._transform)
 
     def materialize(self) -> torch.Tensor:
         t = self._source[self._index]
         self._check(t)
-        return t
+        return t if self._transform is None else self._transform(t)

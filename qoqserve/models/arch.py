@@ -19,6 +19,9 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
     "SmolLM3ForCausalLM": "smollm3",
+    # Granite's four scalar multipliers are folded into its weights at load
+    # (model_loader/scalar_folds.py): what remains is a Llama
+    "GraniteForCausalLM": "llama",
 }
 
 

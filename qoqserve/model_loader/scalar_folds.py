@@ -1,0 +1,42 @@
+"""Granite's scalar multipliers, folded into its weights as they are read, so
+that the model is a Llama (and its QoQ checkpoint a Llama checkpoint):
+
+* `embedding_multiplier` m_e: the embedding table times m_e;
+* `residual_multiplier` m_r (each sublayer's output times m_r before the
+  residual add): o_proj and down_proj times m_r;
+* `attention_multiplier` (the scores' scale in place of 1/sqrt(head_dim)):
+  q_proj times it * sqrt(head_dim), since RoPE is linear in q;
+* `logits_scaling` s (the logits divided by s): the final norm's weight over
+  s, and over m_e too where the LM head is the (scaled) embedding table.
+
+Each factor multiplies the tensor in fp32 (rounded once, to what the model
+holds, when it is copied in); a factor of 1 leaves the tensor as read.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+
+def granite_folds(cfg: dict[str, Any], head_dim: int, tied: bool) -> dict[str, float]:
+    """Checkpoint-name suffix -> factor (empty for other architectures)."""
+    if "GraniteForCausalLM" not in (cfg.get("architectures") or []):
+        return {}
+    emb = float(cfg.get("embedding_multiplier", 1.0))
+    res = float(cfg.get("residual_multiplier", 1.0))
+    attn = float(cfg.get("attention_multiplier", 1.0 / math.sqrt(head_dim)))
+    logits = float(cfg.get("logits_scaling", 1.0))
+    folds = {"embed_tokens.weight": emb, "self_attn.o_proj.weight": res, "mlp.down_proj.weight": res,
+             "self_attn.q_proj.weight": attn * math.sqrt(head_dim), "self_attn.q_proj.bias": attn * math.sqrt(head_dim),
+             "model.norm.weight": 1.0 / (logits * (emb if tied else 1.0))}
+    return {k: v for k, v in folds.items() if v != 1.0}
+
+
+def factor_of(folds: dict[str, float], name: str) -> float:
+    return next((f for suffix, f in folds.items() if name.endswith(suffix)), 1.0)
+
+
+def folded(t: torch.Tensor, factor: float) -> torch.Tensor:
+    return t if factor == 1.0 else t.float() * factor
