@@ -255,6 +255,11 @@ def _write_gguf(path, model, arch: str, pre: str, rope_freqs=None):
     w.add_token_types([1] * (len(tokens) - 1) + [3])
     w.add_token_merges([])
     w.add_eos_token_id(len(tokens) - 1)
+    if arch == "granite":
+        w.add_embedding_scale(c.embedding_multiplier)
+        w.add_residual_scale(c.residual_multiplier)
+        w.add_attention_scale(c.attention_multiplier)
+        w.add_logit_scale(c.logits_scaling)
     if rope_freqs is not None:
         w.add_rope_scaling_orig_ctx_len(c.rope_parameters["original_max_position_embeddings"])
         w.add_tensor("rope_freqs.weight", rope_freqs)
@@ -262,7 +267,7 @@ def _write_gguf(path, model, arch: str, pre: str, rope_freqs=None):
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
         arr = t.float().numpy()
-        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+        if arch in ("llama", "granite", "smollm3") and (".q_proj." in name or ".k_proj." in name):
             arr = _llama_cpp_permute(arr, c.num_attention_heads if ".q_proj." in name
                                      else c.num_key_value_heads)
         parts = name.split(".")
@@ -484,3 +489,39 @@ def test_a_hugging_face_id_loads_from_the_local_cache_only(tmp_path, monkeypatch
     assert load_model_source("acme/tiny-llama").name == "acme/tiny-llama"
     with pytest.raises(ModelLoadError, match="no such file or directory"):
         load_model_source("./acme/tiny-llama")  # a relative path stays a path
+
+
+@pytest.mark.parametrize("kind", ["granite", "smollm3"])
+def test_gguf_granite_scales_and_smollm3_rope_free_layers_give_transformers_logits(kind, tmp_path):
+    """llama.cpp's granite (its four scales, folded at load) and smollm3 (every
+    4th layer without RoPE, as llama.cpp runs it): the model transformers
+    builds from the same weights."""
+    from test_model_parity import full_logits
+
+    from qoqserve.layers.attention_backends import AttentionBackend
+    from qoqserve.layers.kv_cache import DenseKVCacheLayout
+    from qoqserve.models.llama import LlamaForCausalLM
+
+    common = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    if kind == "granite":
+        cfg = transformers.GraniteConfig(**common, embedding_multiplier=12.0, residual_multiplier=0.22,
+                                         attention_multiplier=1 / 64, logits_scaling=8.0)
+    else:
+        cfg = transformers.SmolLM3Config(**common)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    path = tmp_path / f"tiny-{kind}.F32.gguf"
+    _write_gguf(path, model, kind, "llama-bpe")
+    src = load_model_source(str(path))
+    assert src.arch.nope_layers == ((3,) if kind == "smollm3" else ())
+    ours = LlamaForCausalLM(src.arch, AttentionBackend(DenseKVCacheLayout(2, 16, 16, torch.float32)),
+                            torch.float32)
+    ours.load_weights(src.iter_tensors())
+    ids = torch.randint(3, 300, (120,))
+    with torch.inference_mode():
+        want = model(ids[None]).logits[0]
+    torch.testing.assert_close(full_logits(ours, ids), want, atol=2e-5, rtol=1e-4)
+    for name, lazy in src.lazy_iter_factory():  # tensor-parallel reads: folded and un-permuted alike
+        assert torch.equal(lazy.materialize(), dict(src.iter_tensors())[name]), name

@@ -1,4 +1,5 @@
-"""GGUF files (llama.cpp format) for the llama, qwen2, qwen3 and phi3 architectures.
+"""GGUF files (llama.cpp format) for the llama, qwen2, qwen3, phi3, smollm3 and
+granite architectures.
 
 Weights are dequantized to float32 (F16/BF16/F32 stay as stored) and renamed
 to HF names. llama.cpp's converter reorders attn_q/attn_k rows of "llama"
@@ -22,10 +23,16 @@ from qoqserve.models.arch import ModelArchConfig, UnsupportedModelError
 from .base import ModelSource, TensorIter
 from .gguf_header import GGUFTensor, read_gguf_header
 from .lazy import LazyTensor
+from .scalar_folds import factor_of, folded, folds_of
 from .schema import check_inventory
 from .tokenizer import tokenizer_from_gguf_metadata
 
-_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "smollm3": "smollm3",
+          "granite": "llama"}  # granite: its scales folded into the weights (scalar_folds.py)
+# llama.cpp's converter reorders the q/k rows of these for its RoPE layout
+_ROPE_PERMUTED = ("llama", "granite", "smollm3")
+# llama.cpp's SmolLM3: every 4th layer without RoPE (its GGUF has no key for it)
+_SMOLLM3_NOPE_EVERY = 4
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
                  "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
@@ -226,6 +233,8 @@ def load_gguf(path: str) -> ModelSource:
         tie_word_embeddings="output.weight" not in by_name,
         attention_bias="blk.0.attn_q.bias" in by_name,
         sliding_window=int(meta.get(f"{a}.attention.sliding_window") or 0) or None,
+        nope_layers=tuple(i for i in range(int(need(f"{a}.block_count"))) if (i + 1) % _SMOLLM3_NOPE_EVERY == 0)
+        if a == "smollm3" else (),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
     )
 
@@ -248,21 +257,26 @@ def load_gguf(path: str) -> ModelSource:
     arch.eos_token_ids = list(tokenizer.eos_token_ids)
 
     def rope_permuted(name: str) -> bool:
-        return arch.architecture == "llama" and (".q_proj." in name or ".k_proj." in name)
+        return a in _ROPE_PERMUTED and (".q_proj." in name or ".k_proj." in name)
+
+    folds = folds_of(meta.get(f"{a}.embedding_scale"), meta.get(f"{a}.residual_scale"),
+                     meta.get(f"{a}.attention.scale"), meta.get(f"{a}.logit_scale"), head_dim,
+                     arch.tie_word_embeddings) if a == "granite" else {}
 
     def iter_tensors() -> TensorIter:
         for name, t in renamed.items():
             w = _to_torch(t)
             if rope_permuted(name):
                 w = unpermute_rope_rows(w, heads if ".q_proj." in name else arch.num_kv_heads)
-            yield name, w
+            yield name, folded(w, factor_of(folds, name))
 
     def iter_lazy() -> TensorIter:
         """Each tensor-parallel rank reads its shard's rows and blocks only."""
         for name, t in renamed.items():
-            shape = t.shape
+            shape, factor = t.shape, factor_of(folds, name)
             yield name, LazyTensor(GGUFSlice(t, shape, head_dim if rope_permuted(name) else None),
-                                   shape, _no_checks)
+                                   shape, _no_checks,
+                                   transform=None if factor == 1.0 else functools.partial(folded, factor=factor))
 
     stem = os.path.basename(path)
     stem = _QUANT_SUFFIX.sub("", stem[:-5] if stem.endswith(".gguf") else stem)

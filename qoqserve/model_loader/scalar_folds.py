@@ -21,15 +21,20 @@ import torch
 
 
 def granite_folds(cfg: dict[str, Any], head_dim: int, tied: bool) -> dict[str, float]:
-    """Checkpoint-name suffix -> factor (empty for other architectures)."""
+    """Of an HF config: checkpoint-name suffix -> factor (empty for other architectures)."""
     if "GraniteForCausalLM" not in (cfg.get("architectures") or []):
         return {}
-    emb = float(cfg.get("embedding_multiplier", 1.0))
-    res = float(cfg.get("residual_multiplier", 1.0))
-    attn = float(cfg.get("attention_multiplier", 1.0 / math.sqrt(head_dim)))
-    logits = float(cfg.get("logits_scaling", 1.0))
+    return folds_of(cfg.get("embedding_multiplier"), cfg.get("residual_multiplier"),
+                    cfg.get("attention_multiplier"), cfg.get("logits_scaling"), head_dim, tied)
+
+
+def folds_of(embedding: float | None, residual: float | None, attention: float | None, logits: float | None,
+             head_dim: int, tied: bool) -> dict[str, float]:
+    """The four multipliers (None: absent, no change) -> checkpoint-name suffix -> factor."""
+    emb, res, logits = float(embedding or 1.0), float(residual or 1.0), float(logits or 1.0)
+    q = 1.0 if attention is None else float(attention) * math.sqrt(head_dim)
     folds = {"embed_tokens.weight": emb, "self_attn.o_proj.weight": res, "mlp.down_proj.weight": res,
-             "self_attn.q_proj.weight": attn * math.sqrt(head_dim), "self_attn.q_proj.bias": attn * math.sqrt(head_dim),
+             "self_attn.q_proj.weight": q, "self_attn.q_proj.bias": q,
              "model.norm.weight": 1.0 / (logits * (emb if tied else 1.0))}
     return {k: v for k, v in folds.items() if v != 1.0}
 
