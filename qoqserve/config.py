@@ -143,9 +143,12 @@ class SpeculativeConfig:
 
 @dataclass
 class EngineConfig:
-    model: str | None = opt(None, "HF checkpoint dir or .gguf file (default: embedded "
+    model: str | None = opt(None, "HF checkpoint dir, .gguf file or cached Hugging Face id (default: embedded "
                                   "SmolLM2-135M-Instruct), or an alias of that model quantized on "
                                   "first use: qoq (QoQ g64), qoq-tuned (g64 with the long scale tuning), qoq-chn")
+    tokenizer: str | None = opt(None, "another tokenizer than the model's: an HF tokenizer directory, a "
+                                      "cached Hugging Face id or a .gguf (vLLM's flag; e.g. for a GGUF whose "
+                                      "own is SentencePiece)")
     dtype: str | torch.dtype = opt("auto", "activation and unquantized-weight dtype (auto: fp32 "
                                            "on CPU, fp16 on CUDA)", choices=DTYPE_CHOICES)
     device: str = opt("cpu", "cpu or cuda[:N]")

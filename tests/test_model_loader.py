@@ -234,7 +234,7 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
         .reshape(w.shape)
 
 
-def _write_gguf(path, model, arch: str, pre: str, rope_freqs=None):
+def _write_gguf(path, model, arch: str, pre: str, rope_freqs=None, tokenizer_model: str = "gpt2"):
     c = model.config
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(c.num_hidden_layers)
@@ -249,7 +249,7 @@ def _write_gguf(path, model, arch: str, pre: str, rope_freqs=None):
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     tokens = [chr(i) for i in range(33, 33 + c.vocab_size - 1)] + ["<|eot|>"]
-    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_model(tokenizer_model)
     w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types([1] * (len(tokens) - 1) + [3])
@@ -525,3 +525,26 @@ def test_gguf_granite_scales_and_smollm3_rope_free_layers_give_transformers_logi
     torch.testing.assert_close(full_logits(ours, ids), want, atol=2e-5, rtol=1e-4)
     for name, lazy in src.lazy_iter_factory():  # tensor-parallel reads: folded and un-permuted alike
         assert torch.equal(lazy.materialize(), dict(src.iter_tensors())[name]), name
+
+
+def test_a_gguf_whose_tokenizer_cannot_be_built_runs_with_another(tmp_path, hf_gguf_tokenizer):
+    """A SentencePiece GGUF (Llama 2, Mistral, Phi-3) names --tokenizer in its
+    refusal; with the model's HF tokenizer (a directory or another GGUF) it loads
+    and serves."""
+    from qoqserve.llm import LLM
+    from qoqserve.sampling_params import SamplingParams
+
+    model = _tiny_model("llama", 49152)
+    path = tmp_path / "spm.gguf"
+    _write_gguf(path, model, "llama", "default", tokenizer_model="llama")
+    with pytest.raises(ModelLoadError, match="--tokenizer"):
+        load_model_source(str(path))
+    hf_gguf_tokenizer.save_pretrained(tmp_path / "tok")
+    src = load_model_source(str(path), tokenizer=str(tmp_path / "tok"))
+    assert src.tokenizer.encode("Hello world") == hf_gguf_tokenizer("Hello world").input_ids
+    assert {2, 49151} <= set(src.arch.eos_token_ids)  # the tokenizer's eos and the file's own
+    llm = LLM(str(path), tokenizer=str(tmp_path / "tok"), dtype="float32", num_blocks=16)
+    out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
+    assert len(out.token_ids) == 3 and out.text == src.tokenizer.decode(out.token_ids)
+    with pytest.raises(ModelLoadError, match="no such tokenizer"):
+        load_model_source(str(path), tokenizer=str(tmp_path / "absent"))

@@ -79,7 +79,10 @@ def quant_config_from_args(args):
 def register(sub) -> None:
     p = sub.add_parser("quantize", help="quantize a model with QoQ (W4A8KV4)")
     p.add_argument("model", nargs="?", default=None,
-                   help="HF dir or .gguf (default: embedded SmolLM2-135M-Instruct)")
+                   help="HF dir, .gguf or a cached Hugging Face id (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", dest="model_flag", default=None, help="the same, as a flag (vLLM's spelling)")
+    p.add_argument("--tokenizer", default=None,
+                   help="another tokenizer (HF dir, cached Hugging Face id, .gguf): the checkpoint keeps it")
     p.add_argument("-o", "--output", required=True, help="output checkpoint directory")
     p.add_argument("--eval", action="store_true",
                    help="print the perplexity of the result on the license texts")
@@ -95,7 +98,7 @@ def run(args) -> int:
     from qoqserve.quant.pipeline import quantize_model
 
     cfg = quant_config_from_args(args)
-    source = load_model_source(args.model)
+    source = load_model_source(args.model_flag or args.model, args.tokenizer)
     calib = calibration_for(source.tokenizer, args.calib, cfg)
     print(f"quantizing {source.name} with {cfg.name}: "
           f"{', '.join(f'{k}={v}' for k, v in dataclasses.asdict(cfg).items() if k != 'smooth_alpha_grid')}",

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        source = load_model_source(config.model)
+        source = load_model_source(config.model, config.tokenizer)
         self.model_name = source.name
         self.tokenizer = source.tokenizer
         if config.chat_template is not None:  # read and compiled now: a bad one fails the start, naming it

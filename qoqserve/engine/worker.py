@@ -48,7 +48,7 @@ def run_worker(config: EngineConfig, rank: int, init_method: str | None = None,
         if config.device == "cpu":  # the ranks of one node share its cores
             torch.set_num_threads(max(1, torch.get_num_threads() // size))
         world = join_world(rank, size, config.device, config.parallel.distributed_timeout_s, init_method)
-        source = load_model_source(config.model)
+        source = load_model_source(config.model, config.tokenizer)
         runner = ModelRunner(config, source.arch, source.iter_tensors(lazy=True), context_len(config, source.arch),
                              source.quant_config, world=world)
         serve_steps(runner, world)

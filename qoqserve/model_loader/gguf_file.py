@@ -26,6 +26,7 @@ from .lazy import LazyTensor
 from .scalar_folds import factor_of, folded, folds_of
 from .schema import check_inventory
 from .tokenizer import tokenizer_from_gguf_metadata
+from .tokenizer_source import load_tokenizer
 
 _ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "smollm3": "smollm3",
           "granite": "llama"}  # granite: its scales folded into the weights (scalar_folds.py)
@@ -188,7 +189,9 @@ class GGUFSlice:
         return torch.from_numpy(w)[:, off:off + cols.stop - cols.start].contiguous()
 
 
-def load_gguf(path: str) -> ModelSource:
+def load_gguf(path: str, tok_spec: str | None = None) -> ModelSource:
+    """tok_spec: where to take the tokenizer from instead of the file's
+    metadata (tokenizer_source.load_tokenizer)."""
     if not os.path.isfile(path):
         raise ModelLoadError(f"{path}: no such file")
     parsed = _parse(path)
@@ -250,11 +253,16 @@ def load_gguf(path: str) -> ModelSource:
         arch, None, {n: (t.shape, None)
                      for n, t in renamed.items()}, path)
 
-    try:
-        tokenizer = tokenizer_from_gguf_metadata(meta, path)
-    except KeyError as e:
-        raise ModelLoadError(f"{path}: missing GGUF tokenizer metadata {e}") from e
-    arch.eos_token_ids = list(tokenizer.eos_token_ids)
+    if tok_spec is not None:  # the file's eos stays one too: it is what the model was trained to end with
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        tok = load_tokenizer(tok_spec, [] if eos is None else [int(eos)], arch.bos_token_id)
+        arch.bos_token_id = tok.bos_token_id if tok.bos_token_id is not None else arch.bos_token_id
+    else:
+        try:
+            tok = tokenizer_from_gguf_metadata(meta, path)
+        except KeyError as e:
+            raise ModelLoadError(f"{path}: missing GGUF tokenizer metadata {e}") from e
+    arch.eos_token_ids = list(tok.eos_token_ids)
 
     def rope_permuted(name: str) -> bool:
         return a in _ROPE_PERMUTED and (".q_proj." in name or ".k_proj." in name)
@@ -280,5 +288,5 @@ def load_gguf(path: str) -> ModelSource:
 
     stem = os.path.basename(path)
     stem = _QUANT_SUFFIX.sub("", stem[:-5] if stem.endswith(".gguf") else stem)
-    return ModelSource(path=path, name=stem, arch=arch, tokenizer=tokenizer,
+    return ModelSource(path=path, name=stem, arch=arch, tokenizer=tok,
                        tensor_iter_factory=iter_tensors, lazy_iter_factory=iter_lazy)

@@ -20,6 +20,7 @@ from .lazy import LazyTensor
 from .scalar_folds import factor_of, folded, granite_folds
 from .schema import check_inventory
 from .tokenizer import tokenizer_from_hf_dir
+from .tokenizer_source import load_tokenizer
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
                 "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
@@ -109,7 +110,9 @@ def _token_ids(value: Any) -> list[int]:
     return [value] if isinstance(value, int) else [v for v in value if isinstance(v, int)]
 
 
-def load_hf_dir(path: str) -> ModelSource:
+def load_hf_dir(path: str, tok_spec: str | None = None) -> ModelSource:
+    """tok_spec: where to take the tokenizer from instead of this directory
+    (tokenizer_source.load_tokenizer)."""
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise ModelLoadError(f"{cfg_path}: missing; not a Hugging Face model directory")
@@ -150,7 +153,8 @@ def load_hf_dir(path: str) -> ModelSource:
     where = files[0] if len(files) == 1 else os.path.join(path, "model.safetensors.index.json")
     check_inventory(arch, quant, {n: (shapes[n], dtypes[n]) for n in shapes}, where)
 
-    tokenizer = tokenizer_from_hf_dir(path, arch.eos_token_ids, arch.bos_token_id)
+    tokenizer = (tokenizer_from_hf_dir(path, arch.eos_token_ids, arch.bos_token_id) if tok_spec is None
+                 else load_tokenizer(tok_spec, arch.eos_token_ids, arch.bos_token_id))
     # one eos list for everyone: stop on any id the config or the tokenizer names
     arch.eos_token_ids = tokenizer.eos_token_ids = list(
         dict.fromkeys(arch.eos_token_ids + tokenizer.eos_token_ids))

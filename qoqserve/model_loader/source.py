@@ -46,39 +46,40 @@ def _is_gguf(path: str) -> bool:
         return False
 
 
-def load_model_source(path: str | None) -> ModelSource:
+def load_model_source(path: str | None, tokenizer: str | None = None) -> ModelSource:
     """Resolve `path` (None/"default", an HF model directory, a .gguf file, a
     Hugging Face id the local HF cache holds, or synthetic:NAME[:FORMAT]
     random weights of a real architecture).
 
     Headers and sizes are validated here, so a broken checkpoint fails now
-    rather than halfway through weight loading.
+    rather than halfway through weight loading. tokenizer: another tokenizer's
+    location (an HF directory, a cached Hugging Face id, a GGUF file).
     """
     if is_synthetic(path):
         return load_synthetic(path)
     if path is None or path.strip().lower() in DEFAULT_MODEL_ALIASES:
-        src = load_gguf(default_gguf_path())
+        src = load_gguf(default_gguf_path(), tokenizer)
         src.name = DEFAULT_MODEL_NAME
         return src
     resolved = os.path.abspath(os.path.expanduser(path))
     if not os.path.exists(resolved) and looks_like_repo_id(path):  # a Hugging Face id, as vLLM takes
-        src = _load_path(cached_snapshot(path))
+        src = _load_path(cached_snapshot(path), path, tokenizer)
         src.name = path  # what vLLM serves it as, and so what clients send
         return src
-    return _load_path(resolved, path)
+    return _load_path(resolved, path, tokenizer)
 
 
-def _load_path(resolved: str, path: str | None = None) -> ModelSource:
+def _load_path(resolved: str, path: str | None, tokenizer: str | None) -> ModelSource:
     if not os.path.exists(resolved):
         raise ModelLoadError(f"{resolved}: no such file or directory (model path {path!r})")
     if os.path.isdir(resolved):
         if os.path.isfile(os.path.join(resolved, "config.json")):
-            return load_hf_dir(resolved)
+            return load_hf_dir(resolved, tokenizer)
         ggufs = sorted(f for f in os.listdir(resolved) if f.endswith(".gguf"))
         if len(ggufs) == 1:
-            return load_gguf(os.path.join(resolved, ggufs[0]))
+            return load_gguf(os.path.join(resolved, ggufs[0]), tokenizer)
         raise ModelLoadError(f"{os.path.join(resolved, 'config.json')}: missing; a model "
                              "directory needs config.json + safetensors, or exactly one .gguf file")
     if _is_gguf(resolved):
-        return load_gguf(resolved)
+        return load_gguf(resolved, tokenizer)
     raise ModelLoadError(f"{resolved}: not a GGUF file (bad magic) and not a model directory")

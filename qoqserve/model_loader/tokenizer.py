@@ -232,7 +232,8 @@ def tokenizer_from_gguf_metadata(meta: dict[str, Any], where: str) -> Tokenizer:
     model = meta.get("tokenizer.ggml.model")
     if model != "gpt2":
         raise ModelLoadError(f"{where}: unsupported GGUF tokenizer model {model!r} "
-                             "(only byte-level BPE, 'gpt2', is supported)")
+                             "(only byte-level BPE, 'gpt2', is built from GGUF metadata): pass the model's "
+                             "HF tokenizer with --tokenizer (a directory or a cached Hugging Face id)")
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]

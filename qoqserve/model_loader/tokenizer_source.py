@@ -1,0 +1,28 @@
+"""A tokenizer from somewhere other than the model (vLLM's `--tokenizer`):
+an HF tokenizer directory, a Hugging Face id the local cache holds, or a
+GGUF file's tokenizer. For a GGUF whose own tokenizer qoqserve cannot build
+(SentencePiece: Llama 2, Mistral, Phi-3) this is the way to run it."""
+from __future__ import annotations
+
+import os
+
+from qoqserve.errors import ModelLoadError
+
+from .gguf_header import read_gguf_header
+from .hub_cache import cached_snapshot, looks_like_repo_id
+from .tokenizer import Tokenizer, tokenizer_from_gguf_metadata, tokenizer_from_hf_dir
+
+
+def load_tokenizer(spec: str, eos_ids: list[int], bos_id: int | None) -> Tokenizer:
+    """eos_ids, bos_id: the model's (its config's); the tokenizer's own are added."""
+    path = os.path.abspath(os.path.expanduser(spec))
+    if not os.path.exists(path) and looks_like_repo_id(spec):
+        path = cached_snapshot(spec)
+    if os.path.isdir(path):
+        return tokenizer_from_hf_dir(path, eos_ids, bos_id)
+    if os.path.isfile(path):
+        meta, _ = read_gguf_header(path)
+        tok = tokenizer_from_gguf_metadata(meta, path)
+        tok.eos_token_ids = list(dict.fromkeys(eos_ids + tok.eos_token_ids))
+        return tok
+    raise ModelLoadError(f"{path}: no such tokenizer directory or GGUF file (tokenizer {spec!r})")
