@@ -82,3 +82,16 @@ def test_bad_flags_say_what_is_wrong(args, message):
     r = subprocess.run([sys.executable, "-m", "qoqserve.cli.main", "serve", "synthetic:tiny", *args],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and message in r.stderr
+
+
+def test_vllm_command_lines_for_tools_and_reasoning_parse():
+    """`vllm serve ... --enable-auto-tool-choice --tool-call-parser hermes
+    --reasoning-parser qwen3` runs unchanged; a tool-call format this server does
+    not read is refused by argparse, naming the one it does."""
+    from qoqserve.cli.main import build_parser
+    args = build_parser().parse_args(["serve", "Qwen/Qwen3-0.6B", "--enable-auto-tool-choice",
+                                      "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"])
+    assert args.enable_auto_tool_choice and args.tool_call_parser == "hermes" and args.reasoning_parser == "qwen3"
+    r = subprocess.run([sys.executable, "-m", "qoqserve.cli.main", "serve", "synthetic:tiny",
+                        "--tool-call-parser", "llama3_json"], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "hermes" in r.stderr

@@ -58,6 +58,13 @@ class ServerConfig:
     ssl_certfile: str | None = opt(None, "the certificate for HTTPS")
     ssl_ca_certs: str | None = opt(None, "CA certificates file")
     root_path: str = opt("", "the path prefix under which a proxy serves the API (and strips)")
+    # vLLM's tool-call flags, taken so that its command lines run unchanged: here a
+    # request with tools is always constrained to, and parsed for, Hermes calls
+    enable_auto_tool_choice: bool = opt(False, "accepted (vLLM's): tool_choice auto is always on for "
+                                               "requests with tools")
+    tool_call_parser: str | None = opt(None, "accepted (vLLM's): calls are read in the Hermes format "
+                                             "(<tool_call> JSON </tool_call>: Qwen2.5/Qwen3, Hermes)",
+                                       choices=("hermes",))
     reasoning_parser: str | None = opt(None, "split a thinking model's <think> ... </think> from its answer "
                                              "into the chat message's `reasoning` (vLLM's names)",
                                        choices=PARSERS)
