@@ -234,7 +234,7 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
         .reshape(w.shape)
 
 
-def _write_gguf(path, model, arch: str, pre: str, rope_freqs=None, tokenizer_model: str = "gpt2"):
+def _write_gguf(path, model, arch: str, pre: str, rope_freqs=None, tokenizer_model: str = "gpt2", yarn=None):
     c = model.config
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(c.num_hidden_layers)
@@ -260,6 +260,10 @@ def _write_gguf(path, model, arch: str, pre: str, rope_freqs=None, tokenizer_mod
         w.add_residual_scale(c.residual_multiplier)
         w.add_attention_scale(c.attention_multiplier)
         w.add_logit_scale(c.logits_scaling)
+    if yarn is not None:  # (factor, pretrained context)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(yarn[0])
+        w.add_rope_scaling_orig_ctx_len(yarn[1])
     if rope_freqs is not None:
         w.add_rope_scaling_orig_ctx_len(c.rope_parameters["original_max_position_embeddings"])
         w.add_tensor("rope_freqs.weight", rope_freqs)
@@ -548,3 +552,26 @@ def test_a_gguf_whose_tokenizer_cannot_be_built_runs_with_another(tmp_path, hf_g
     assert len(out.token_ids) == 3 and out.text == src.tokenizer.decode(out.token_ids)
     with pytest.raises(ModelLoadError, match="no such tokenizer"):
         load_model_source(str(path), tokenizer=str(tmp_path / "absent"))
+
+
+def test_a_gguf_with_yarn_scaling_gives_transformers_logits(tmp_path):
+    from test_model_parity import full_logits
+
+    from qoqserve.layers.attention_backends import AttentionBackend
+    from qoqserve.layers.kv_cache import DenseKVCacheLayout
+    from qoqserve.models.llama import LlamaForCausalLM
+
+    model = _tiny_model("qwen2", 300, tie_word_embeddings=True,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                         "original_max_position_embeddings": 64}).eval()
+    path = tmp_path / "yarn.gguf"
+    _write_gguf(path, model, "qwen2", "qwen2", yarn=(4.0, 64))
+    src = load_model_source(str(path))
+    assert src.arch.rope_scaling["rope_type"] == "yarn" and src.arch.max_position_embeddings == 256
+    ours = LlamaForCausalLM(src.arch, AttentionBackend(DenseKVCacheLayout(2, 16, 16, torch.float32)), torch.float32)
+    ours.load_weights(src.iter_tensors())
+    ids = torch.randint(3, 300, (200,))
+    with torch.inference_mode():
+        got, want = full_logits(ours, ids), model(ids[None]).logits[0]
+    # unit-normal weights everywhere: logits in the tens, so the tolerance scales with them
+    assert (got - want).abs().max() <= 2e-5 * want.abs().max(), float((got - want).abs().max())

@@ -193,3 +193,42 @@ def test_granites_multipliers_folded_at_load_give_transformers_logits(tied, tmp_
     for name, lazy in src.lazy_iter_factory():
         assert torch.equal(lazy.materialize(), eager[name]), name
         assert torch.equal(lazy.narrow(0, 1, 2).materialize(), eager[name][1:3]), name
+
+
+YARN_CASES = [dict(factor=4.0, original_max_position_embeddings=64),
+              dict(factor=8.0, original_max_position_embeddings=128, beta_fast=16, beta_slow=2, truncate=False),
+              dict(factor=4.0, original_max_position_embeddings=64, mscale=0.707, mscale_all_dim=1.0),
+              dict(factor=2.0, original_max_position_embeddings=64, attention_factor=1.25)]
+
+
+@pytest.mark.parametrize("params", YARN_CASES)
+def test_yarn_tables_are_transformers(params):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from qoqserve.layers.rotary import RotaryEmbedding
+
+    cfg = transformers.Qwen2Config(**SMALL, rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, **params})
+    cfg.architectures = ["Qwen2ForCausalLM"]
+    inv_freq, attention = ROPE_INIT_FUNCTIONS["yarn"](cfg, "cpu")
+    arch = ModelArchConfig.from_hf_config(cfg.to_dict())
+    assert arch.max_position_embeddings == max(SMALL["max_position_embeddings"],
+                                               int(params["factor"] * params["original_max_position_embeddings"]))
+    rope = RotaryEmbedding(arch.head_dim, 512, arch.rope_theta, arch.rope_scaling)
+    pos = torch.arange(512, dtype=torch.float32)[:, None]
+    want = torch.cat([pos * inv_freq, pos * inv_freq], -1)
+    torch.testing.assert_close(rope.cos, want.cos() * attention, atol=2e-5, rtol=0)
+    torch.testing.assert_close(rope.sin, want.sin() * attention, atol=2e-5, rtol=0)
+    assert ModelArchConfig.from_hf_config(arch.to_hf_config("float32")).rope_scaling == arch.rope_scaling
+
+
+def test_a_yarn_model_past_its_pretrained_context_gives_transformers_logits():
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(**SMALL, tie_word_embeddings=True,
+                                   rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, **YARN_CASES[0]})
+    cfg.architectures = ["Qwen2ForCausalLM"]
+    ref = transformers.Qwen2ForCausalLM(cfg).eval()
+    model, arch = ours_from(ref)
+    ids = torch.randint(0, SMALL["vocab_size"], (300,))  # past 64 pretrained positions, within 4 x 64
+    with torch.inference_mode():
+        expected = ref(ids[None]).logits[0].float()
+    torch.testing.assert_close(full_logits(model, ids), expected, atol=1e-4, rtol=1e-4)

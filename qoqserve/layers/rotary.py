@@ -22,6 +22,37 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
+def _yarn_mscale(factor: float, m: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+
+def _yarn(inv_freq: torch.Tensor, theta: float, head_dim: int, scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071): each frequency between its interpolated (1 /
+    factor) and its original value, by how many turns it makes over the
+    pretrained context (below beta_slow turns: interpolated; above beta_fast:
+    original; a linear ramp over the channels between); and the factor by
+    which cos and sin are scaled (attention_factor, else from mscale)."""
+    factor, orig = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def channel(turns: float) -> float:  # the channel whose frequency turns `turns` times over orig
+        return head_dim * math.log(orig / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = channel(scaling.get("beta_fast") or 32), channel(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device=inv_freq.device) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # the share of the original frequency
+    mixed = inv_freq / factor * (1 - keep) + inv_freq * keep
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = _yarn_mscale(factor, m) / _yarn_mscale(factor, m_all) if m and m_all else _yarn_mscale(factor)
+    return mixed, float(attention)
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: dict | None = None):
@@ -34,18 +65,24 @@ class RotaryEmbedding(nn.Module):
         cpu = torch.device("cpu")
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=cpu).float() / head_dim
         inv_freq = 1.0 / (theta ** exponents)
+        attention = 1.0  # YaRN scales cos and sin
         if scaling is not None:
             rtype = scaling.get("rope_type", scaling.get("type"))
             if rtype == "llama3":
                 inv_freq = _llama3_inv_freq(inv_freq, scaling)
             elif rtype == "linear":
                 inv_freq = inv_freq / scaling["factor"]
+            elif rtype == "yarn":
+                inv_freq, attention = _yarn(inv_freq, theta, head_dim, scaling)
         positions = torch.arange(max_positions, dtype=torch.float32, device=cpu)
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        if attention != 1.0:
+            cos, sin = cos * attention, sin * attention
         # Kept in fp32; cast per call to the activation dtype as HF does.
-        self.register_buffer("cos", emb.cos().to(device), persistent=False)
-        self.register_buffer("sin", emb.sin().to(device), persistent=False)
+        self.register_buffer("cos", cos.to(device), persistent=False)
+        self.register_buffer("sin", sin.to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hk, D], positions: [T]."""

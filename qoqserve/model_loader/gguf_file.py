@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from qoqserve.errors import ModelLoadError
-from qoqserve.models.arch import ModelArchConfig, UnsupportedModelError
+from qoqserve.models.arch import ModelArchConfig, UnsupportedModelError, yarn_scaling
 
 from .base import ModelSource, TensorIter
 from .gguf_header import GGUFTensor, read_gguf_header
@@ -105,12 +105,22 @@ def _llama3_factors(factor: float, theta: float, dim: int, orig_ctx: float,
     return np.array(out, dtype=np.float32)
 
 
+def _context(meta: dict[str, Any], a: str, scaling: dict[str, Any] | None) -> int:
+    ctx = int(meta.get(f"{a}.context_length", 4096))
+    if scaling is not None and scaling["rope_type"] == "yarn":
+        return yarn_scaling(scaling, ctx)[1]
+    return ctx
+
+
 def _rope_scaling(meta: dict[str, Any], a: str, rope_freqs, theta: float, head_dim: int,
                   where: str) -> dict[str, Any] | None:
     kind = meta.get(f"{a}.rope.scaling.type", "none")
     orig = meta.get(f"{a}.rope.scaling.original_context_length")
     if kind == "linear":
         return {"rope_type": "linear", "factor": float(meta[f"{a}.rope.scaling.factor"])}
+    if kind == "yarn":  # the context it reaches is set from it (models/arch.yarn_scaling)
+        return {"rope_type": "yarn", "factor": float(meta[f"{a}.rope.scaling.factor"]),
+                "original_max_position_embeddings": int(orig or meta.get(f"{a}.context_length", 4096))}
     if kind not in ("none", ""):
         raise UnsupportedModelError(f"{where}: unsupported rope scaling type {kind!r}")
     if rope_freqs is None:
@@ -217,6 +227,7 @@ def load_gguf(path: str, tok_spec: str | None = None) -> ModelSource:
         raise UnsupportedModelError(f"{path}: partial rotary embeddings ({rope_dims} of {head_dim} channels "
                                     "a head) are not supported: RoPE here turns every channel of a head")
     theta = float(meta.get(f"{a}.rope.freq_base", 10000.0))
+    scaling = _rope_scaling(meta, a, by_name.get("rope_freqs.weight"), theta, head_dim, path)
     if "token_embd.weight" not in by_name:
         raise ModelLoadError(f"{path}: missing tensor token_embd.weight")
     arch = ModelArchConfig(
@@ -230,9 +241,8 @@ def load_gguf(path: str, tok_spec: str | None = None) -> ModelSource:
         head_dim=head_dim,
         rms_norm_eps=float(meta.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=theta,
-        rope_scaling=_rope_scaling(meta, a, by_name.get("rope_freqs.weight"), theta,
-                                   head_dim, path),
-        max_position_embeddings=int(meta.get(f"{a}.context_length", 4096)),
+        rope_scaling=scaling,
+        max_position_embeddings=_context(meta, a, scaling),
         tie_word_embeddings="output.weight" not in by_name,
         attention_bias="blk.0.attn_q.bias" in by_name,
         sliding_window=int(meta.get(f"{a}.attention.sliding_window") or 0) or None,

@@ -42,6 +42,17 @@ def _nope_layers(cfg: dict[str, Any]) -> tuple[int, ...]:
     return tuple(i for i, f in enumerate(flags) if not f)
 
 
+def yarn_scaling(scaling: dict[str, Any], max_positions: int) -> tuple[dict[str, Any], int]:
+    """YaRN's parameters made explicit (the pretrained context, and the factor,
+    which transformers derives from the two lengths when absent) and the
+    context it reaches: the pretrained one times the factor, as vLLM derives it."""
+    orig = int(scaling.get("original_max_position_embeddings") or max_positions)
+    factor = float(scaling.get("factor") or max_positions / orig)
+    out = {k: v for k, v in scaling.items() if k != "type"}
+    out.update(rope_type="yarn", factor=factor, original_max_position_embeddings=orig)
+    return out, max(max_positions, int(orig * factor))
+
+
 def _sliding_window(cfg: dict[str, Any], arch: str) -> int | None:
     """The window of an HF config whose attention really slides: Qwen2 configs
     carry a `sliding_window` that only `use_sliding_window` turns on, and
@@ -119,10 +130,13 @@ class ModelArchConfig:
             rope_theta = params.get("rope_theta", rope_theta)
             if params.get("rope_type", "default") != "default":
                 rope_scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        max_positions = cfg.get("max_position_embeddings", 4096)
         if rope_scaling is not None:
             rtype = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
             if rtype == "default":
                 rope_scaling = None
+            elif rtype == "yarn":
+                rope_scaling, max_positions = yarn_scaling(rope_scaling, max_positions)
             elif rtype not in ("llama3", "linear"):
                 raise UnsupportedModelError(f"unsupported rope_scaling type {rtype!r}")
         return cls(
@@ -137,7 +151,7 @@ class ModelArchConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
             rope_theta=float(rope_theta or 10000.0),
             rope_scaling=rope_scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v bias; Llama-style configs say so explicitly
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias")),
