@@ -58,7 +58,8 @@ def _pre_tokenizer_for(pre: str) -> tuple[pre_tokenizers.PreTokenizer, bool]:
         return _split_then_bytes(_LLAMA3_SPLIT), True
     if pre in ("qwen2", "deepseek-r1-qwen", "megrez"):
         return _split_then_bytes(_QWEN2_SPLIT), False
-    raise ModelLoadError(f"unsupported GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre)")
+    raise ModelLoadError(f"unsupported GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre): pass the model's HF "
+                         "tokenizer with --tokenizer (a directory or a cached Hugging Face id)")
 
 
 class Tokenizer:
