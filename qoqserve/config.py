@@ -63,6 +63,10 @@ class CacheConfig:
                                           "of free memory, capped at 2 GiB on CPU)")
     kv_cache_fraction: float = opt(0.3, "KV pool as a fraction of free memory when --kv-cache-gb "
                                         "is not given (on CUDA: after the weights)")
+    gpu_memory_utilization: float | None = opt(
+        None, "vLLM's: on CUDA, the share of the GPU's whole memory the engine may fill (weights "
+              "already loaded and other processes count against it); the KV pool gets the rest; "
+              "in place of --kv-cache-fraction")
     num_blocks: int | None = opt(None, "number of KV pages (overrides the budget; tests use tiny pools)",
                                  cli=False)
     kv_cache_dtype: str = opt("auto", "auto: int4 for QoQ KV4 checkpoints (int8 for KV8 ones), "
