@@ -90,8 +90,11 @@ def test_vllm_command_lines_for_tools_and_reasoning_parse():
     not read is refused by argparse, naming the one it does."""
     from qoqserve.cli.main import build_parser
     args = build_parser().parse_args(["serve", "Qwen/Qwen3-0.6B", "--enable-auto-tool-choice",
-                                      "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"])
+                                      "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
+                                      "--trust-remote-code", "--enable-chunked-prefill", "--disable-log-requests",
+                                      "--disable-log-stats", "--gpu-memory-utilization", "0.9"])
     assert args.enable_auto_tool_choice and args.tool_call_parser == "hermes" and args.reasoning_parser == "qwen3"
+    assert args.gpu_memory_utilization == 0.9
     r = subprocess.run([sys.executable, "-m", "qoqserve.cli.main", "serve", "synthetic:tiny",
                         "--tool-call-parser", "llama3_json"], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "hermes" in r.stderr

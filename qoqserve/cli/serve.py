@@ -11,11 +11,28 @@ from qoqserve.server.config import ServerConfig
 def register(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
     p.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
-                   help="HF dir, .gguf file or a qoq alias: qoq, qoq-tuned, qoq-chn (default: qoq, the "
+                   help="HF dir, .gguf file, a cached Hugging Face id or a qoq alias: qoq, qoq-tuned, qoq-chn "
+                        "(default: qoq, the "
                         "embedded model in QoQ g64, quantized on first use and cached)")
     add_config_args(p.add_argument_group("server"), ServerConfig)
     add_engine_args(p)
+    _add_vllm_no_ops(p.add_argument_group("vLLM flags taken so its command lines run; each is what qoqserve "
+                                          "always does"))
     p.set_defaults(func=run)
+
+
+# vLLM flags whose behaviour is this server's only one: taken, changing nothing
+_VLLM_NO_OPS = {
+    "--trust-remote-code": "no model's own code is ever run here",
+    "--enable-chunked-prefill": "prompts are always prefilled in chunks (--max-num-batched-tokens)",
+    "--disable-log-requests": "requests are logged only with -v",
+    "--disable-log-stats": "no periodic stats are logged (GET /metrics has them)",
+}
+
+
+def _add_vllm_no_ops(group) -> None:
+    for flag, why in _VLLM_NO_OPS.items():
+        group.add_argument(flag, action="store_true", help=why)
 
 
 def run(args) -> int:
