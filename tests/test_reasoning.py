@@ -192,3 +192,23 @@ def test_tool_calls_and_every_constraint_kind_compose_after_the_reasoning(refere
         assert m.accept_string(think + answer), kind
         assert not xgr.GrammarMatcher(grammars.compile(after_reasoning(StructuredOutputs(**kind), opened))) \
             .accept_string(think + "<think>"), kind
+
+
+def test_reasoning_items_sent_back_go_to_the_next_assistant_turn():
+    """Clients replay a response's `output` as the next `input`: its reasoning
+    item is taken (not a 400) and reaches the template as reasoning_content."""
+    from qoqserve.server.responses_protocol import ResponsesRequest, input_messages
+
+    req = ResponsesRequest.model_validate({"input": [
+        {"role": "user", "content": "2+2?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "add"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "4"}]},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "call f"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+        {"type": "reasoning", "summary": []},  # nothing after it: dropped
+        {"role": "user", "content": "and 3+3?"}]})
+    msgs = input_messages(req.input)
+    assert [m["role"] for m in msgs] == ["user", "assistant", "assistant", "tool", "user"]
+    assert msgs[1]["reasoning_content"] == "add" and msgs[2]["reasoning_content"] == "call f"
+    assert "reasoning_content" not in msgs[4]

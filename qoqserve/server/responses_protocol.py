@@ -9,8 +9,10 @@ model's earlier `function_call`s and their `function_call_output`s),
 `top_p`, `tools` (functions), `tool_choice`, `parallel_tool_calls`,
 `text.format` (text, json_object, json_schema), `top_logprobs`, `stream`,
 `store` and `previous_response_id`, `metadata`; vLLM's sampling extensions
-as on chat completions. Anything else of the item kinds (images, files,
-reasoning, built-in tools) is refused with a 400 naming it.
+as on chat completions; an earlier response's `reasoning` items (as clients
+send `output` back) become the next assistant turn's `reasoning_content`.
+Anything else of the item kinds (images, files, built-in tools) is refused
+with a 400 naming it.
 """
 from __future__ import annotations
 
@@ -49,15 +51,39 @@ class FunctionCallOutputItem(StrictRequest):
     output: Text
 
 
+class ReasoningText(StrictRequest):
+    type: Literal["reasoning_text", "summary_text"]
+    text: Text
+
+
+class ReasoningItem(StrictRequest):
+    """An earlier response's reasoning, sent back as clients replay `output`:
+    kept as the next assistant turn's `reasoning_content` (what thinking
+    models' templates read), else dropped."""
+    type: Literal["reasoning"]
+    id: Text | None = None
+    summary: list[ReasoningText] = []
+    content: list[ReasoningText] | None = None
+    encrypted_content: Text | None = None
+    status: Text | None = None
+
+    def text(self) -> str:
+        return "".join(p.text for p in (self.content or self.summary))
+
+
+_KINDS = ("function_call", "function_call_output", "reasoning")
+
+
 def _item_kind(item) -> str:
     kind = item.get("type", "message") if isinstance(item, dict) else "message"
-    return f"item[{kind if kind in ('function_call', 'function_call_output') else 'message'}]"
+    return f"item[{kind if kind in _KINDS else 'message'}]"
 
 
-# one list, three shapes, told apart by `type` (the tags hold "[": error paths drop them)
+# one list, four shapes, told apart by `type` (the tags hold "[": error paths drop them)
 InputItem = Annotated[Annotated[MessageItem, Tag("item[message]")]
                       | Annotated[FunctionCallItem, Tag("item[function_call]")]
-                      | Annotated[FunctionCallOutputItem, Tag("item[function_call_output]")], Discriminator(_item_kind)]
+                      | Annotated[FunctionCallOutputItem, Tag("item[function_call_output]")]
+                      | Annotated[ReasoningItem, Tag("item[reasoning]")], Discriminator(_item_kind)]
 
 
 class FunctionTool(StrictRequest):
@@ -136,7 +162,11 @@ def input_messages(items: str | list) -> list[dict]:
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     out: list[dict] = []
+    thought = None  # a reasoning item's text, for the assistant turn after it
     for item in items:
+        if isinstance(item, ReasoningItem):
+            thought = item.text()
+            continue
         if isinstance(item, MessageItem):
             out.append({"role": item.role, "content": item.text()})
         elif isinstance(item, FunctionCallItem):
@@ -148,6 +178,9 @@ def input_messages(items: str | list) -> list[dict]:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         else:
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+        if out[-1]["role"] == "assistant" and thought is not None:
+            out[-1]["reasoning_content"] = thought
+        thought = None
     if not out:
         raise APIError(400, "input must not be empty", param="input")
     return out
