@@ -232,3 +232,23 @@ def test_a_yarn_model_past_its_pretrained_context_gives_transformers_logits():
     with torch.inference_mode():
         expected = ref(ids[None]).logits[0].float()
     torch.testing.assert_close(full_logits(model, ids), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("make", [tiny_llama3, tiny_qwen3, tiny_phi3, tiny_smollm3])
+def test_bench_offline_builds_transformers_own_model_of_the_source(make, tmp_path):
+    """`bench offline`'s baseline: transformers' model of the architecture (for
+    SmolLM3 with its layers without RoPE), with the engine's weights."""
+    from test_quant_pipeline import _any_tokenizer
+
+    from qoqserve.bench.offline import load_transformers
+    from qoqserve.model_loader import load_model_source
+
+    torch.manual_seed(0)
+    ref = make().eval()
+    ref.save_pretrained(tmp_path)
+    _any_tokenizer().save(str(tmp_path))
+    hf = load_transformers(load_model_source(str(tmp_path)), torch.float32)
+    assert type(hf) is type(ref)
+    ids = torch.randint(0, SMALL["vocab_size"], (1, 100))
+    with torch.inference_mode():
+        torch.testing.assert_close(hf(ids).logits, ref(ids).logits, atol=1e-5, rtol=1e-5)

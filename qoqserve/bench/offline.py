@@ -50,23 +50,17 @@ def bench_engine(llm, dtype_name: str, batch: int, input_len: int, output_len: i
 
 
 def load_transformers(source, dtype: torch.dtype):
-    """transformers' LlamaForCausalLM holding exactly the weights our engine loads."""
+    """transformers' model of the architecture holding exactly the weights our
+    engine loads: its config is the one our checkpoints write (to_hf_config),
+    so the two cannot drift apart."""
     # lazy: optional dependency, only for the baseline
     import transformers
 
     a = source.arch
-    cls_name = {"qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3"}.get(a.architecture, "Llama")
-    cfg_cls = getattr(transformers, f"{cls_name}Config")
-    cfg = cfg_cls(vocab_size=a.vocab_size, hidden_size=a.hidden_size,
-                  intermediate_size=a.intermediate_size, num_hidden_layers=a.num_layers,
-                  num_attention_heads=a.num_heads, num_key_value_heads=a.num_kv_heads,
-                  head_dim=a.head_dim, rms_norm_eps=a.rms_norm_eps, rope_theta=a.rope_theta,
-                  rope_scaling=a.rope_scaling, max_position_embeddings=a.max_position_embeddings,
-                  tie_word_embeddings=a.tie_word_embeddings)
-    if cls_name == "Llama":
-        cfg.attention_bias = a.attention_bias
+    fields = a.to_hf_config("float32")
+    cfg = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
     with torch.device("meta"):
-        model = getattr(transformers, f"{cls_name}ForCausalLM")(cfg)
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
     state = {k: v.to(dtype) for k, v in source.iter_tensors()}
     model.load_state_dict(state, strict=False, assign=True)
     if a.tie_word_embeddings:
