@@ -256,6 +256,9 @@ def load_gguf(path: str, tok_spec: str | None = None) -> ModelSource:
         if t.name == "rope_freqs.weight":
             continue  # folded into arch.rope_scaling above
         hf = hf_tensor_name(t.name, arch.fused_checkpoint_linears)
+        if hf is None and t.name.startswith("rope_factors_"):  # Phi-3's 128k context
+            raise UnsupportedModelError(f"{path}: LongRoPE ({t.name}) is not supported: its frequencies change "
+                                        "with the sequence's length")
         if hf is None:
             raise ModelLoadError(f"{path}: unexpected tensor {t.name!r} for a {a} model")
         renamed[hf] = t
