@@ -152,7 +152,7 @@ class EngineConfig:
                                   "first use: qoq (QoQ g64), qoq-tuned (g64 with the long scale tuning), qoq-chn")
     tokenizer: str | None = opt(None, "another tokenizer than the model's: an HF tokenizer directory, a "
                                       "cached Hugging Face id or a .gguf (vLLM's flag; e.g. for a GGUF whose "
-                                      "own is SentencePiece)")
+                                      "own is not built from its metadata)")
     dtype: str | torch.dtype = opt("auto", "activation and unquantized-weight dtype (auto: fp32 "
                                            "on CPU, fp16 on CUDA)", choices=DTYPE_CHOICES)
     device: str = opt("cpu", "cpu or cuda[:N]")

@@ -535,15 +535,14 @@ def test_gguf_granite_scales_and_smollm3_rope_free_layers_give_transformers_logi
 
 
 def test_a_gguf_whose_tokenizer_cannot_be_built_runs_with_another(tmp_path, hf_gguf_tokenizer):
-    """A SentencePiece GGUF (Llama 2, Mistral, Phi-3) names --tokenizer in its
-    refusal; with the model's HF tokenizer (a directory or another GGUF) it loads
-    and serves."""
+    """A GGUF whose tokenizer model is not built here (a T5-style unigram) names
+    --tokenizer in its refusal; with the model's HF tokenizer it loads and serves."""
     from qoqserve.llm import LLM
     from qoqserve.sampling_params import SamplingParams
 
     model = _tiny_model("llama", 49152)
-    path = tmp_path / "spm.gguf"
-    _write_gguf(path, model, "llama", "default", tokenizer_model="llama")
+    path = tmp_path / "t5-vocab.gguf"
+    _write_gguf(path, model, "llama", "default", tokenizer_model="t5")
     with pytest.raises(ModelLoadError, match="--tokenizer"):
         load_model_source(str(path))
     hf_gguf_tokenizer.save_pretrained(tmp_path / "tok")

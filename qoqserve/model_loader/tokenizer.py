@@ -1,8 +1,10 @@
 """Text <-> token ids, chat templates and streaming detokenization.
 
 Backed by the Rust `tokenizers` library. An HF directory brings a ready
-tokenizer.json; a GGUF file only carries vocabulary, merges and token types,
-so `tokenizer_from_gguf_metadata` rebuilds the equivalent tokenizer.
+tokenizer.json; a GGUF file only carries vocabulary, merges (or SentencePiece
+scores) and token types, so `tokenizer_from_gguf_metadata` rebuilds the
+equivalent tokenizer (tests/test_gguf_spm_tokenizer.py holds the
+SentencePiece one to llama.cpp's answers).
 """
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import json
 import os
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 
 from qoqserve.errors import ModelLoadError
@@ -22,7 +24,7 @@ except ImportError:
     _DecodeStream = None
 
 # llama.cpp token_type values (gguf.TokenType)
-_CONTROL, _USER_DEFINED = 3, 4
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
 
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -228,25 +230,58 @@ def tokenizer_from_hf_dir(path: str, eos_ids: list[int], bos_id: int | None) -> 
                      add_eos=bool(cfg.get("add_eos_token", False)))
 
 
+def _spm_backend(tokens: list[str], scores: list[float], types: list[int]) -> _Backend:
+    """llama.cpp's SentencePiece tokenizer ("llama": Llama 2, Mistral, Phi-3) as
+    a BPE: llama.cpp joins, again and again, the adjacent pair whose joint piece
+    is in the vocabulary with the highest score, which is BPE with one merge
+    per way of splitting a piece in two, ranked by that piece's score; text is
+    written with "▁" for spaces and one more before each fragment; characters
+    no piece covers fall back to their <0xXX> byte tokens."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for i, piece in enumerate(tokens):
+        if types[i] != _NORMAL:
+            continue
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                merges.append((scores[i], i, cut, left, right))
+    merges.sort(key=lambda m: (-m[0], m[1], m[2]))  # the highest-scoring piece's merges first
+    unk = next((t for t, ty in zip(tokens, types) if ty == _UNKNOWN), None)
+    backend = _Backend(models.BPE(vocab=vocab, merges=[(m[3], m[4]) for m in merges], unk_token=unk,
+                                  fuse_unk=True, byte_fallback=True))
+    # a "▁" before every stretch of text that opens the input or follows a special
+    # token, as llama.cpp prefixes its fragments (normalizers run per stretch
+    # between added tokens), even one that starts with a space
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    return backend
+
+
 def tokenizer_from_gguf_metadata(meta: dict[str, Any], where: str) -> Tokenizer:
     """Build the tokenizer a GGUF describes; `meta` maps tokenizer.* keys to values."""
     model = meta.get("tokenizer.ggml.model")
-    if model != "gpt2":
+    if model not in ("gpt2", "llama"):
         raise ModelLoadError(f"{where}: unsupported GGUF tokenizer model {model!r} "
-                             "(only byte-level BPE, 'gpt2', is built from GGUF metadata): pass the model's "
-                             "HF tokenizer with --tokenizer (a directory or a cached Hugging Face id)")
+                             "(byte-level BPE, 'gpt2', and SentencePiece, 'llama', are built from GGUF "
+                             "metadata): pass the model's HF tokenizer with --tokenizer (a directory or a "
+                             "cached Hugging Face id)")
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
-    pre_tok, ignore_merges = _pre_tokenizer_for(meta.get("tokenizer.ggml.pre", "gpt-2"))
-    vocab = {t: i for i, t in enumerate(tokens)}
-    backend = _Backend(models.BPE(vocab=vocab, merges=merges, fuse_unk=False,
-                                  byte_fallback=False, ignore_merges=ignore_merges))
-    backend.pre_tokenizer = pre_tok
-    backend.decoder = decoders.ByteLevel()
-    # Control tokens must match whole in the input, as llama.cpp and HF do
+    if model == "llama":
+        backend = _spm_backend(tokens, meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens), types)
+    else:
+        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
+        pre_tok, ignore_merges = _pre_tokenizer_for(meta.get("tokenizer.ggml.pre", "gpt-2"))
+        vocab = {t: i for i, t in enumerate(tokens)}
+        backend = _Backend(models.BPE(vocab=vocab, merges=merges, fuse_unk=False,
+                                      byte_fallback=False, ignore_merges=ignore_merges))
+        backend.pre_tokenizer = pre_tok
+        backend.decoder = decoders.ByteLevel()
+    # Control tokens (and an SPM vocabulary's <unk>) match whole in the input, as llama.cpp and HF do
     special = [AddedToken(t, special=True, normalized=False)
-               for t, ty in zip(tokens, types) if ty == _CONTROL]
+               for t, ty in zip(tokens, types) if ty == _CONTROL or (ty == _UNKNOWN and model == "llama")]
     user = [AddedToken(t, special=False, normalized=False)
             for t, ty in zip(tokens, types) if ty == _USER_DEFINED]
     if special:
@@ -257,5 +292,5 @@ def tokenizer_from_gguf_metadata(meta: dict[str, Any], where: str) -> Tokenizer:
                              "tokenizer.ggml.eom_token_id") if meta.get(k) is not None]
     return Tokenizer(backend, bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
                      eos_token_ids=eos, chat_template=meta.get("tokenizer.chat_template"),
-                     add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+                     add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", model == "llama")),  # SPM: BOS by default
                      add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)))

@@ -1,7 +1,8 @@
 """A tokenizer from somewhere other than the model (vLLM's `--tokenizer`):
 an HF tokenizer directory, a Hugging Face id the local cache holds, or a
-GGUF file's tokenizer. For a GGUF whose own tokenizer qoqserve cannot build
-(SentencePiece: Llama 2, Mistral, Phi-3) this is the way to run it."""
+GGUF file's tokenizer. For a GGUF whose own tokenizer qoqserve does not
+build (one that is neither byte-level BPE nor SentencePiece BPE, e.g. a
+T5-style unigram) this is the way to run it."""
 from __future__ import annotations
 
 import os
