@@ -55,6 +55,14 @@ def test_encode_and_decode_as_llama_cpp(tok, case):
     assert tok.decode(case["tokens"], skip_special_tokens=False) in (want, want[1:] if want[:1] == " " else want)
 
 
+@pytest.mark.parametrize("case", CASES["no_space_prefix_cases"], ids=lambda c: repr(c["text"])[:30])
+def test_without_the_space_prefix_as_llama_cpp(case):
+    """tokenizer.ggml.add_space_prefix false (SentencePiece models without a dummy prefix)."""
+    tok = tokenizer_from_gguf_metadata({**spm_metadata(), "tokenizer.ggml.add_space_prefix": False}, "x.gguf")
+    assert tok.encode(case["text"], add_special_tokens=False) == case["tokens"]
+    assert tok.decode(case["tokens"], skip_special_tokens=False) == case["detokenized"]
+
+
 def test_bos_by_default_and_the_special_tokens(tok):
     assert tok.encode("hi") == CASES["bos_hi"] and tok.bos_token_id == 1 and tok.eos_token_ids == [2]
     ids = tok.encode("hello </s> world", add_special_tokens=False)

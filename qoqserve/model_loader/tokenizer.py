@@ -230,7 +230,7 @@ def tokenizer_from_hf_dir(path: str, eos_ids: list[int], bos_id: int | None) -> 
                      add_eos=bool(cfg.get("add_eos_token", False)))
 
 
-def _spm_backend(tokens: list[str], scores: list[float], types: list[int]) -> _Backend:
+def _spm_backend(tokens: list[str], scores: list[float], types: list[int], space_prefix: bool) -> _Backend:
     """llama.cpp's SentencePiece tokenizer ("llama": Llama 2, Mistral, Phi-3) as
     a BPE: llama.cpp joins, again and again, the adjacent pair whose joint piece
     is in the vocabulary with the highest score, which is BPE with one merge
@@ -253,9 +253,10 @@ def _spm_backend(tokens: list[str], scores: list[float], types: list[int]) -> _B
     # a "▁" before every stretch of text that opens the input or follows a special
     # token, as llama.cpp prefixes its fragments (normalizers run per stretch
     # between added tokens), even one that starts with a space
-    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                         decoders.Strip(" ", 1, 0)])
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁")] * space_prefix
+                                              + [normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+                                        + [decoders.Strip(" ", 1, 0)] * space_prefix)
     return backend
 
 
@@ -270,7 +271,8 @@ def tokenizer_from_gguf_metadata(meta: dict[str, Any], where: str) -> Tokenizer:
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     if model == "llama":
-        backend = _spm_backend(tokens, meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens), types)
+        backend = _spm_backend(tokens, meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens), types,
+                               bool(meta.get("tokenizer.ggml.add_space_prefix", True)))
     else:
         merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
         pre_tok, ignore_merges = _pre_tokenizer_for(meta.get("tokenizer.ggml.pre", "gpt-2"))
