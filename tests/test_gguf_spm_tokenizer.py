@@ -72,3 +72,21 @@ def test_bos_by_default_and_the_special_tokens(tok):
 def test_another_tokenizer_model_is_refused_naming_the_way_out():
     with pytest.raises(ModelLoadError, match="--tokenizer"):
         tokenizer_from_gguf_metadata({**spm_metadata(), "tokenizer.ggml.model": "t5"}, "x.gguf")
+
+
+TEKKEN = json.loads((Path(__file__).parent / "data" / "tekken_llamacpp_tokens.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def tekken(default_gguf_path):
+    from qoqserve.model_loader.gguf_header import read_gguf_header
+
+    meta, _ = read_gguf_header(default_gguf_path)
+    return tokenizer_from_gguf_metadata({**meta, "tokenizer.ggml.pre": "tekken"}, "tekken.gguf")
+
+
+@pytest.mark.parametrize("case", TEKKEN["cases"], ids=lambda c: repr(c["text"])[:30])
+def test_mistral_tekken_pre_tokenizer_splits_as_llama_cpp(tekken, case):
+    """Mistral Nemo / Small 3 GGUFs (tokenizer.ggml.pre "tekken"): the split
+    (capitalised words, single digits, no merges across a vocabulary hit)."""
+    assert tekken.encode(case["text"], add_special_tokens=False) == case["tokens"]

@@ -29,6 +29,10 @@ _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Mistral's "tekken" (Mistral Nemo, Mistral Small 3): its tokenizer.json regex
+_TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
@@ -60,6 +64,8 @@ def _pre_tokenizer_for(pre: str) -> tuple[pre_tokenizers.PreTokenizer, bool]:
         return _split_then_bytes(_LLAMA3_SPLIT), True
     if pre in ("qwen2", "deepseek-r1-qwen", "megrez"):
         return _split_then_bytes(_QWEN2_SPLIT), False
+    if pre == "tekken":  # llama.cpp ignores merges there too: whole vocabulary hits win
+        return _split_then_bytes(_TEKKEN_SPLIT), True
     raise ModelLoadError(f"unsupported GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre): pass the model's HF "
                          "tokenizer with --tokenizer (a directory or a cached Hugging Face id)")
 
