@@ -3,7 +3,7 @@
 Backed by the Rust `tokenizers` library. An HF directory brings a ready
 tokenizer.json; a GGUF file only carries vocabulary, merges (or SentencePiece
 scores) and token types, so `tokenizer_from_gguf_metadata` rebuilds the
-equivalent tokenizer (tests/test_gguf_spm_tokenizer.py holds the
+equivalent tokenizer (tests/test_gguf_tokenizers.py holds the
 SentencePiece one to llama.cpp's answers).
 """
 from __future__ import annotations

@@ -1,10 +1,11 @@
-"""SentencePiece GGUF tokenizers ("llama": Llama 2, Mistral, Phi-3) built from
-the file's metadata (model_loader/tokenizer.py `_spm_backend`), against
-llama.cpp's own tokenizer: tests/data/spm_llamacpp_tokens.json holds what
-llama.cpp's server answered for 64 texts (special tokens inside, characters
-no piece covers, leading and repeated spaces) over the vocabulary built here.
-The same comparison over 4,000 random texts and two score seeds gave no
-difference when it was made (docs/models.md)."""
+"""GGUF tokenizers built from the file's metadata (model_loader/tokenizer.py)
+against llama.cpp's own: what llama.cpp 0.3.36's server answered is kept in
+tests/data/. SentencePiece ("llama": Llama 2, Mistral, Phi-3), 64 texts
+(special tokens inside, characters no piece covers, leading and repeated
+spaces) over the vocabulary built here, and 20 without the space prefix;
+Mistral's "tekken" pre-tokenizer, 40 texts over the embedded model's
+vocabulary. The same comparisons over thousands of random texts are in
+docs/models.md."""
 import json
 import random
 from pathlib import Path
