@@ -75,19 +75,30 @@ def test_another_tokenizer_model_is_refused_naming_the_way_out():
         tokenizer_from_gguf_metadata({**spm_metadata(), "tokenizer.ggml.model": "t5"}, "x.gguf")
 
 
-TEKKEN = json.loads((Path(__file__).parent / "data" / "tekken_llamacpp_tokens.json").read_text())
+def _cases(name: str) -> list:
+    return json.loads((Path(__file__).parent / "data" / f"{name}_llamacpp_tokens.json").read_text())["cases"]
 
 
 @pytest.fixture(scope="module")
-def tekken(default_gguf_path):
+def smollm2_with(default_gguf_path):
+    """The embedded model's vocabulary under another pre-tokenizer, built once each."""
     from qoqserve.model_loader.gguf_header import read_gguf_header
 
-    meta, _ = read_gguf_header(default_gguf_path)
-    return tokenizer_from_gguf_metadata({**meta, "tokenizer.ggml.pre": "tekken"}, "tekken.gguf")
+    meta, built = read_gguf_header(default_gguf_path)[0], {}
+
+    def tokenizer(pre: str):
+        if pre not in built:
+            built[pre] = tokenizer_from_gguf_metadata({**meta, "tokenizer.ggml.pre": pre}, f"{pre}.gguf")
+        return built[pre]
+    return tokenizer
 
 
-@pytest.mark.parametrize("case", TEKKEN["cases"], ids=lambda c: repr(c["text"])[:30])
-def test_mistral_tekken_pre_tokenizer_splits_as_llama_cpp(tekken, case):
-    """Mistral Nemo / Small 3 GGUFs (tokenizer.ggml.pre "tekken"): the split
-    (capitalised words, single digits, no merges across a vocabulary hit)."""
-    assert tekken.encode(case["text"], add_special_tokens=False) == case["tokens"]
+@pytest.mark.parametrize("pre,case", [("tekken", c) for c in _cases("tekken")]
+                         + [("deepseek-coder", c) for c in _cases("deepseek_coder")],
+                         ids=lambda v: v if isinstance(v, str) else repr(v["text"])[:30])
+def test_byte_level_pre_tokenizers_split_as_llama_cpp(smollm2_with, pre, case):
+    """Mistral Nemo / Small 3 ("tekken": capitalised words, single digits, no
+    merges across a vocabulary hit) and DeepSeek-Coder ("deepseek-coder": five
+    splits in turn) over the embedded model's vocabulary; most cases are texts
+    whose tokens differ under every other split."""
+    assert smollm2_with(pre).encode(case["text"], add_special_tokens=False) == case["tokens"]

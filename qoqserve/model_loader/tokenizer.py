@@ -33,6 +33,7 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
 _TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
                  r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
                  r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_DEEPSEEK_CODER_SPLITS = (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[一-龥ࠀ-一가-퟿]+", r"\p{N}")
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
@@ -66,6 +67,10 @@ def _pre_tokenizer_for(pre: str) -> tuple[pre_tokenizers.PreTokenizer, bool]:
         return _split_then_bytes(_QWEN2_SPLIT), False
     if pre == "tekken":  # llama.cpp ignores merges there too: whole vocabulary hits win
         return _split_then_bytes(_TEKKEN_SPLIT), True
+    if pre == "deepseek-coder":  # DeepSeek-Coder (Llama architecture): five splits, one after another
+        return pre_tokenizers.Sequence([
+            *(pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False) for r in _DEEPSEEK_CODER_SPLITS),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]), False
     raise ModelLoadError(f"unsupported GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre): pass the model's HF "
                          "tokenizer with --tokenizer (a directory or a cached Hugging Face id)")
 
