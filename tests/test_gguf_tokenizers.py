@@ -1,4 +1,4 @@
-"""GGUF tokenizers built from the file's metadata (model_loader/tokenizer.py)
+"""GGUF tokenizers built from the file's metadata (model_loader/gguf_tokenizer.py)
 against llama.cpp's own: what llama.cpp 0.3.36's server answered is kept in
 tests/data/. SentencePiece ("llama": Llama 2, Mistral, Phi-3), 64 texts
 (special tokens inside, characters no piece covers, leading and repeated
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from qoqserve.errors import ModelLoadError
-from qoqserve.model_loader.tokenizer import tokenizer_from_gguf_metadata
+from qoqserve.model_loader.gguf_tokenizer import tokenizer_from_gguf_metadata
 
 CASES = json.loads((Path(__file__).parent / "data" / "spm_llamacpp_tokens.json").read_text())
 

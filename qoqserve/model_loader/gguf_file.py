@@ -22,10 +22,10 @@ from qoqserve.models.arch import ModelArchConfig, UnsupportedModelError, yarn_sc
 
 from .base import ModelSource, TensorIter
 from .gguf_header import GGUFTensor, read_gguf_header
+from .gguf_tokenizer import tokenizer_from_gguf_metadata
 from .lazy import LazyTensor
 from .scalar_folds import factor_of, folded, folds_of
 from .schema import check_inventory
-from .tokenizer import tokenizer_from_gguf_metadata
 from .tokenizer_source import load_tokenizer
 
 _ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "smollm3": "smollm3",

@@ -10,8 +10,9 @@ import os
 from qoqserve.errors import ModelLoadError
 
 from .gguf_header import read_gguf_header
+from .gguf_tokenizer import tokenizer_from_gguf_metadata
 from .hub_cache import cached_snapshot, looks_like_repo_id
-from .tokenizer import Tokenizer, tokenizer_from_gguf_metadata, tokenizer_from_hf_dir
+from .tokenizer import Tokenizer, tokenizer_from_hf_dir
 
 
 def load_tokenizer(spec: str, eos_ids: list[int], bos_id: int | None) -> Tokenizer:
