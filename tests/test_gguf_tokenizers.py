@@ -102,3 +102,43 @@ def test_byte_level_pre_tokenizers_split_as_llama_cpp(smollm2_with, pre, case):
     splits in turn) over the embedded model's vocabulary; most cases are texts
     whose tokens differ under every other split."""
     assert smollm2_with(pre).encode(case["text"], add_special_tokens=False) == case["tokens"]
+
+
+def test_streamed_text_of_a_sentencepiece_model_is_its_decoded_text(tok):
+    """The serving detokenizer over byte-fallback pieces: text that is text
+    streams exactly as decode() writes it, with the prompt's last tokens as
+    context (even where they cut a character's bytes: Rust's DecodeStream got
+    one such case of these 1,000 wrong, so byte-fallback tokenizers take the
+    Python window); random tokens that are not UTF-8 never raise."""
+    from qoqserve.model_loader.tokenizer import IncrementalDetokenizer
+
+    rng = random.Random(1)
+    alphabet = list("abcdefghij ") * 3 + ["é", "中", "😀", "\n", "  ", "hello", "été"]
+    for _ in range(1000):
+        prompt = tok.encode("".join(rng.choice(alphabet) for _ in range(rng.randint(0, 10))))
+        out = tok.encode("".join(rng.choice(alphabet) for _ in range(rng.randint(1, 30))), add_special_tokens=False)
+        d = IncrementalDetokenizer(tok, prompt)
+        assert "".join(d.add(t) for t in out) + d.flush() == tok.decode(prompt + out)[len(tok.decode(prompt)):]
+    for _ in range(200):
+        out = [rng.randrange(3, tok.vocab_size) for _ in range(rng.randint(1, 20))]
+        pieces = [IncrementalDetokenizer(tok, [1, 300], use_stream=s) for s in (True, False)]
+        texts = ["".join(d.add(t) for t in out) + d.flush() for d in pieces]
+        assert texts[0] == texts[1]
+
+
+def test_a_stream_that_fails_its_prefix_check_falls_back_to_the_python_window(tok, monkeypatch):
+    """Were a tokenizer's stream decoder to raise mid-request (Rust's
+    DecodeStream does over invalid bytes with byte fallback), the request goes
+    on with the Python window: the same text, no error."""
+    from qoqserve.model_loader import tokenizer as tokenizer_module
+
+    monkeypatch.setattr(tokenizer_module, "_byte_fallback", lambda t: False)
+    rng, fell = random.Random(3), 0
+    for _ in range(200):
+        out = [rng.randrange(3, tok.vocab_size) for _ in range(rng.randint(1, 20))]
+        streamed = tokenizer_module.IncrementalDetokenizer(tok, [1, 300])
+        window = tokenizer_module.IncrementalDetokenizer(tok, [1, 300], use_stream=False)
+        texts = ["".join(d.add(t) for t in out) + d.flush() for d in (streamed, window)]
+        fell += streamed._stream is None
+        assert texts[0] == texts[1]
+    assert fell > 10  # the fall back was taken

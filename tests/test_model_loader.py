@@ -150,7 +150,9 @@ def test_the_rust_decode_stream_gives_the_python_windows_pieces(default_source, 
     for prompt in ([], tok.encode("Say hi:"), tok.encode("<|im_start|>user\nHi<|im_end|>\n")):
         rust = IncrementalDetokenizer(tok, prompt_ids=prompt, skip_special_tokens=skip)
         python = IncrementalDetokenizer(tok, prompt_ids=prompt, skip_special_tokens=skip, use_stream=False)
-        assert rust._stream is not None and python._stream is None
+        # byte fallback (SentencePiece): the Python window, as the stream can go astray
+        # where its window starts inside a character (tests/test_gguf_tokenizers.py)
+        assert (rust._stream is not None) == (kind == "byte-level") and python._stream is None
         assert [rust.add(i) for i in ids] == [python.add(i) for i in ids]
         assert rust.flush() == python.flush()
 

@@ -109,9 +109,12 @@ class IncrementalDetokenizer:
         # a little prompt context keeps the first generated space intact
         self._prefix = max(len(self.ids) - 5, 0)
         self._read = len(self.ids)
-        # primed with the window's ids: its first piece starts where ours does
+        # primed with the window's ids: its first piece starts where ours does. Not
+        # with byte fallback (SentencePiece): a window that starts inside a
+        # character's bytes led its prefix check astray (tests/test_gguf_tokenizers.py)
+        use_stream = use_stream and _DecodeStream is not None and not _byte_fallback(tokenizer)
         self._stream = (_DecodeStream(ids=self.ids[self._prefix:], skip_special_tokens=skip_special_tokens)
-                        if use_stream and _DecodeStream is not None else None)
+                        if use_stream else None)
 
     def _text(self, start: int, end: int) -> str:
         return self.tokenizer.decode(self.ids[start:end], self.skip_special_tokens)
@@ -119,12 +122,16 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         self.ids.append(int(token_id))
         if self._stream is not None:
-            piece = self._stream.step(self.tokenizer.backend, int(token_id))
-            if not piece:
-                return ""
-            # the window moves as the stream's does, for flush()
-            self._prefix, self._read = self._read, len(self.ids)
-            return piece
+            try:
+                piece = self._stream.step(self.tokenizer.backend, int(token_id))
+            except Exception:  # its prefix check fails where bytes that were not text become text
+                self._stream = None  # (SentencePiece byte fallback): the Python window from here on
+            else:
+                if not piece:
+                    return ""
+                # the window moves as the stream's does, for flush() and a fall back
+                self._prefix, self._read = self._read, len(self.ids)
+                return piece
         prefix_text = self._text(self._prefix, self._read)
         new_text = self._text(self._prefix, len(self.ids))
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
@@ -138,6 +145,11 @@ class IncrementalDetokenizer:
         new_text = self._text(self._prefix, len(self.ids))
         self._prefix = self._read = len(self.ids)
         return new_text[len(prefix_text):]
+
+
+def _byte_fallback(tokenizer: Tokenizer) -> bool:
+    decoder = tokenizer.backend.decoder
+    return decoder is not None and b"ByteFallback" in decoder.__getstate__()
 
 
 def _first_id(backend: _Backend, token: Any) -> int | None:
