@@ -3,9 +3,10 @@ against llama.cpp's own: what llama.cpp 0.3.36's server answered is kept in
 tests/data/. SentencePiece ("llama": Llama 2, Mistral, Phi-3), 64 texts
 (special tokens inside, characters no piece covers, leading and repeated
 spaces) over the vocabulary built here, and 20 without the space prefix;
-Mistral's "tekken" pre-tokenizer, 40 texts over the embedded model's
-vocabulary. The same comparisons over thousands of random texts are in
-docs/models.md."""
+the "tekken" (Mistral) and "deepseek-coder" pre-tokenizers, 30 texts each
+over the embedded model's vocabulary, texts whose tokens differ under every
+other split. scripts/gguf_tokenizer_fixtures.py makes them (and compares
+thousands of random texts: docs/models.md)."""
 import json
 import random
 from pathlib import Path
