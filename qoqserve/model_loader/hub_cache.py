@@ -17,6 +17,15 @@ def looks_like_repo_id(path: str) -> bool:
     return bool(_REPO_ID.match(path)) and not path.startswith((".", "~"))
 
 
+def local_path(spec: str) -> tuple[str, bool]:
+    """(where `spec` is on this machine, whether it named a Hugging Face id):
+    the path itself when it exists or is no id, else the id's cached snapshot."""
+    path = os.path.abspath(os.path.expanduser(spec))
+    if not os.path.exists(path) and looks_like_repo_id(spec):
+        return cached_snapshot(spec), True
+    return path, False
+
+
 def hub_cache_dir() -> str:
     """Where huggingface_hub keeps models: $HF_HUB_CACHE, else $HF_HOME/hub,
     else $XDG_CACHE_HOME/huggingface/hub or ~/.cache/huggingface/hub."""

@@ -13,7 +13,7 @@ from qoqserve.errors import ModelLoadError
 from .base import ModelSource
 from .gguf_file import load_gguf
 from .hf_dir import load_hf_dir
-from .hub_cache import cached_snapshot, looks_like_repo_id
+from .hub_cache import local_path
 from .synthetic import is_synthetic, load_synthetic
 
 DEFAULT_MODEL_ALIASES = ("default", "smollm2-135m-instruct")
@@ -61,12 +61,11 @@ def load_model_source(path: str | None, tokenizer: str | None = None) -> ModelSo
         src = load_gguf(default_gguf_path(), tokenizer)
         src.name = DEFAULT_MODEL_NAME
         return src
-    resolved = os.path.abspath(os.path.expanduser(path))
-    if not os.path.exists(resolved) and looks_like_repo_id(path):  # a Hugging Face id, as vLLM takes
-        src = _load_path(cached_snapshot(path), path, tokenizer)
+    resolved, repo_id = local_path(path)  # a path, or a Hugging Face id as vLLM takes them
+    src = _load_path(resolved, path, tokenizer)
+    if repo_id:
         src.name = path  # what vLLM serves it as, and so what clients send
-        return src
-    return _load_path(resolved, path, tokenizer)
+    return src
 
 
 def _load_path(resolved: str, path: str | None, tokenizer: str | None) -> ModelSource:

@@ -11,15 +11,13 @@ from qoqserve.errors import ModelLoadError
 
 from .gguf_header import read_gguf_header
 from .gguf_tokenizer import tokenizer_from_gguf_metadata
-from .hub_cache import cached_snapshot, looks_like_repo_id
+from .hub_cache import local_path
 from .tokenizer import Tokenizer, tokenizer_from_hf_dir
 
 
 def load_tokenizer(spec: str, eos_ids: list[int], bos_id: int | None) -> Tokenizer:
     """eos_ids, bos_id: the model's (its config's); the tokenizer's own are added."""
-    path = os.path.abspath(os.path.expanduser(spec))
-    if not os.path.exists(path) and looks_like_repo_id(spec):
-        path = cached_snapshot(spec)
+    path, _ = local_path(spec)
     if os.path.isdir(path):
         return tokenizer_from_hf_dir(path, eos_ids, bos_id)
     if os.path.isfile(path):
