@@ -133,7 +133,7 @@ def test_a_stream_that_fails_its_prefix_check_falls_back_to_the_python_window(to
     on with the Python window: the same text, no error."""
     from qoqserve.model_loader import tokenizer as tokenizer_module
 
-    monkeypatch.setattr(tokenizer_module, "_byte_fallback", lambda t: False)
+    monkeypatch.setattr(tok, "byte_fallback", False)
     rng, fell = random.Random(3), 0
     for _ in range(200):
         out = [rng.randrange(3, tok.vocab_size) for _ in range(rng.randint(1, 20))]

@@ -35,6 +35,8 @@ class Tokenizer:
         self._add_bos = add_bos and bos_token_id is not None and probe[:1] != [bos_token_id]
         eos0 = self.eos_token_ids[0] if self.eos_token_ids else None
         self._add_eos = add_eos and eos0 is not None and probe[-1:] != [eos0]
+        # SentencePiece-style decoding (IncrementalDetokenizer streams it with the Python window)
+        self.byte_fallback = backend.decoder is not None and b"ByteFallback" in backend.decoder.__getstate__()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
@@ -112,7 +114,7 @@ class IncrementalDetokenizer:
         # primed with the window's ids: its first piece starts where ours does. Not
         # with byte fallback (SentencePiece): a window that starts inside a
         # character's bytes led its prefix check astray (tests/test_gguf_tokenizers.py)
-        use_stream = use_stream and _DecodeStream is not None and not _byte_fallback(tokenizer)
+        use_stream = use_stream and _DecodeStream is not None and not tokenizer.byte_fallback
         self._stream = (_DecodeStream(ids=self.ids[self._prefix:], skip_special_tokens=skip_special_tokens)
                         if use_stream else None)
 
@@ -145,11 +147,6 @@ class IncrementalDetokenizer:
         new_text = self._text(self._prefix, len(self.ids))
         self._prefix = self._read = len(self.ids)
         return new_text[len(prefix_text):]
-
-
-def _byte_fallback(tokenizer: Tokenizer) -> bool:
-    decoder = tokenizer.backend.decoder
-    return decoder is not None and b"ByteFallback" in decoder.__getstate__()
 
 
 def _first_id(backend: _Backend, token: Any) -> int | None:
