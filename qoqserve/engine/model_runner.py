@@ -146,6 +146,7 @@ class ModelRunner:
 
     def stats(self) -> dict:
         paths = sorted({m.method.describe(m) for m in self.model.modules() if isinstance(m, Linear)})
+        graphs = self.decode_graphs()
         return {"tensor_parallel_size": self.world.size if self.world is not None else 1,
                 "weight_bytes": resident_bytes(self.model),
                 "linear_weight_bytes": sum(resident_bytes(m) for m in self.model.modules()
@@ -158,7 +159,7 @@ class ModelRunner:
                 "kv_bytes_per_token": self.layout.bytes_per_token() * len(self.kv_caches),
                 "num_kv_blocks": self.num_blocks, "block_size": self.block_size,
                 "linear_paths": paths, "dtype": str(self.dtype).replace("torch.", ""),
-                "captured_decode_sizes": self.decode_graphs().sizes if self.decode_graphs() else [],
+                "captured_decode_sizes": graphs.sizes if graphs is not None else [],
                 # eager steps recorded and run back to back (one_shot.py; a kind that cannot be is logged)
                 "one_shot_eager_steps": self.one_shot is not None}
 

@@ -230,12 +230,13 @@ def load_gguf(path: str, tok_spec: str | None = None) -> ModelSource:
     scaling = _rope_scaling(meta, a, by_name.get("rope_freqs.weight"), theta, head_dim, path)
     if "token_embd.weight" not in by_name:
         raise ModelLoadError(f"{path}: missing tensor token_embd.weight")
+    layers = int(need(f"{a}.block_count"))
     arch = ModelArchConfig(
         architecture=_ARCHS[a],
         vocab_size=int(by_name["token_embd.weight"].dims[1]),
         hidden_size=hidden,
         intermediate_size=int(need(f"{a}.feed_forward_length")),
-        num_layers=int(need(f"{a}.block_count")),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(kv_heads),
         head_dim=head_dim,
@@ -246,8 +247,7 @@ def load_gguf(path: str, tok_spec: str | None = None) -> ModelSource:
         tie_word_embeddings="output.weight" not in by_name,
         attention_bias="blk.0.attn_q.bias" in by_name,
         sliding_window=int(meta.get(f"{a}.attention.sliding_window") or 0) or None,
-        nope_layers=tuple(i for i in range(int(need(f"{a}.block_count"))) if (i + 1) % _SMOLLM3_NOPE_EVERY == 0)
-        if a == "smollm3" else (),
+        nope_layers=tuple(i for i in range(layers) if (i + 1) % _SMOLLM3_NOPE_EVERY == 0) if a == "smollm3" else (),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
     )
 
