@@ -52,6 +52,11 @@ def tiny_source(kind: str, tmp_path) -> ModelSource:
                                          tie_word_embeddings=False)
         cfg.architectures = ["SmolLM3ForCausalLM"]
         model = transformers.SmolLM3ForCausalLM(cfg)
+    elif kind == "mistral":  # sliding-window attention over 24 positions
+        cfg = transformers.MistralConfig(**common, sliding_window=24, tie_word_embeddings=False)
+        cfg.architectures = ["MistralForCausalLM"]
+        cfg._attn_implementation = "eager"  # the windowed mask in every transformers version
+        model = transformers.MistralForCausalLM(cfg)
     elif kind == "phi3":  # q/k/v and gate/up fused in the checkpoint
         cfg = transformers.Phi3Config(**common, pad_token_id=0, tie_word_embeddings=False)
         cfg.architectures = ["Phi3ForCausalLM"]

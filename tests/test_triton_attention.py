@@ -123,3 +123,17 @@ def test_decode_validates_its_inputs():
     for args in bad:
         with pytest.raises(ValueError):
             kv4_decode_attention(*on_device(*args), 0.125)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_with_a_sliding_window_sees_the_last_window_positions(splits):
+    from test_sliding_window_kernels import _reference
+    heads, hkv, d, lens = 8, 2, 64, [13, 150]
+    layout = Int4KVCacheLayout(hkv, d, 16)
+    _, cache, tables, ctx = make_pages(heads, hkv, d, lens, num_blocks=16, seed=10, layout=layout)
+    q = torch.randn(2, heads, d, generator=torch.Generator().manual_seed(11))
+    for window in (1, 20, 100, 400):
+        got = kv4_decode_attention(*on_device(q, cache, tables, ctx), d ** -0.5, window, block_n=32,
+                                   splits=splits).cpu()
+        ref = _reference(layout, q, cache, tables, [n - 1 for n in lens], window, d ** -0.5)
+        torch.testing.assert_close(got, ref, rtol=RTOL, atol=ATOL, msg=f"window {window}")

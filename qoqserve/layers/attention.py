@@ -8,6 +8,9 @@ torch SDPA. Decode is the backend's. All slots of a step
 are written before any sequence reads, so two prompts of one prefill batch that
 share a prefix block (one computes it, the other hits it in the prefix cache)
 see the freshly written values.
+
+A sliding-window layer (window > 0) attends each query to its last `window`
+positions only, on every path.
 """
 from __future__ import annotations
 
@@ -40,10 +43,13 @@ class AttentionMetadata:
 
 class PagedAttention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
-                 backend: AttentionBackend | None):
+                 backend: AttentionBackend | None, window: int | None = None):
         """backend: the page format and the kernels over it (None: a model that
-        never runs, e.g. built on the meta device for its weight schema)."""
+        never runs, e.g. built on the meta device for its weight schema).
+        window: the positions a query sees in a sliding-window layer (itself
+        and the window - 1 before it); None: all before it."""
         super().__init__()
+        self.window = window or 0
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -63,14 +69,15 @@ class PagedAttention(nn.Module):
         if cache is not None and meta.slot_mapping is not None:  # the chunks' K/V are in the pages
             out = self.backend.prefill(q[d:], cache, meta.block_tables[d:], meta.query_starts,
                                        meta.cached_lens if meta.cached_lens is not None
-                                       else [0] * (len(meta.query_starts) - 1), self.scale)
+                                       else [0] * (len(meta.query_starts) - 1), self.scale, self.window)
         if out is None:
             qp, kp, vp = q[d:], k[d:], v[d:]
             if self.backend.quantized_prefill:
                 kp, vp = self.layout.fake_quant(kp), self.layout.fake_quant(vp)
             out = self._prefill(qp, kp, vp, meta, cache)
         if d:
-            dec = self.backend.decode(q[:d], cache, meta.block_tables[:d], meta.context_lens, self.scale)
+            dec = self.backend.decode(q[:d], cache, meta.block_tables[:d], meta.context_lens, self.scale,
+                                      self.window)
             out = self.backend.join(dec, out)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
@@ -97,22 +104,25 @@ class PagedAttention(nn.Module):
         # kernel computes the same in fp64, faster than torch's SDPA (the
         # quantizer's calibration passes spend much of their time here).
         out_dtype = q.dtype
-        if dense_attention_f64.handles(q, k, v, offset):
+        slides = 0 < self.window < k.shape[0]  # some query here sees fewer keys than all before it
+        if not slides and dense_attention_f64.handles(q, k, v, offset):
             return dense_attention_f64.attention(q, k, v, offset, self.scale).to(out_dtype)
         if q.device.type == "cpu" and not q.requires_grad:  # training (quant/) needs no fp64
             q, k, v = q.double(), k.double(), v.double()
         # [L, H, D] -> [1, H, L, D]
         qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
         gqa = self.num_heads != self.num_kv_heads
-        if offset == 0:
+        if offset == 0 and not slides:
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale,
                                                enable_gqa=gqa)
         else:
             lq, lk = q.shape[0], k.shape[0]
             mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(diagonal=offset)
+            if slides:  # query i (position offset + i) sees keys offset + i - window + 1 ..
+                mask &= ~torch.ones_like(mask).tril(diagonal=offset - self.window)
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale,
                                                enable_gqa=gqa)
         return o[0].transpose(0, 1).to(out_dtype)
 
     def _decode(self, q, meta, cache):
-        return self.backend.decode(q, cache, meta.block_tables, meta.context_lens, self.scale)
+        return self.backend.decode(q, cache, meta.block_tables, meta.context_lens, self.scale, self.window)

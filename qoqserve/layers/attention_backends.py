@@ -53,12 +53,14 @@ class AttentionBackend:
         self.layout.write(cache, k, v, slot_mapping)
 
     def prefill(self, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
-                query_starts: list[int], first_positions: list[int], scale: float) -> torch.Tensor | None:
+                query_starts: list[int], first_positions: list[int], scale: float,
+                window: int = 0) -> torch.Tensor | None:
         """q [T, H, D]: prompt chunks back to back (sequence i: rows
         query_starts[i]:query_starts[i+1], the first at position
-        first_positions[i]), causal over their pages, the chunks' own K/V
-        written first -> [T, H, D]. None: no kernel over the pages here (the
-        attention layer then attends the fresh values in torch)."""
+        first_positions[i]), causal over their pages (window > 0: over the
+        last `window` positions only), the chunks' own K/V written first ->
+        [T, H, D]. None: no kernel over the pages here (the attention layer
+        then attends the fresh values in torch)."""
         return None
 
     def join(self, decodes: torch.Tensor, prefills: torch.Tensor) -> torch.Tensor:
@@ -66,18 +68,18 @@ class AttentionBackend:
         return torch.cat([decodes, prefills])
 
     def decode(self, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
-               context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-        """q [B, H, D], one query per sequence over its pages -> [B, H, D]."""
+               context_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+        """q [B, H, D], one query per sequence over its pages (window > 0:
+        over its last `window` positions) -> [B, H, D]."""
         if self._compiled is not None:
-            return self._compiled(self.layout, cache, block_tables, context_lens, q, scale, q.shape[1])
+            return self._compiled(self.layout, cache, block_tables, context_lens, q, scale, q.shape[1], window)
         # fp64 on CPU: torch's bf16 SDPA with a mask is ~7x slower than fp32 there,
         # and the padded length (the longest sequence in the batch) changes the
         # summation order; in fp64 that difference vanishes when rounding back,
         # so a request's output does not depend on what else is in the batch.
         work = torch.float64 if q.device.type == "cpu" else q.dtype
         kc, vc = self.layout.read(cache, block_tables, work)  # [B, L, Hkv, D]
-        length = kc.shape[1]
-        mask = torch.arange(length, device=q.device)[None, :] < context_lens[:, None]
+        mask = seen_positions(kc.shape[1], context_lens, window)
         qh = q.to(work).unsqueeze(2)             # [B, H, 1, D]
         kh, vh = kc.transpose(1, 2), vc.transpose(1, 2)  # [B, Hkv, L, D]
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask[:, None, None, :], scale=scale,
@@ -112,7 +114,7 @@ class CpuAttention(AttentionBackend):
         else:
             self.layout.write(cache, k, v, slot_mapping)
 
-    def prefill(self, q, cache, block_tables, query_starts, first_positions, scale):
+    def prefill(self, q, cache, block_tables, query_starts, first_positions, scale, window=0):
         # the pages must hold what prefill attends to: the stored values when
         # those are what it sees (quantized_prefill), else the exact ones
         exact = isinstance(self.layout, DenseKVCacheLayout) and self.layout.dtype == q.dtype
@@ -120,7 +122,7 @@ class CpuAttention(AttentionBackend):
             return None
         k_rows, v_rows = self.layout.page_rows(cache)
         return paged_prefill.paged_prefill_attention(q, k_rows, v_rows, self.layout.name, self.layout.block_size,
-                                                     block_tables, query_starts, first_positions, scale)
+                                                     block_tables, query_starts, first_positions, scale, window)
 
     def join(self, decodes, prefills):
         if (self._c_join and decodes.dtype == prefills.dtype and decodes.is_contiguous()
@@ -128,11 +130,11 @@ class CpuAttention(AttentionBackend):
             return elementwise.concat_rows(decodes, prefills)  # one C call: a one-shot step records it
         return super().join(decodes, prefills)
 
-    def decode(self, q, cache, block_tables, context_lens, scale):
+    def decode(self, q, cache, block_tables, context_lens, scale, window=0):
         k_rows, v_rows = self.layout.page_rows(cache)
         return paged_decode.paged_decode_attention(q, k_rows, v_rows, self.layout.name,
                                                    self.layout.block_size, block_tables,
-                                                   context_lens, scale)
+                                                   context_lens, scale, window)
 
 
 class TritonAttention(AttentionBackend):
@@ -148,15 +150,23 @@ class TritonAttention(AttentionBackend):
         from qoqserve.kernels.triton.ops import kv4_write
         kv4_write(cache, k, v, slot_mapping)
 
-    def decode(self, q, cache, block_tables, context_lens, scale):
+    def decode(self, q, cache, block_tables, context_lens, scale, window=0):
         # lazy: Triton (imports triton, present only with it)
         from qoqserve.kernels.triton.ops import kv4_decode_attention
-        return kv4_decode_attention(q, cache, block_tables, context_lens, scale)
+        return kv4_decode_attention(q, cache, block_tables, context_lens, scale, window)
+
+
+def seen_positions(length: int, context_lens: torch.Tensor, window: int = 0) -> torch.Tensor:
+    """[B, length] bool: the positions each sequence's query attends to, its
+    context (window > 0: the last `window` positions of it)."""
+    pos = torch.arange(length, device=context_lens.device)[None, :]
+    seen = pos < context_lens[:, None]
+    return seen & (pos >= context_lens[:, None] - window) if window > 0 else seen
 
 
 def decode_attention(layout: KVCacheLayout, cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, q: torch.Tensor, scale: float,
-                     num_heads: int) -> torch.Tensor:
+                     num_heads: int, window: int = 0) -> torch.Tensor:
     """One query per sequence over its paged history, in fp32, GQA by reshape.
 
     Written as plain tensor math so torch.compile can fuse the page gather,
@@ -167,7 +177,7 @@ def decode_attention(layout: KVCacheLayout, cache: torch.Tensor, block_tables: t
     b, length, hkv, d = k.shape
     qg = q.float().reshape(b, hkv, num_heads // hkv, d)
     scores = torch.einsum("bkgd,blkd->bkgl", qg, k) * scale
-    valid = torch.arange(length, device=q.device)[None, :] < context_lens[:, None]
+    valid = seen_positions(length, context_lens, window)
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     out = torch.einsum("bkgl,blkd->bkgd", torch.softmax(scores, dim=-1), v)
     return out.reshape(b, num_heads, d).to(q.dtype)

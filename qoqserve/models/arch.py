@@ -53,19 +53,29 @@ def yarn_scaling(scaling: dict[str, Any], max_positions: int) -> tuple[dict[str,
     return out, max(max_positions, int(orig * factor))
 
 
-def _sliding_window(cfg: dict[str, Any], arch: str) -> int | None:
-    """The window of an HF config whose attention really slides: Qwen2 configs
-    carry a `sliding_window` that only `use_sliding_window` turns on, and
-    transformers' `layer_types` says per layer."""
-    window = cfg.get("sliding_window")
+def _sliding_window(cfg: dict[str, Any], arch: str) -> tuple[int | None, tuple[int, ...] | None]:
+    """The window of an HF config whose attention really slides, and the
+    layers that slide (None: all), as transformers reads them: Qwen2/Qwen3
+    configs carry a `sliding_window` that only `use_sliding_window` turns on,
+    for the layers from `max_window_layers` on; `layer_types` says per layer."""
+    window, n = cfg.get("sliding_window"), cfg["num_hidden_layers"]
     if not window:
-        return None
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window", False):
-        return None
+        return None, None
+    qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+    if qwen and not cfg.get("use_sliding_window", False):
+        return None, None
     types = cfg.get("layer_types")
-    if types is not None and "sliding_attention" not in types:
-        return None
-    return int(window)
+    if types is None and qwen:
+        first = cfg.get("max_window_layers", 28)
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    if types is None:
+        return int(window), None
+    if len(types) != n:
+        raise UnsupportedModelError(f"layer_types has {len(types)} entries for {n} layers")
+    layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    if not layers:
+        return None, None
+    return int(window), None if len(layers) == n else layers
 
 
 @dataclass
@@ -85,12 +95,20 @@ class ModelArchConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 has bias on q/k/v
-    # tokens a query sees where the model was trained with sliding-window
-    # attention (Mistral 7B v0.1, Qwen2 with use_sliding_window); None: all of them
+    # positions a query sees (itself and the window - 1 before it) where the
+    # model was trained with sliding-window attention (Mistral 7B v0.1, Qwen2
+    # with use_sliding_window); None: all before it
     sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] | None = None  # the layers that slide; None: every layer
     nope_layers: tuple[int, ...] = ()  # SmolLM3: the layers whose attention has no RoPE
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of layer `layer`'s attention, or None (it sees all before it)."""
+        if self.sliding_window is None or (self.sliding_layers is not None and layer not in self.sliding_layers):
+            return None
+        return self.sliding_window
 
     @property
     def qk_norm(self) -> bool:
@@ -139,6 +157,7 @@ class ModelArchConfig:
                 rope_scaling, max_positions = yarn_scaling(rope_scaling, max_positions)
             elif rtype not in ("llama3", "linear"):
                 raise UnsupportedModelError(f"unsupported rope_scaling type {rtype!r}")
+        window, window_layers = _sliding_window(cfg, arch)
         return cls(
             architecture=SUPPORTED_ARCHITECTURES[arch],
             vocab_size=cfg["vocab_size"],
@@ -155,7 +174,8 @@ class ModelArchConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v bias; Llama-style configs say so explicitly
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias")),
-            sliding_window=_sliding_window(cfg, arch),
+            sliding_window=window,
+            sliding_layers=window_layers,
             nope_layers=_nope_layers(cfg) if arch == "SmolLM3ForCausalLM" else (),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -164,6 +184,12 @@ class ModelArchConfig:
     def to_hf_config(self, torch_dtype: str) -> dict[str, Any]:
         """config.json for an HF directory holding this architecture (what from_hf_config reads)."""
         cls, model_type = _HF_NAMES[self.architecture]
+        if self.architecture == "llama" and self.sliding_window is not None:
+            cls, model_type = "MistralForCausalLM", "mistral"  # transformers' Llama does not slide
+        layer_types = None  # Qwen's configs read them from max_window_layers otherwise; Mistral's slide everywhere
+        if self.sliding_window is not None and (self.architecture != "llama" or self.sliding_layers is not None):
+            layer_types = ["sliding_attention" if self.window_of(i) else "full_attention"
+                           for i in range(self.num_layers)]
         return {
             "architectures": [cls], "model_type": model_type, "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
@@ -173,6 +199,7 @@ class ModelArchConfig:
             "rope_scaling": self.rope_scaling, "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings, "attention_bias": self.attention_bias,
             "sliding_window": self.sliding_window, "use_sliding_window": self.sliding_window is not None,
+            **({"layer_types": layer_types} if layer_types is not None else {}),
             "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_ids,
             "pad_token_id": None,  # unused here; Phi3Config's default id (32000) may pass a small vocabulary
             "torch_dtype": torch_dtype,

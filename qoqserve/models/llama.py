@@ -35,7 +35,7 @@ MethodFor = Callable[[str], LinearMethod]
 class Attention(nn.Module):
     def __init__(self, cfg: ModelArchConfig, method_for: MethodFor, attention: AttentionBackend | None,
                  rope: RotaryEmbedding, dtype: torch.dtype, key_transform: bool, ops: TorchTokenOps,
-                 tp: TensorParallel):
+                 tp: TensorParallel, window: int | None = None):
         super().__init__()
         self.ops = ops
         d = self.head_dim = cfg.head_dim
@@ -51,7 +51,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(q_size, cfg.hidden_size, False, method_for("self_attn.o_proj"), dtype,
                              _row_shard(tp, rows[0]))
         self.rope = rope
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, attention)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, attention, window)
         self.key_transform = (KeyTransform(self.num_kv_heads, self.head_dim, dtype,
                                            (kv0, self.num_kv_heads) if tp.size > 1 else None)
                               if key_transform else None)
@@ -95,10 +95,10 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg, method_for: MethodFor, attention, rope, dtype, key_transform: bool,
-                 ops: TorchTokenOps, tp: TensorParallel):
+                 ops: TorchTokenOps, tp: TensorParallel, window: int | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
-        self.self_attn = Attention(cfg, method_for, attention, rope, dtype, key_transform, ops, tp)
+        self.self_attn = Attention(cfg, method_for, attention, rope, dtype, key_transform, ops, tp, window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         self.mlp = MLP(cfg, method_for, dtype, ops, tp)
 
@@ -148,7 +148,7 @@ class LlamaForCausalLM(nn.Module):
                                cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, lambda name, i=i: method_for(f"layers.{i}.{name}"), attention,
-                         None if i in cfg.nope_layers else rope, dtype, key_transform, ops, tp)
+                         None if i in cfg.nope_layers else rope, dtype, key_transform, ops, tp, cfg.window_of(i))
             for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         # lm_head and embeddings stay high precision (QoQ keeps them unquantized)

@@ -23,6 +23,12 @@
  *
  * Scores are kept in log2 units (q is scaled by sm_scale * log2 e once), so
  * the softmax is exp2 of the score minus the max.
+ *
+ * Sliding-window attention (window > 0: the query at position L - 1 sees the
+ * last `window` positions, L - window .. L - 1, as transformers and llama.cpp
+ * define it): the chunks start at the page of the first position it sees, and
+ * the positions before it in that page are scored -inf, so they weigh exactly
+ * 0 and a page outside the window is never read.
  */
 #include <math.h>
 #include <stdint.h>
@@ -41,6 +47,7 @@ typedef struct {
     int64_t slot_stride, head_stride;
     const int64_t *tables, *lens;
     int fmt, B, H, Hkv, G, D, bs, width, chunk_pages, max_chunks;
+    int window;    /* positions a query sees (sliding-window attention); 0: all of them */
     float qscale;  /* sm_scale * log2(e) */
     int kv4_vnni;  /* KV4 scores by integer dot products (paged_decode_vnni.h) */
     float *part;   /* per (sequence, chunk, query head): m, l, acc[D] in channel order */
@@ -53,17 +60,33 @@ static inline float *partial(const job *j, int b, int c, int hq) {
     return j->part + (((int64_t)b * j->max_chunks + c) * j->H + hq) * (j->D + 2);
 }
 
-static inline int64_t pages_of(const job *j, int b) { return (j->lens[b] + j->bs - 1) / j->bs; }
+/* the first position sequence b's query sees, and the page it is on */
+static inline int64_t first_token(const job *j, int b) {
+    return j->window > 0 && j->lens[b] > j->window ? j->lens[b] - j->window : 0;
+}
+static inline int64_t first_page(const job *j, int b) { return first_token(j, b) / j->bs; }
+
+/* the pages sequence b reads: from first_page to its last */
+static inline int64_t pages_of(const job *j, int b) { return (j->lens[b] + j->bs - 1) / j->bs - first_page(j, b); }
 
 static inline int chunks_of(const job *j, int b) {
     return (int)((pages_of(j, b) + j->chunk_pages - 1) / j->chunk_pages);
 }
 
 /* the pages of (sequence b, chunk c): indices p0 (chunk_first) .. chunk_end - 1 of its table */
-static inline int64_t chunk_first(const job *j, int c) { return (int64_t)c * j->chunk_pages; }
+static inline int64_t chunk_first(const job *j, int b, int c) { return first_page(j, b) + (int64_t)c * j->chunk_pages; }
 static inline int64_t chunk_end(const job *j, int b, int c) {
-    const int64_t end = chunk_first(j, c) + j->chunk_pages, pages = pages_of(j, b);
+    const int64_t end = chunk_first(j, b, c) + j->chunk_pages, pages = (j->lens[b] + j->bs - 1) / j->bs;
     return end < pages ? end : pages;
+}
+
+/* The scores of chunk c's positions before the window (only ever in its
+ * first page, of chunk 0) set to -inf, between the K pass and the softmax:
+ * their weights are then exactly 0. sc: the chunk's scores, ct apart per query head. */
+static inline void mask_before_window(const job *j, int b, int c, float *sc, int ct) {
+    const int64_t lo = first_token(j, b) - chunk_first(j, b, c) * j->bs;
+    for (int hq = j->h_lo * j->G; lo > 0 && hq < j->h_hi * j->G; hq++)
+        for (int64_t t = 0; t < lo; t++) sc[(int64_t)hq * ct + t] = -INFINITY;
 }
 
 /* whether merge() makes sequence b's output: on the vector path a sequence
@@ -97,13 +120,14 @@ PORTABLE_CLONES static void chunk_scalar(const job *j, int b, int c, float *s) {
     }
     memset(acc, 0, sizeof(float) * (size_t)H * D);
     const int64_t L = j->lens[b], *table = j->tables + (int64_t)b * j->width;
-    const int64_t p0 = chunk_first(j, c), p1 = chunk_end(j, b, c);
+    const int64_t p0 = chunk_first(j, b, c), p1 = chunk_end(j, b, c), lo = first_token(j, b);
     for (int64_t p = p0; p < p1; p++) {
         const int64_t base = table[p] * bs * j->slot_stride;
         const int ntok = (int)(L - p * bs < bs ? L - p * bs : bs);
+        const int skip = (int)(lo > p * bs ? lo - p * bs : 0);  /* positions before the window */
         for (int h = j->h_lo; h < j->h_hi; h++) {
             const uint8_t *kh = j->k + base + h * j->head_stride, *vh = j->v + base + h * j->head_stride;
-            for (int t0 = 0; t0 < ntok; t0 += BLOCK) {
+            for (int t0 = skip; t0 < ntok; t0 += BLOCK) {
                 const int n = ntok - t0 < BLOCK ? ntok - t0 : BLOCK;
                 for (int i = 0; i < n; i++) {
                     row_scalar(kh + (t0 + i) * j->slot_stride, j->fmt, D, kr + i * D);
@@ -151,7 +175,7 @@ static void merge(const job *j, int b, int hq, float *out) {
 enum { PREFETCH_PAGES = 8 };
 static inline __attribute__((always_inline)) void prefetch_task(const job *j, int b, int c) {
     const int64_t bs = j->bs, bytes = bs * j->slot_stride, *table = j->tables + (int64_t)b * j->width;
-    const int64_t p0 = chunk_first(j, c), p1 = chunk_end(j, b, c);
+    const int64_t p0 = chunk_first(j, b, c), p1 = chunk_end(j, b, c);
     const int64_t end = p1 < p0 + PREFETCH_PAGES ? p1 : p0 + PREFETCH_PAGES;
     for (int kv = 0; kv < 2; kv++)
         for (int64_t p = p0; p < end; p++)
@@ -246,13 +270,15 @@ static int decode_part(job *j, int vec, int merges, team_t tm, int *next) {
 /* q, out: float [B, H, D]. The row of (slot, head) for K starts at
  * k + slot * slot_stride + head * head_stride bytes, for V at v + the same;
  * slot = table[t / bs] * bs + t % bs. tables: int64 [B, width]; lens: int64 [B].
+ * window > 0: each query sees only its sequence's last `window` positions.
  * Returns 0, or -1 if out of memory. */
 int paged_decode_attention(const float *q, const uint8_t *k, const uint8_t *v, int64_t slot_stride,
                            int64_t head_stride, int fmt, const int64_t *tables, const int64_t *lens,
                            float *out, int B, int H, int Hkv, int D, int bs, int width,
-                           float sm_scale, int threads) {
+                           float sm_scale, int window, int threads) {
     job j = {q, k, v, slot_stride, head_stride, tables, lens, fmt, B, H, Hkv, H / Hkv, D, bs, width,
-             CHUNK_TOKENS / bs > 0 ? CHUNK_TOKENS / bs : 1, 1, sm_scale * 1.4426950408889634f, 0, NULL, out, 0, 0, Hkv};
+             CHUNK_TOKENS / bs > 0 ? CHUNK_TOKENS / bs : 1, 1, window > 0 ? window : 0,
+             sm_scale * 1.4426950408889634f, 0, NULL, out, 0, 0, Hkv};
     j.kv4_vnni = kv4_vnni_path();
     for (int b = 0; b < B; b++) j.max_chunks = chunks_of(&j, b) > j.max_chunks ? chunks_of(&j, b) : j.max_chunks;
     /* in a running team, thread 0's partials are shared inside decode_part */
@@ -280,12 +306,14 @@ enum { FETCH_PAGE_BYTES = 128 << 10 };
 int paged_decode_fetch(const float *q, const uint8_t *k, const uint8_t *v, int64_t slot_stride,
                        int64_t head_stride, int fmt, const int64_t *tables, const int64_t *lens,
                        float *out, int B, int H, int Hkv, int D, int bs, int width,
-                       float sm_scale, int threads) {
+                       float sm_scale, int window, int threads) {
     (void)q, (void)head_stride, (void)fmt, (void)out, (void)H, (void)Hkv, (void)D, (void)sm_scale, (void)threads;
     if (B != 1 || lens[0] <= 0) return 0;
     const int64_t bytes = bs * slot_stride, pages = (lens[0] + bs - 1) / bs;
     const int64_t n = pages < width ? pages : width, most = FETCH_PAGE_BYTES / (2 * bytes);
-    for (int64_t p = n > most ? n - most : 0; p < n; p++)  /* the newest pages, if not all */
+    const int64_t seen = window > 0 ? window / bs + 2 : n;  /* at most the pages the window touches */
+    const int64_t from = n - (most < seen ? most : seen);
+    for (int64_t p = from > 0 ? from : 0; p < n; p++)  /* the newest pages, if not all */
         for (int64_t o = 0; o < bytes; o += 64) {
             __builtin_prefetch(k + tables[p] * bytes + o, 0, 2);
             __builtin_prefetch(v + tables[p] * bytes + o, 0, 2);

@@ -103,7 +103,7 @@ static inline __attribute__((always_inline)) void chunk_impl_avx2(const job *j, 
     memset(acc, 0, sizeof(float) * (size_t)H * np);
     memset(zacc, 0, sizeof(float) * (size_t)H * BLOCK);
     const int64_t L = j->lens[b], *table = j->tables + (int64_t)b * j->width, ss = j->slot_stride;
-    const int64_t p0 = chunk_first(j, c), p1 = chunk_end(j, b, c);
+    const int64_t p0 = chunk_first(j, b, c), p1 = chunk_end(j, b, c);
     const int T = (int)((p1 * bs < L ? p1 * bs : L) - p0 * bs);
     for (int pass = 0; pass < 2; pass++) {
         for (int64_t p = p0; p < p1; p++) {
@@ -152,6 +152,7 @@ static inline __attribute__((always_inline)) void chunk_impl_avx2(const job *j, 
             }
         }
         if (pass) break;
+        mask_before_window(j, b, c, sc, ct);
         for (int hq = j->h_lo * G; hq < j->h_hi * G; hq++) {  /* softmax of the chunk, unnormalized */
             float *sh = sc + hq * ct;
             const __m256 ninf = _mm256_set1_ps(-INFINITY);

@@ -146,7 +146,7 @@ static inline __attribute__((always_inline)) void v_meta(const job *j, int b, in
                                                           float *vs, float *vz) {
     const int bs = j->bs, ct = chunk_tokens(j);
     const int64_t L = j->lens[b], *table = j->tables + (int64_t)b * j->width, ss = j->slot_stride;
-    const int64_t p0 = chunk_first(j, c), p1 = chunk_end(j, b, c);
+    const int64_t p0 = chunk_first(j, b, c), p1 = chunk_end(j, b, c);
     for (int64_t p = p0; p < p1; p++) {
         const int ntok = (int)(L - p * bs < bs ? L - p * bs : bs);
         for (int h = j->h_lo; h < j->h_hi; h++)
@@ -186,7 +186,7 @@ static inline __attribute__((always_inline)) void chunk_impl(const job *j, int b
     }
     memset(acc, 0, sizeof(float) * (size_t)H * np);
     const int64_t L = j->lens[b], *table = j->tables + (int64_t)b * j->width, ss = j->slot_stride;
-    const int64_t p0 = chunk_first(j, c), p1 = chunk_end(j, b, c);
+    const int64_t p0 = chunk_first(j, b, c), p1 = chunk_end(j, b, c);
     const int T = (int)((p1 * bs < L ? p1 * bs : L) - p0 * bs);
     if (vnni) kv4_scores_vnni(j, b, c, (const int32_t *)q, (int32_t *)kr, sc);
     for (int pass = 0; pass < 2; pass++) {
@@ -227,6 +227,7 @@ static inline __attribute__((always_inline)) void chunk_impl(const job *j, int b
             }
         }
         if (pass) break;
+        mask_before_window(j, b, c, sc, ct);
         if (quant) v_meta(j, b, c, fmt, D, vs, vz);
         for (int hq = j->h_lo * G; hq < j->h_hi * G; hq++) {  /* softmax of the chunk, unnormalized */
             float *sh = sc + hq * ct;

@@ -27,7 +27,7 @@ VNNI_FN static inline __attribute__((always_inline)) void kv4_scores_impl(const 
     const int nd = D / 8, nseg = (nd + 7) / 8, G = j->G, bs = j->bs, ct = chunk_tokens(j);
     const int64_t stride = qp_stride(D), ss = j->slot_stride;
     const int64_t L = j->lens[b], *table = j->tables + (int64_t)b * j->width;
-    const int64_t p0 = chunk_first(j, c), p1 = chunk_end(j, b, c);
+    const int64_t p0 = chunk_first(j, b, c), p1 = chunk_end(j, b, c);
     for (int64_t p = p0; p < p1; p++) {
         const int64_t base = table[p] * bs * ss;
         const int ntok = (int)(L - p * bs < bs ? L - p * bs : bs);

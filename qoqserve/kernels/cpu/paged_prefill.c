@@ -12,6 +12,13 @@
  * chunked, on the batch or on the thread count. Chunked and whole prefills
  * agree bit for bit by construction, not by rounding fp64 back.
  *
+ * Sliding-window attention (window > 0: the query at position p sees
+ * positions p - window + 1 .. p): a task starts at the tile of the first
+ * position its first query sees, and each row masks the keys before its own
+ * window as it masks those after its position. A tile a row sees none of
+ * adds exactly nothing to it, so its arithmetic is still a function of its
+ * position alone.
+ *
  * Task = (sequence, KV head, qblock consecutive queries): each K/V tile is
  * converted to fp32 once per task, for its qblock * G query rows. qblock is
  * QBLOCK, or half of it when a call would hand out too few tasks to keep the
@@ -40,6 +47,7 @@ typedef struct {
     const int64_t *tables, *q_starts, *first_pos;
     float *out;      /* [T, H, D] */
     int fmt, S, H, Hkv, G, D, bs, width, qblock;
+    int window;      /* positions a query sees (sliding-window attention); 0: all before it */
     float qscale;    /* sm_scale * log2(e): scores in log2 units, softmax by exp2 */
 } pjob;
 
@@ -47,6 +55,20 @@ typedef struct {
 static inline int64_t row_at(const pjob *j, int s, int64_t p, int h) {
     const int64_t slot = j->tables[(int64_t)s * j->width + p / j->bs] * j->bs + p % j->bs;
     return slot * j->slot_stride + (int64_t)h * j->head_stride;
+}
+
+/* the first key tile (of `tile` positions, counted from position 0) that a
+ * query at position pos0 or later sees */
+static inline int64_t first_tile(const pjob *j, int64_t pos0, int tile) {
+    const int64_t lo = j->window > 0 ? pos0 - j->window + 1 : 0;
+    return lo > 0 ? lo / tile * tile : 0;
+}
+
+/* the keys before tile k0's position `before` that a row at position p does
+ * not see: before its window */
+static inline int64_t keys_before_window(const pjob *j, int64_t p, int64_t k0) {
+    const int64_t lo = j->window > 0 ? p - j->window + 1 - k0 : 0;
+    return lo > 0 ? lo : 0;
 }
 
 /* floats of per-thread scratch (any path): rows padded to 32 channels and
@@ -75,7 +97,7 @@ PORTABLE_CLONES static void task_scalar(const pjob *j, int s, int h, int t0, int
         l[r] = 0.f;
     }
     memset(acc, 0, sizeof(float) * (size_t)R * D);
-    for (int64_t k0 = 0; k0 <= last; k0 += TILE) {
+    for (int64_t k0 = first_tile(j, pos0, TILE); k0 <= last; k0 += TILE) {
         const int n = (int)(last + 1 - k0 < TILE ? last + 1 - k0 : TILE);
         for (int i = 0; i < n; i++) {
             const int64_t off = row_at(j, s, k0 + i, h);
@@ -85,8 +107,10 @@ PORTABLE_CLONES static void task_scalar(const pjob *j, int s, int h, int t0, int
         const int64_t first = k0 > pos0 ? k0 - pos0 : 0;  /* the first query that sees this tile */
         for (int r = (int)first * G; r < R; r++) {  /* keys after the row's own position are not seen */
             const int64_t p = pos0 + r / G;
-            const int nv = (int)(p - k0 + 1 < n ? p - k0 + 1 : n);
-            softmax_step_scalar(q + (int64_t)r * D, kr, vr, nv, D, m + r, l + r, acc + (int64_t)r * D);
+            const int nv = (int)(p - k0 + 1 < n ? p - k0 + 1 : n), lo = (int)keys_before_window(j, p, k0);
+            if (lo < nv)
+                softmax_step_scalar(q + (int64_t)r * D, kr + (int64_t)lo * D, vr + (int64_t)lo * D, nv - lo, D, m + r,
+                                    l + r, acc + (int64_t)r * D);
         }
     }
     for (int r = 0; r < R; r++) {
@@ -115,15 +139,15 @@ int paged_prefill_amx(int fmt, int D) {
 /* q, out: float [T, H, D], the queries of S sequences back to back: sequence s
  * owns rows q_starts[s] .. q_starts[s + 1] - 1, the first at position
  * first_pos[s] (its cached prefix length); query i of it attends to positions
- * 0 .. first_pos[s] + i. Rows as in paged_decode_attention: K of (slot, head)
+ * 0 .. first_pos[s] + i, or with window > 0 to the last `window` of them. Rows as in paged_decode_attention: K of (slot, head)
  * at k + slot * slot_stride + head * head_stride bytes, V at v + the same,
  * slot = tables[s][p / bs] * bs + p % bs. Returns 0, or -1 if out of memory. */
 int paged_prefill_attention(const float *q, const uint8_t *k, const uint8_t *v, int64_t slot_stride,
                             int64_t head_stride, int fmt, const int64_t *tables, const int64_t *q_starts,
                             const int64_t *first_pos, float *out, int S, int H, int Hkv, int D, int bs,
-                            int width, float sm_scale, int threads) {
+                            int width, float sm_scale, int window, int threads) {
     pjob j = {q, k, v, slot_stride, head_stride, tables, q_starts, first_pos, out, fmt, S, H, Hkv, H / Hkv,
-              D, bs, width, QBLOCK, sm_scale * 1.4426950408889634f};
+              D, bs, width, QBLOCK, window > 0 ? window : 0, sm_scale * 1.4426950408889634f};
     int64_t ntasks = 0;
     for (;;) {  /* at least 4 tasks a thread where the prompts allow, for the dynamic schedule to even out */
         ntasks = 0;

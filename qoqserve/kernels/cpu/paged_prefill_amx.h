@@ -170,9 +170,9 @@ PP_AMX_FN static inline __attribute__((always_inline)) void weighted_sum(const a
 
 /* rows r0..'s scores from the sums, their online softmax, their weights as
  * digits (the rows from position p0, G to a position, the tile's n keys from k0) */
-PP_AMX_FN static inline __attribute__((always_inline)) void softmax_rows(const amx_bufs *b, int r0, int R, int blocks,
-                                                                         int64_t p0, int64_t k0, int n, int G,
-                                                                         const int D) {
+PP_AMX_FN static inline __attribute__((always_inline)) void softmax_rows(const pjob *j, const amx_bufs *b, int r0,
+                                                                         int R, int blocks, int64_t p0, int64_t k0,
+                                                                         int n, int G, const int D) {
     const int nd = D / 8;
     for (int blk = 0; blk < blocks; blk++) {
         const __m512 scale = _mm512_load_ps(b->meta + 16 * blk), zero = _mm512_load_ps(b->meta + AKEYS + 16 * blk);
@@ -187,8 +187,8 @@ PP_AMX_FN static inline __attribute__((always_inline)) void softmax_rows(const a
     for (int i = 0; i < 16; i++) {
         const int r = r0 + i;
         const int64_t p = p0 + r / G;
-        const int nv = r < R ? (int)(p - k0 + 1 < n ? p - k0 + 1 : n) : 0;
-        if (nv <= 0) {  /* a row that does not see this tile (or no row): weights 0 */
+        const int nv = r < R ? (int)(p - k0 + 1 < n ? p - k0 + 1 : n) : 0, lo = (int)keys_before_window(j, p, k0);
+        if (nv <= lo) {  /* a row that does not see this tile (or no row): weights 0 */
             for (int q = 0; q < 3; q++) memset(wd + q * 16 * AKEYS + i * AKEYS, 0, AKEYS);
             b->wsc[i] = 0.f;
             continue;
@@ -198,7 +198,7 @@ PP_AMX_FN static inline __attribute__((always_inline)) void softmax_rows(const a
         __mmask16 valid[AKEYS / 16], above = 0;
         const __m512 mo = _mm512_set1_ps(b->m[r]);
         for (int u = 0; u < AKEYS / 16; u++) {
-            valid[u] = lane_mask(nv - 16 * u);
+            valid[u] = lane_mask(nv - 16 * u) & (__mmask16)~lane_mask(lo - 16 * u);
             above |= _mm512_mask_cmp_ps_mask(valid[u], _mm512_load_ps(row + 16 * u), mo, _CMP_GT_OQ);
         }
         if (above) {  /* rare after the first tiles: a new max, and what was summed under the old one rescaled */
@@ -254,13 +254,13 @@ PP_AMX_FN static inline __attribute__((always_inline)) void task_amx_impl(const 
     memset(b.o, 0, sizeof(float) * (size_t)RB * D);
     memset(b.lz, 0, sizeof(float) * (size_t)RB * 32);
     amx_begin();
-    for (int64_t k0 = 0; k0 <= last; k0 += AKEYS) {
+    for (int64_t k0 = first_tile(j, pos0, AKEYS); k0 <= last; k0 += AKEYS) {
         const int n = (int)(last + 1 - k0 < AKEYS ? last + 1 - k0 : AKEYS), blocks = (n + 15) / 16;
         amx_tile_rows(j, s, k0, n, h, D, b.kb, b.vb, b.packed, b.meta);
         const int first = (int)(k0 > pos0 ? k0 - pos0 : 0) * G;  /* the first row that sees this tile */
         for (int r0 = first / 16 * 16; r0 < R; r0 += 16) {
             score_tiles(&b, r0, blocks, D);
-            softmax_rows(&b, r0, R, blocks, pos0, k0, n, G, D);
+            softmax_rows(j, &b, r0, R, blocks, pos0, k0, n, G, D);
             weighted_sum(&b, r0, R, D);
         }
     }

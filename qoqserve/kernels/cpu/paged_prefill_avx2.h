@@ -91,7 +91,7 @@ static inline __attribute__((always_inline)) void task_impl_avx2(const pjob *j, 
     }
     memset(o, 0, sizeof(float) * (size_t)rows * np);
     memset(lv, 0, sizeof(float) * (size_t)rows * TILE);
-    for (int64_t k0 = 0; k0 <= last; k0 += TILE) {
+    for (int64_t k0 = first_tile(j, pos0, TILE); k0 <= last; k0 += TILE) {
         const int n = (int)(last + 1 - k0 < TILE ? last + 1 - k0 : TILE);
         tile_rows_avx2(j, j->k, s, k0, n, h, fmt, D, np, tmp);
         for (int c = 0; c < np; c += 8)
@@ -127,8 +127,10 @@ static inline __attribute__((always_inline)) void task_impl_avx2(const pjob *j, 
                     continue;
                 }
                 const int64_t p = pos0 + rr / G;
-                const int nv = (int)(p - k0 + 1 < n ? p - k0 + 1 : n);
-                const __m256 valid[2] = {_mm256_castsi256_ps(lanes8(nv)), _mm256_castsi256_ps(lanes8(nv - 8))};
+                const int nv = (int)(p - k0 + 1 < n ? p - k0 + 1 : n), lo = (int)keys_before_window(j, p, k0);
+                /* a row that sees none of the tile: all 0, adds exactly 0 */
+                const __m256 valid[2] = {_mm256_castsi256_ps(_mm256_andnot_si256(lanes8(lo), lanes8(nv))),
+                                         _mm256_castsi256_ps(_mm256_andnot_si256(lanes8(lo - 8), lanes8(nv - 8)))};
                 const __m256 ninf = _mm256_set1_ps(-INFINITY);
                 const float mx = hmax8(_mm256_max_ps(_mm256_blendv_ps(ninf, sc[b][0], valid[0]),
                                                      _mm256_blendv_ps(ninf, sc[b][1], valid[1])));

@@ -97,7 +97,7 @@ static inline __attribute__((always_inline)) void task_impl(const pjob *j, int s
     }
     memset(o, 0, sizeof(float) * (size_t)rows * np);
     memset(lv, 0, sizeof(float) * (size_t)rows * TILE);
-    for (int64_t k0 = 0; k0 <= last; k0 += WIDE) {
+    for (int64_t k0 = first_tile(j, pos0, WIDE); k0 <= last; k0 += WIDE) {
         const int n = (int)(last + 1 - k0 < WIDE ? last + 1 - k0 : WIDE);
         tile_rows(j, j->k, s, k0, n, h, fmt, D, np, tmp);
         for (int c = 0; c < np; c += 16)
@@ -127,12 +127,12 @@ static inline __attribute__((always_inline)) void task_impl(const pjob *j, int s
                     continue;
                 }
                 const int64_t p = pos0 + rr / G;
-                const int nv = (int)(p - k0 + 1 < n ? p - k0 + 1 : n);
+                const int nv = (int)(p - k0 + 1 < n ? p - k0 + 1 : n), lo = (int)keys_before_window(j, p, k0);
                 __mmask16 valid[KV_VECS], above = 0;
                 float *orow = o + (int64_t)rr * np, *lrow = lv + (int64_t)rr * TILE;
                 const __m512 mo = _mm512_set1_ps(m[rr]);
-                for (int u = 0; u < KV_VECS; u++) {
-                    valid[u] = lane_mask(nv - 16 * u);
+                for (int u = 0; u < KV_VECS; u++) {  /* a row that sees none of the tile: all 0, adds exactly 0 */
+                    valid[u] = lane_mask(nv - 16 * u) & (__mmask16)~lane_mask(lo - 16 * u);
                     above |= _mm512_mask_cmp_ps_mask(valid[u], sc[b][u], mo, _CMP_GT_OQ);
                 }
                 /* the tile's max is reduced only when a score passes the row's

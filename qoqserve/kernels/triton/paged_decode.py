@@ -11,6 +11,8 @@ exact fp32 dots, which run on the FMA units and are slow); with a single query h
 multiply-and-reduce instead of a 16-row padded dot. Online softmax in base 2
 (log2(e) is folded into the query scale). Small batches split the context
 over several programs (flash-decoding) and a reduce kernel merges them.
+Sliding-window attention (window > 0) starts a sequence's tiles at the first
+of its last `window` positions, so pages before it are never read.
 """
 from __future__ import annotations
 
@@ -72,10 +74,10 @@ def _load_kv4_tile(rows, tok_ok, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: 
     return codes * scale[:, None] - (zero * scale)[:, None]
 
 
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt", "window"])
 def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, ml_ptr, qk_scale,
                          stride_qb, stride_qh, stride_bt, stride_ob, stride_oh, stride_slot, stride_head,
-                         splits,
+                         splits, window,
                          D: tl.constexpr, D_PAD: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                          BS: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP16: tl.constexpr,
                          WORDS: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr):
@@ -85,12 +87,14 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, ml_ptr, 
     b = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(ctx_ptr + b)
+    # the first position the query sees: window > 0 slides, else 0
+    first = tl.where(window > 0, tl.maximum(ctx - window, 0), 0)
     if SPLIT:
-        chunk = tl.cdiv(tl.cdiv(ctx, splits), BLOCK_N) * BLOCK_N
-        lo = split * chunk
+        chunk = tl.cdiv(tl.cdiv(ctx - first, splits), BLOCK_N) * BLOCK_N
+        lo = first + split * chunk
         hi = tl.minimum(ctx, lo + chunk)
     else:
-        lo = 0
+        lo = first
         hi = ctx
     rg = tl.arange(0, G_PAD)
     rd = tl.arange(0, D_PAD)
@@ -196,7 +200,7 @@ def _check_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, b: int
 
 
 def _decode(q, k_src, v_src, block_tables, context_lens, sm_scale, bs, hkv, stride_slot, stride_head,
-            kv_fp16, words, block_n, splits, sms):
+            kv_fp16, words, block_n, splits, sms, window=0):
     b, h, d = q.shape
     if h % hkv:
         raise ValueError(f"{h} query heads do not group over {hkv} KV heads")
@@ -210,7 +214,8 @@ def _decode(q, k_src, v_src, block_tables, context_lens, sm_scale, bs, hkv, stri
     d_pad = triton.next_power_of_2(max(d, 16))
     g_pad = max(triton.next_power_of_2(g), 16) if g > 1 else 1
     if splits is None:
-        splits = num_splits(b, hkv, block_tables.shape[1] * bs, sms)
+        seen = block_tables.shape[1] * bs
+        splits = num_splits(b, hkv, min(seen, window) if window > 0 else seen, sms)
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits must be in 1..{MAX_SPLITS}, got {splits}")
     meta = dict(D=d, D_PAD=d_pad, G=g, G_PAD=g_pad, BS=bs, BLOCK_N=block_n, KV_FP16=kv_fp16,
@@ -220,13 +225,13 @@ def _decode(q, k_src, v_src, block_tables, context_lens, sm_scale, bs, hkv, stri
     if splits == 1:
         _paged_decode_kernel[(hkv, b, 1)](
             *common, out, out, scale, q.stride(0), q.stride(1), block_tables.stride(0),
-            out.stride(0), out.stride(1), stride_slot, stride_head, 1, **meta)
+            out.stride(0), out.stride(1), stride_slot, stride_head, 1, window, **meta)
         return out
     part = torch.empty(b, h, splits, d_pad, dtype=torch.float32, device=q.device)
     ml = torch.empty(b, h, splits, 2, dtype=torch.float32, device=q.device)
     _paged_decode_kernel[(hkv, b, splits)](
         *common, part, ml, scale, q.stride(0), q.stride(1), block_tables.stride(0),
-        0, 0, stride_slot, stride_head, splits, **meta)
+        0, 0, stride_slot, stride_head, splits, window, **meta)
     # the split count is a runtime argument and S_PAD fixed: one variant for every count
     _merge_splits_kernel[(h, b)](part, ml, out, out.stride(0), out.stride(1), h, splits, D=d,
                                  D_PAD=d_pad, S_PAD=MAX_SPLITS, num_warps=4)
@@ -238,10 +243,11 @@ def _sms(device: torch.device) -> int:
 
 
 def kv4_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
-                         context_lens: torch.Tensor, sm_scale: float, block_n: int = BLOCK_N,
+                         context_lens: torch.Tensor, sm_scale: float, window: int = 0, block_n: int = BLOCK_N,
                          splits: int | None = None) -> torch.Tensor:
     """q [B, H, D], one query per sequence, over its KV4 pages
-    [num_blocks, bs, 2, Hkv, D/2 + 4] -> [B, H, D] in q's dtype."""
+    [num_blocks, bs, 2, Hkv, D/2 + 4] (window > 0: its last `window`
+    positions only) -> [B, H, D] in q's dtype."""
     d = q.shape[-1]
     if cache.dim() != 5 or cache.dtype != torch.uint8 or not cache.is_contiguous():
         raise ValueError(f"expected a contiguous uint8 KV4 page pool, got {tuple(cache.shape)} {cache.dtype}")
@@ -249,7 +255,7 @@ def kv4_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: tor
     if row != d // 2 + 4:
         raise ValueError(f"cache rows of {row} bytes do not hold head_dim {d}")
     return _decode(q, cache, cache[:, :, 1], block_tables, context_lens, sm_scale, bs, hkv,
-                   2 * hkv * row, row, False, d % 8 == 0, block_n, splits, _sms(q.device))
+                   2 * hkv * row, row, False, d % 8 == 0, block_n, splits, _sms(q.device), window)
 
 
 def fp16_paged_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
