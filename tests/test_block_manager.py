@@ -177,3 +177,54 @@ def test_a_prompts_last_token_is_prefilled_even_when_it_is_all_that_is_left():
     assert again.is_prefilling
     again.num_computed_tokens = 10
     assert not again.is_prefilling
+
+
+def test_a_sliding_window_model_gives_back_the_pages_before_its_window():
+    from qoqserve.engine.block_manager import KEY_TILE
+    bs, window = 16, 20
+    bm = BlockManager(num_blocks=64, block_size=bs, window=window)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), bm, max_model_len=1024)
+    a = seq("a", range(100))
+    sched.add(a)
+    while a.is_prefilling or len(a) < 400:  # chunks of 64, then decodes
+        batch = sched.schedule()
+        step(sched, batch)
+        # every page a later query can read is held, the rest given back
+        first_read = a.num_computed_tokens - window + 1 - KEY_TILE
+        held = [i for i, b in enumerate(a.block_table) if bm.blocks[b].ref_count > 0 and b in bm.used_ids]
+        assert a.num_released_blocks == max(0, first_read // bs)
+        assert held == list(range(a.num_released_blocks, len(a.block_table)))
+    assert bm.num_free_blocks == 64 - (len(a.block_table) - a.num_released_blocks)
+    assert len(a.block_table) - a.num_released_blocks <= -(-(window + KEY_TILE) // bs) + 2
+    sched.finish(a, "stop")  # the rest, once each
+    assert bm.num_free_blocks == 64 and not bm.used_ids
+
+
+def test_pages_given_back_keep_the_prefix_chain():
+    # a prompt whose early pages were given back still hits them (their hashes
+    # kept while free), and the pages after them were registered on the right chain
+    bm = BlockManager(num_blocks=40, block_size=4, window=2)
+    a = seq("a", range(150))
+    bm.allocate(a)
+    for n in range(1, 151):  # one token at a time: the window moves past the early pages
+        a.num_computed_tokens = n
+        bm.on_tokens_computed(a)
+    assert a.num_released_blocks > 10
+    bm.deallocate(a)
+    assert bm.num_free_blocks == 40
+    b = seq("b", range(150))
+    bm.allocate(b)
+    assert b.num_cached_tokens == 148
+    c = seq("c", [999] + list(range(1, 150)))  # another first page: no page after it hits
+    bm.deallocate(b)
+    bm.allocate(c)
+    assert c.num_cached_tokens == 0
+
+
+def test_pages_of_models_with_some_full_attention_layers_are_all_kept():
+    from qoqserve.models.arch import ModelArchConfig
+    base = dict(architectures=["MistralForCausalLM"], vocab_size=8, hidden_size=8, intermediate_size=8,
+                num_hidden_layers=2, num_attention_heads=1, sliding_window=64)
+    assert ModelArchConfig.from_hf_config(base).window_of_every_layer == 64
+    mixed = ModelArchConfig.from_hf_config({**base, "layer_types": ["sliding_attention", "full_attention"]})
+    assert mixed.window_of_every_layer is None

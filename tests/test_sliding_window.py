@@ -163,3 +163,20 @@ def test_a_qoq_checkpoint_slides_on_the_engine_as_its_simulation(mistral, tmp_pa
     out = _greedy(llm, [prompt], 24)[0]
     teacher = llm.engine.prompt_logits(prompt + out)[len(prompt) - 1:].argmax(-1).tolist()
     assert teacher == out
+
+
+def test_pages_before_the_window_go_back_to_the_pool_while_sequences_run(mistral):
+    source, ref = mistral
+    prompts = [calib(1, 10, seed=20 + i).samples[0] for i in range(4)]
+    # 4 sequences of 10 + 300 tokens: 80 pages of 16 if each kept all of its
+    # pages, 40 in the pool; each holds at most 8 at a time with the window
+    # (24 positions, a 64-key tile before it, the pages a decode burst reserves)
+    small = LLM(source.path, dtype="float32", num_blocks=40, enable_prefix_caching=False)
+    outs = _greedy(small, prompts, 300)
+    assert small.engine.scheduler.num_preemptions == 0
+    assert small.engine.block_manager.num_free_blocks == 40  # all back, once each
+    ample = LLM(source.path, dtype="float32", num_blocks=128, enable_prefix_caching=False)
+    assert [_greedy(ample, [p], 300)[0] for p in prompts] == outs
+    with torch.inference_mode():
+        logits = ref(torch.tensor([prompts[0] + outs[0]])).logits[0]
+    assert logits[len(prompts[0]) - 1:-1].argmax(-1).tolist() == outs[0]

@@ -6,6 +6,12 @@ collide, so a hit is only taken when the stored tokens are equal too. A block
 is registered only once its K/V are computed (prompts are prefilled in
 chunks, over several steps). Freed blocks keep their contents and hash until
 they are handed out again, so a later request can still hit them.
+
+Where every layer's attention slides (a window), a running sequence gives
+back the pages no later query of it reads, as vLLM does: those wholly before
+the window of its next position, less one key tile (the prefill kernel reads
+whole tiles of up to KEY_TILE positions from the one its first query's window
+starts in, and masks them).
 """
 from __future__ import annotations
 
@@ -27,9 +33,16 @@ class OutOfBlocksError(RuntimeError):
     pass
 
 
+KEY_TILE = 64  # the widest key tile of the prefill kernels (kernels/cpu/paged_prefill*.h)
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 window: int | None = None):
+        """window: the sliding window of every layer's attention, if they all
+        slide (pages before it are given back while a sequence runs)."""
         self.block_size = block_size
+        self.window = window
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -109,15 +122,18 @@ class BlockManager:
             self.prefix_queries += len(seq)
             self.prefix_hits += seq.num_cached_tokens
 
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.used_ids.discard(block_id)
+            self.free_ids.append(block_id)
+
     def deallocate(self, seq: Sequence) -> None:
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.used_ids.discard(block_id)
-                self.free_ids.append(block_id)
+        for block_id in reversed(seq.block_table[seq.num_released_blocks:]):
+            self._release(block_id)
         seq.block_table = []
-        seq.num_computed_tokens = seq.num_hashed_blocks = 0
+        seq.num_computed_tokens = seq.num_hashed_blocks = seq.num_released_blocks = 0
 
     def take_scratch(self, n: int) -> list[int] | None:
         """n free pages outside any sequence (a scored pass that writes K/V and
@@ -165,3 +181,16 @@ class BlockManager:
             if block.hash is None:
                 self._register(block, tuple(seq.block_tokens(idx, bs)), prev)
             seq.num_hashed_blocks = idx + 1
+        if self.window is not None:
+            self._release_before_window(seq)
+
+    def _release_before_window(self, seq: Sequence) -> None:
+        """Give back seq's pages wholly before what its next query can read (the
+        table keeps their ids: its positions still index it). Only registered
+        pages followed by a registered one: the next page's chain hash is read
+        from the page before it."""
+        first_read = seq.num_computed_tokens - self.window + 1 - KEY_TILE
+        end = min(first_read // self.block_size, seq.num_hashed_blocks - 1)
+        for idx in range(seq.num_released_blocks, end):
+            self._release(seq.block_table[idx])
+        seq.num_released_blocks = max(seq.num_released_blocks, end)

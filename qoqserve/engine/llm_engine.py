@@ -67,7 +67,8 @@ class LLMEngine:
         bs = config.cache.block_size
         # A sequence alone must always fit in the pool, or preemption could not make progress.
         self.max_model_len = min(context, self.runner.num_blocks * bs)
-        self.block_manager = BlockManager(self.runner.num_blocks, bs, config.cache.enable_prefix_caching)
+        self.block_manager = BlockManager(self.runner.num_blocks, bs, config.cache.enable_prefix_caching,
+                                          self.arch.window_of_every_layer)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         sched = config.scheduler
         self.eos_ids = set(self.tokenizer.eos_token_ids) | set(self.arch.eos_token_ids)

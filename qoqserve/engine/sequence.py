@@ -28,6 +28,8 @@ class Sequence:
     # prefilled in chunks until all are, then each step adds one
     num_computed_tokens: int = 0
     num_hashed_blocks: int = 0     # leading full blocks registered in the prefix cache
+    # leading blocks given back before its window (every layer slides); their ids stay in block_table
+    num_released_blocks: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)

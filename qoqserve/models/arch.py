@@ -111,6 +111,11 @@ class ModelArchConfig:
         return self.sliding_window
 
     @property
+    def window_of_every_layer(self) -> int | None:
+        """The sliding window where every layer's attention slides, else None."""
+        return self.sliding_window if self.sliding_layers is None else None
+
+    @property
     def qk_norm(self) -> bool:
         """Qwen3: an RMSNorm over each q and k head (weights [head_dim]) before RoPE."""
         return self.architecture == "qwen3"
