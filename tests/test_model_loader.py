@@ -237,7 +237,8 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _write_gguf(path, model, arch: str, pre: str, rope_freqs=None, tokenizer_model: str = "gpt2", yarn=None,
-                extra=None):
+                extra=None, meta=None):
+    """meta: called with the writer, to add metadata of its own."""
     c = model.config
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(c.num_hidden_layers)
@@ -270,6 +271,8 @@ def _write_gguf(path, model, arch: str, pre: str, rope_freqs=None, tokenizer_mod
     if rope_freqs is not None:
         w.add_rope_scaling_orig_ctx_len(c.rope_parameters["original_max_position_embeddings"])
         w.add_tensor("rope_freqs.weight", rope_freqs)
+    if meta is not None:
+        meta(w)
     for name, arr in (extra or {}).items():
         w.add_tensor(name, arr)
     for name, t in model.state_dict().items():
@@ -579,15 +582,3 @@ def test_a_gguf_with_yarn_scaling_gives_transformers_logits(tmp_path):
         got, want = full_logits(ours, ids), model(ids[None]).logits[0]
     # unit-normal weights everywhere: logits in the tens, so the tolerance scales with them
     assert (got - want).abs().max() <= 2e-5 * want.abs().max(), float((got - want).abs().max())
-
-
-def test_a_longrope_gguf_is_refused_by_name(tmp_path):
-    import numpy as np
-
-    from qoqserve.models.arch import UnsupportedModelError
-
-    path = tmp_path / "phi3-128k.gguf"
-    _write_gguf(path, _tiny_model("phi3", 300), "phi3", "gpt-2",
-                extra={"rope_factors_long.weight": np.ones(8, dtype=np.float32)})
-    with pytest.raises(UnsupportedModelError, match="LongRoPE"):
-        load_model_source(str(path))

@@ -1,4 +1,6 @@
-"""Rotary position embedding (half-split layout, as in HF Llama/Qwen2)."""
+"""Rotary position embedding (half-split layout, as in HF Llama/Qwen2), over
+all of a head's channels or, for partial rotary embeddings (Phi-4-mini), its
+first rotary_dim (the rest pass unturned)."""
 from __future__ import annotations
 
 import math
@@ -53,19 +55,34 @@ def _yarn(inv_freq: torch.Tensor, theta: float, head_dim: int, scaling: dict) ->
     return mixed, float(attention)
 
 
+def _longrope(exponents: torch.Tensor, theta: float, max_positions: int,
+              scaling: dict) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3 128k, Phi-3.5): each frequency divided by its own
+    factor, the long ones where the context served passes the pretrained one,
+    else the short ones, for every position. transformers switches per
+    forward pass on the longest sequence in it; vLLM and llama.cpp fix the
+    choice by the context, as here, so that a sequence's tokens do not depend
+    on what it or its batch grows to."""
+    long = max_positions > scaling["original_max_position_embeddings"]
+    factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32,
+                           device=exponents.device)
+    return 1.0 / (factors * theta ** exponents), scaling["attention_factor"]
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float,
-                 scaling: dict | None = None):
+                 scaling: dict | None = None, rotary_dim: int | None = None):
         super().__init__()
         self.head_dim = head_dim
+        self.rotary_dim = rotary_dim = rotary_dim or head_dim
         # The table is computed on the CPU whatever the ambient device: the same
         # values on every device, and on "meta" (shape-only builds) arange and
         # pow would load torch's Python reference ops, seconds of start-up.
         device = torch.empty(0).device
         cpu = torch.device("cpu")
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=cpu).float() / head_dim
+        exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=cpu).float() / rotary_dim
         inv_freq = 1.0 / (theta ** exponents)
-        attention = 1.0  # YaRN scales cos and sin
+        attention = 1.0  # YaRN and LongRoPE scale cos and sin
         if scaling is not None:
             rtype = scaling.get("rope_type", scaling.get("type"))
             if rtype == "llama3":
@@ -73,7 +90,9 @@ class RotaryEmbedding(nn.Module):
             elif rtype == "linear":
                 inv_freq = inv_freq / scaling["factor"]
             elif rtype == "yarn":
-                inv_freq, attention = _yarn(inv_freq, theta, head_dim, scaling)
+                inv_freq, attention = _yarn(inv_freq, theta, rotary_dim, scaling)
+            elif rtype == "longrope":
+                inv_freq, attention = _longrope(exponents, theta, max_positions, scaling)
         positions = torch.arange(max_positions, dtype=torch.float32, device=cpu)
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
@@ -95,7 +114,11 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     # In fp32, rounded once: torch's bf16 elementwise kernels round differently
     # depending on the tensor's shape (a 1-token chunk differed from the same
     # token in a longer one), which would make outputs depend on prefill chunking.
-    half = x.shape[-1] // 2
+    rot = cos.shape[-1]
     xf = x.float()
-    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-    return (xf * cos + rotated * sin).to(x.dtype)
+    xr = xf[..., :rot]
+    half = rot // 2
+    turned = xr * cos + torch.cat([-xr[..., half:], xr[..., :half]], dim=-1) * sin
+    if rot < x.shape[-1]:  # partial rotary: the other channels pass
+        turned = torch.cat([turned, xf[..., rot:]], dim=-1)
+    return turned.to(x.dtype)

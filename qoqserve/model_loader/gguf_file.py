@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from qoqserve.errors import ModelLoadError
-from qoqserve.models.arch import ModelArchConfig, UnsupportedModelError, yarn_scaling
+from qoqserve.models.arch import ModelArchConfig, UnsupportedModelError, longrope_scaling, yarn_scaling
 
 from .base import ModelSource, TensorIter
 from .gguf_header import GGUFTensor, read_gguf_header
@@ -112,10 +112,19 @@ def _context(meta: dict[str, Any], a: str, scaling: dict[str, Any] | None) -> in
     return ctx
 
 
-def _rope_scaling(meta: dict[str, Any], a: str, rope_freqs, theta: float, head_dim: int,
+def _rope_scaling(meta: dict[str, Any], a: str, by_name: dict[str, GGUFTensor], theta: float, rotary_dim: int,
                   where: str) -> dict[str, Any] | None:
     kind = meta.get(f"{a}.rope.scaling.type", "none")
     orig = meta.get(f"{a}.rope.scaling.original_context_length")
+    rope_freqs = by_name.get("rope_freqs.weight")
+    long, short = by_name.get("rope_factors_long.weight"), by_name.get("rope_factors_short.weight")
+    if long is not None or short is not None:  # Phi-3 128k, Phi-3.5: LongRoPE, its factors as tensors
+        if long is None or short is None:
+            raise ModelLoadError(f"{where}: LongRoPE needs both rope_factors_long and rope_factors_short")
+        factors = {"long_factor": _to_torch(long).float().reshape(-1).tolist(),
+                   "short_factor": _to_torch(short).float().reshape(-1).tolist(),
+                   "attention_factor": meta.get(f"{a}.rope.scaling.attn_factor")}
+        return longrope_scaling(factors, int(meta.get(f"{a}.context_length", 4096)), orig, rotary_dim // 2)
     if kind == "linear":
         return {"rope_type": "linear", "factor": float(meta[f"{a}.rope.scaling.factor"])}
     if kind == "yarn":  # the context it reaches is set from it (models/arch.yarn_scaling)
@@ -131,7 +140,7 @@ def _rope_scaling(meta: dict[str, Any], a: str, rope_freqs, theta: float, head_d
     stored = _to_torch(rope_freqs).float().numpy().reshape(-1)
     params = {"rope_type": "llama3", "factor": float(stored.max()), "low_freq_factor": 1.0,
               "high_freq_factor": 4.0, "original_max_position_embeddings": int(orig or 8192)}
-    redo = _llama3_factors(params["factor"], theta, head_dim,
+    redo = _llama3_factors(params["factor"], theta, rotary_dim,
                            params["original_max_position_embeddings"])
     if redo.shape != stored.shape or not np.allclose(redo, stored, rtol=1e-4, atol=1e-6):
         raise UnsupportedModelError(f"{where}: rope_freqs.weight is not a Llama-3 rope scaling")
@@ -222,12 +231,11 @@ def load_gguf(path: str, tok_spec: str | None = None) -> ModelSource:
     if isinstance(kv_heads, list):
         raise UnsupportedModelError(f"{path}: per-layer KV head counts are not supported")
     head_dim = int(meta.get(f"{a}.attention.key_length") or hidden // heads)
-    rope_dims = int(meta.get(f"{a}.rope.dimension_count") or head_dim)
-    if rope_dims != head_dim:  # e.g. Phi-4-mini: 96 of 128
-        raise UnsupportedModelError(f"{path}: partial rotary embeddings ({rope_dims} of {head_dim} channels "
-                                    "a head) are not supported: RoPE here turns every channel of a head")
+    rope_dims = int(meta.get(f"{a}.rope.dimension_count") or head_dim)  # below head_dim: e.g. Phi-4-mini's 96 of 128
+    if not 0 < rope_dims <= head_dim or rope_dims % 2:
+        raise UnsupportedModelError(f"{path}: rope.dimension_count {rope_dims} for heads of {head_dim} channels")
     theta = float(meta.get(f"{a}.rope.freq_base", 10000.0))
-    scaling = _rope_scaling(meta, a, by_name.get("rope_freqs.weight"), theta, head_dim, path)
+    scaling = _rope_scaling(meta, a, by_name, theta, rope_dims, path)
     if "token_embd.weight" not in by_name:
         raise ModelLoadError(f"{path}: missing tensor token_embd.weight")
     layers = int(need(f"{a}.block_count"))
@@ -240,6 +248,7 @@ def load_gguf(path: str, tok_spec: str | None = None) -> ModelSource:
         num_heads=heads,
         num_kv_heads=int(kv_heads),
         head_dim=head_dim,
+        rotary_dim=None if rope_dims == head_dim else rope_dims,
         rms_norm_eps=float(meta.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=theta,
         rope_scaling=scaling,
@@ -253,12 +262,9 @@ def load_gguf(path: str, tok_spec: str | None = None) -> ModelSource:
 
     renamed: dict[str, Any] = {}
     for t in parsed.tensors:
-        if t.name == "rope_freqs.weight":
+        if t.name in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"):
             continue  # folded into arch.rope_scaling above
         hf = hf_tensor_name(t.name, arch.fused_checkpoint_linears)
-        if hf is None and t.name.startswith("rope_factors_"):  # Phi-3's 128k context
-            raise UnsupportedModelError(f"{path}: LongRoPE ({t.name}) is not supported: its frequencies change "
-                                        "with the sequence's length")
         if hf is None:
             raise ModelLoadError(f"{path}: unexpected tensor {t.name!r} for a {a} model")
         renamed[hf] = t

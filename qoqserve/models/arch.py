@@ -5,6 +5,7 @@ the model and the engine read nothing else about the checkpoint.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +54,28 @@ def yarn_scaling(scaling: dict[str, Any], max_positions: int) -> tuple[dict[str,
     return out, max(max_positions, int(orig * factor))
 
 
+def longrope_scaling(scaling: dict[str, Any], max_positions: int, orig: int | None, freqs: int) -> dict[str, Any]:
+    """LongRoPE's parameters made explicit (Phi-3 128k, Phi-3.5; "su" is its
+    first name): the pretrained context (Phi-3's configs keep it beside
+    rope_scaling), the factor (the two contexts' ratio where absent, as
+    transformers derives it) and the factor cos and sin are scaled by.
+    freqs: the rotary frequencies, one long and one short factor each."""
+    orig = int(scaling.get("original_max_position_embeddings") or orig or 0)
+    if not orig or not scaling.get("long_factor") or not scaling.get("short_factor"):
+        raise UnsupportedModelError("longrope rope_scaling needs long_factor, short_factor and "
+                                    "original_max_position_embeddings")
+    if not len(scaling["long_factor"]) == len(scaling["short_factor"]) == freqs:
+        raise UnsupportedModelError(f"longrope needs a long and a short factor for each of {freqs} frequencies; "
+                                    f"got {len(scaling['long_factor'])} and {len(scaling['short_factor'])}")
+    factor = float(scaling.get("factor") or max_positions / orig)
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    return {"rope_type": "longrope", "long_factor": [float(f) for f in scaling["long_factor"]],
+            "short_factor": [float(f) for f in scaling["short_factor"]], "factor": factor,
+            "original_max_position_embeddings": orig, "attention_factor": float(attention)}
+
+
 def _sliding_window(cfg: dict[str, Any], arch: str) -> tuple[int | None, tuple[int, ...] | None]:
     """The window of an HF config whose attention really slides, and the
     layers that slide (None: all), as transformers reads them: Qwen2/Qwen3
@@ -88,6 +111,7 @@ class ModelArchConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    rotary_dim: int | None = None  # the channels RoPE turns, the first of each head; None: all (head_dim)
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     # HF-style dict, e.g. {"rope_type": "llama3", "factor": 8.0, ...}; None = plain RoPE
@@ -146,9 +170,10 @@ class ModelArchConfig:
         # transformers >= 5 moves rope settings into "rope_parameters"
         params = cfg.get("rope_parameters")
         partial = cfg.get("partial_rotary_factor") or (params or {}).get("partial_rotary_factor") or 1.0
-        if partial != 1.0:  # e.g. Phi-4-mini's 0.75
-            raise UnsupportedModelError(f"partial rotary embeddings (partial_rotary_factor {partial}) are not "
-                                        "supported: RoPE here turns every channel of a head")
+        rotary_dim = int(head_dim * partial)  # as transformers rounds it (Phi-4-mini: 0.75 of 128)
+        if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+            raise UnsupportedModelError(f"partial_rotary_factor {partial} of head_dim {head_dim}: "
+                                        f"{rotary_dim} rotary channels, not an even count of them")
         if isinstance(params, dict):
             rope_theta = params.get("rope_theta", rope_theta)
             if params.get("rope_type", "default") != "default":
@@ -160,6 +185,9 @@ class ModelArchConfig:
                 rope_scaling = None
             elif rtype == "yarn":
                 rope_scaling, max_positions = yarn_scaling(rope_scaling, max_positions)
+            elif rtype in ("longrope", "su"):
+                rope_scaling = longrope_scaling(rope_scaling, max_positions,
+                                                cfg.get("original_max_position_embeddings"), rotary_dim // 2)
             elif rtype not in ("llama3", "linear"):
                 raise UnsupportedModelError(f"unsupported rope_scaling type {rtype!r}")
         window, window_layers = _sliding_window(cfg, arch)
@@ -172,6 +200,7 @@ class ModelArchConfig:
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
+            rotary_dim=None if rotary_dim == head_dim else rotary_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
             rope_theta=float(rope_theta or 10000.0),
             rope_scaling=rope_scaling,
@@ -207,6 +236,7 @@ class ModelArchConfig:
             **({"layer_types": layer_types} if layer_types is not None else {}),
             "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_ids,
             "pad_token_id": None,  # unused here; Phi3Config's default id (32000) may pass a small vocabulary
+            **({"partial_rotary_factor": self.rotary_dim / self.head_dim} if self.rotary_dim else {}),
             "torch_dtype": torch_dtype,
             **({"no_rope_layers": [int(i not in self.nope_layers) for i in range(self.num_layers)]}
                if self.architecture == "smollm3" else {}),

@@ -145,7 +145,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype),
                                          requires_grad=False)
         rope = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
-                               cfg.rope_theta, cfg.rope_scaling)
+                               cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, lambda name, i=i: method_for(f"layers.{i}.{name}"), attention,
                          None if i in cfg.nope_layers else rope, dtype, key_transform, ops, tp, cfg.window_of(i))

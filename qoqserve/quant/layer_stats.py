@@ -160,13 +160,15 @@ def search_alpha(x: torch.Tensor, w: torch.Tensor, grid: Sequence[float],
 
 def search_key_alpha(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Sequence[float],
                      key_absmax: torch.Tensor, key_mean: torch.Tensor | None = None,
-                     rotation: torch.Tensor | None = None, max_q: int = 512, max_k: int = 2048) -> float:
+                     rotation: torch.Tensor | None = None, max_q: int = 512, max_k: int = 2048,
+                     rotary: int | None = None) -> float:
     """SmoothAttention strength (0 = none) minimising the attention-output error
     ||softmax(q K^T) V - softmax(q K4^T) V|| over sampled queries and keys, with
     K4 the keys as the cache would hold them: smoothed by lambda, then (with
     key_mean and rotation) centered and rotated, then KV4 round-tripped.
     Output error, not score error: it weighs the keys that get attention.
-    q [Tq, H, D], k / v [Tk, Hkv, D] post-RoPE; key_absmax [Hkv, D] feeds lambda."""
+    q [Tq, H, D], k / v [Tk, Hkv, D] post-RoPE; key_absmax [Hkv, D] feeds lambda;
+    rotary: the channels RoPE turns (smooth_attention_lambda)."""
 
     q = q[torch.linspace(0, q.shape[0] - 1, min(max_q, q.shape[0])).long()].float()
     pick = torch.linspace(0, k.shape[0] - 1, min(max_k, k.shape[0])).long()
@@ -182,7 +184,7 @@ def search_key_alpha(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Se
     ref = attend(q, k)
     best, best_err = None, float("inf")
     for alpha in grid:
-        lam = smooth_attention_lambda(key_absmax, alpha).float().to(k.device)
+        lam = smooth_attention_lambda(key_absmax, alpha, rotary).float().to(k.device)
         ks, qs = k / lam, q * lam.repeat_interleave(g, dim=0)
         if rotation is not None:
             r = rotation.float().to(k.device)

@@ -137,6 +137,7 @@ def _weight_quant_fn(cfg: QuantConfig):
 
 def _transform_layer(layer, cap: LayerCapture, cfg: QuantConfig, arch, info: dict) -> None:
     h, hkv, d = arch.num_heads, arch.num_kv_heads, arch.head_dim
+    rotary = arch.rotary_dim  # partial rotary embeddings: SmoothAttention pairs only the channels RoPE turns
     lam = None
     if cfg.smooth_attention and cfg.kv_bits == 4:
         # with a key shift the codes see centered keys: smooth what is left of them
@@ -145,10 +146,10 @@ def _transform_layer(layer, cap: LayerCapture, cfg: QuantConfig, arch, info: dic
         if alpha is None:
             kt = (cap.key_mean, key_rotation(d, cfg.seed)) if cfg.uses_key_transform else (None, None)
             alpha = search_key_alpha(cap.q_sample, cap.k_sample, cap.v_sample, cfg.smooth_attention_grid,
-                                     k_abs, *kt)
+                                     k_abs, *kt, rotary=rotary)
         info["alpha_attn"] = alpha
         if alpha:
-            lam = smooth_attention(layer, k_abs, alpha, h, hkv, d)
+            lam = smooth_attention(layer, k_abs, alpha, h, hkv, d, rotary)
     if cfg.uses_key_transform:
         center_and_rotate_keys(layer, cap.key_mean, lam, cfg.seed)
     o_abs, down_abs = cap.absmax["self_attn.o_proj"], cap.absmax["mlp.down_proj"]

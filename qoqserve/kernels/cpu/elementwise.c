@@ -80,7 +80,7 @@ void silu_mul(const void *gu, void *y, int64_t T, int64_t I, int bf16, int threa
 }
 
 /* token t of qkv_rope (below) */
-static void rope_token(const void *qkv, int64_t row, int64_t t, int H, int Hkv, int D, const int64_t *pos,
+static void rope_token(const void *qkv, int64_t row, int64_t t, int H, int Hkv, int D, int Dr, const int64_t *pos,
                        const float *cos, const float *sin, const void *shift, const void *rot, int hadamard,
                        const void *qn, const void *kn, float eps, void *q, void *k, void *v, int bf16) {
     /* head_dim <= 512; a bf16 R is widened once per token when it fits
@@ -99,8 +99,8 @@ static void rope_token(const void *qkv, int64_t row, int64_t t, int H, int Hkv, 
         load_row(qn, bf16, 0, D, nw[0]);
         load_row(kn, bf16, 0, D, nw[1]);
     }
-    const float *c = cos ? cos + pos[t] * D : NULL, *s = sin ? sin + pos[t] * D : NULL;
-    const int half = D / 2;
+    const float *c = cos ? cos + pos[t] * Dr : NULL, *s = sin ? sin + pos[t] * Dr : NULL;
+    const int half = Dr / 2;
     for (int h0 = 0; h0 < H + Hkv; h0 += ROT_GROUP) {
         const int nh = H + Hkv - h0 < ROT_GROUP ? H + Hkv - h0 : ROT_GROUP;
         float *out[ROT_GROUP];  /* the rotation's destination of each head */
@@ -111,9 +111,10 @@ static void rope_token(const void *qkv, int64_t row, int64_t t, int H, int Hkv, 
             float *yj = y[j];
             if (bf16 || qn) load_row(qkv, bf16, t * row + (int64_t)h * D, D, x[j]);
             if (qn) norm_row(x[j], nw[is_k], D, eps, bf16);  /* as rms_norm() rounds it */
-            if (c) {
+            if (c) {  /* the first Dr channels turn (pairs d, d + Dr / 2); the rest pass (partial rotary) */
                 for (int d = 0; d < half; d++) yj[d] = xj[d] * c[d] + -xj[d + half] * s[d];
-                for (int d = half; d < D; d++) yj[d] = xj[d] * c[d] + xj[d - half] * s[d];
+                for (int d = half; d < Dr; d++) yj[d] = xj[d] * c[d] + xj[d - half] * s[d];
+                for (int d = Dr; d < D; d++) yj[d] = xj[d];
             } else {
                 memcpy(yj, xj, sizeof(float) * (size_t)D);  /* a layer without RoPE (SmolLM3) */
             }
@@ -150,17 +151,19 @@ static void rope_token(const void *qkv, int64_t row, int64_t t, int H, int Hkv, 
 /* qkv [T, row] (row >= (H + 2 Hkv) D elements: q | k | v) -> q [T, H, D],
  * k, v [T, Hkv, D] contiguous; with qn (and kn) != NULL first each q (k) head
  * RMS-normalized with those weights [D] (Qwen3's q_norm, k_norm); RoPE
- * (half-split; none where cos is NULL) on q and k at positions
- * pos[t] from the fp32 tables cos/sin [max_pos, D], rounded once; with
+ * (half-split; none where cos is NULL) on the first Dr channels of q and k
+ * (Dr = D but for partial rotary embeddings) at positions pos[t] from the
+ * fp32 tables cos/sin [max_pos, Dr], rounded once; with
  * rot != NULL then q R and (k - shift) R (shift [Hkv, D], R [D, D] row-major:
  * layers/key_transform.py), each output summed over e in order by fused
  * multiply-adds; with hadamard, rot holds R's column scales c [D] instead,
  * for R = H diag(c), H the Sylvester Hadamard matrix (key_rotation.h). */
-void qkv_rope(const void *qkv, int64_t row, int64_t T, int H, int Hkv, int D, const int64_t *pos,
+void qkv_rope(const void *qkv, int64_t row, int64_t T, int H, int Hkv, int D, int Dr, const int64_t *pos,
               const float *cos, const float *sin, const void *shift, const void *rot, int hadamard,
               const void *qn, const void *kn, float eps, void *q, void *k, void *v, int bf16, int threads) {
     TEAM_RUN(threads, T >= PAR_ROWS, for (int64_t t = T * tm.t / tm.T; t < T * (tm.t + 1) / tm.T; t++)
-             rope_token(qkv, row, t, H, Hkv, D, pos, cos, sin, shift, rot, hadamard, qn, kn, eps, q, k, v, bf16));
+             rope_token(qkv, row, t, H, Hkv, D, Dr, pos, cos, sin, shift, rot, hadamard, qn, kn, eps, q, k, v,
+                        bf16));
 }
 
 #include "argmax_row.h"

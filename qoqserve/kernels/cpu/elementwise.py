@@ -18,7 +18,7 @@ _SIGNATURES = {
     "rms_norm": (None, [_P, _L, _P, _P, _L, _L, _F, _I, _I]),
     "add_rms_norm": (None, [_P, _P, _P, _P, _L, _L, _F, _I, _I]),
     "silu_mul": (None, [_P, _P, _L, _L, _I, _I]),
-    "qkv_rope": (None, [_P, _L, _L, _I, _I, _I, _P, _P, _P, _P, _P, _I, _P, _P, _F, _P, _P, _P, _I, _I]),
+    "qkv_rope": (None, [_P, _L, _L, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _P, _P, _F, _P, _P, _P, _I, _I]),
     "argmax_rows": (None, [_P, _L, _L, _L, _P, _I]),
 }
 DTYPES = (torch.float32, torch.bfloat16)
@@ -107,7 +107,8 @@ def qkv_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
     """qkv [T, (H + 2 Hkv) D] -> q [T, H, D], k, v [T, Hkv, D] (contiguous) with,
     given q_norm and k_norm ([D] weights, the activations' dtype), each q and k
     head RMS-normalized first (rms_norm's rounding, epsilon eps), then
-    RoPE on q, k (cos/sin: fp32 [max_pos, D]; None: a layer without RoPE) and, given rotation, the key
+    RoPE on q, k (cos/sin: fp32 [max_pos, Dr], on the first Dr channels of each head (partial rotary where
+    Dr < D); None: a layer without RoPE) and, given rotation, the key
     transform q R, (k - shift) R. hadamard: rotation is c [D], the column
     scales of R = H diag(c) with H the Sylvester Hadamard matrix
     (KeyTransform.hadamard_scales), applied as a fast Walsh-Hadamard transform."""
@@ -117,6 +118,9 @@ def qkv_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
         raise ValueError(f"qkv_rope: rows must be contiguous, head_dim even and <= {MAX_HEAD_DIM}")
     if (cos is not None and cos.dtype != torch.float32) or positions.dtype != torch.int64:
         raise ValueError("qkv_rope: fp32 cos/sin tables and int64 positions")
+    rotary = head_dim if cos is None else cos.shape[1]
+    if rotary % 2 or rotary > head_dim:
+        raise ValueError(f"qkv_rope: cos/sin tables of {rotary} channels for heads of {head_dim}")
     if rotation is not None and (rotation.dtype != qkv.dtype or shift.dtype != qkv.dtype
                                  or not (rotation.is_contiguous() and shift.is_contiguous())):
         raise ValueError("qkv_rope: the key transform must be contiguous, in the activations' dtype")
@@ -131,7 +135,7 @@ def qkv_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin:
     q = graph.empty(t, num_heads, head_dim, dtype=qkv.dtype)
     k = graph.empty(t, num_kv_heads, head_dim, dtype=qkv.dtype)
     v = graph.empty(t, num_kv_heads, head_dim, dtype=qkv.dtype)
-    graph.launch(load().qkv_rope, qkv.data_ptr(), qkv.stride(0), t, num_heads, num_kv_heads, head_dim,
+    graph.launch(load().qkv_rope, qkv.data_ptr(), qkv.stride(0), t, num_heads, num_kv_heads, head_dim, rotary,
                  positions.data_ptr(), None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
                  None if shift is None else shift.data_ptr(), None if rotation is None else rotation.data_ptr(),
                  int(hadamard and rotation is not None), None if q_norm is None else q_norm.data_ptr(),

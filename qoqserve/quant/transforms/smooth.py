@@ -69,38 +69,43 @@ def smooth_out_proj(layer, act_absmax: torch.Tensor, alpha: float, num_heads: in
     return s
 
 
-def pair_max(x: torch.Tensor) -> torch.Tensor:
-    """[..., D] -> [..., D] with entries i and i + D/2 both set to their max.
+def pair_max(x: torch.Tensor, rotary: int | None = None) -> torch.Tensor:
+    """[..., D] -> [..., D] with entries i and i + R/2 both set to their max,
+    for i < R/2 (R = rotary, default D); entries from R on kept.
 
-    RoPE (half-split) mixes channel i with i + D/2 by a 2x2 rotation; a
+    RoPE (half-split) mixes channel i with i + R/2 by a 2x2 rotation; a
     diagonal scale commutes with it only if both channels share the factor.
+    Partial rotary embeddings (R < D) leave the channels from R unturned.
     """
-    half = x.shape[-1] // 2
-    m = torch.maximum(x[..., :half], x[..., half:])
-    return torch.cat([m, m], dim=-1)
+    rot = rotary or x.shape[-1]
+    half = rot // 2
+    m = torch.maximum(x[..., :half], x[..., half:rot])
+    return torch.cat([m, m, x[..., rot:]], dim=-1)
 
 
-def smooth_attention_lambda(key_absmax: torch.Tensor, alpha: float) -> torch.Tensor:
-    """[Hkv, D] post-RoPE key absmax -> pair-equal lambda [Hkv, D] (float64)."""
+def smooth_attention_lambda(key_absmax: torch.Tensor, alpha: float, rotary: int | None = None) -> torch.Tensor:
+    """[Hkv, D] post-RoPE key absmax -> pair-equal lambda [Hkv, D] (float64),
+    pairs as RoPE turns them over its `rotary` first channels (default all)."""
     ka = torch.nan_to_num(key_absmax.double(), nan=1.0)
-    return pair_max(ka.clamp(min=_MIN).pow(alpha))
+    return pair_max(ka.clamp(min=_MIN).pow(alpha), rotary)
 
 
 @torch.no_grad()
 def smooth_attention(layer, key_absmax: torch.Tensor, alpha: float = 0.5,
                      num_heads: int | None = None, num_kv_heads: int | None = None,
-                     head_dim: int | None = None) -> torch.Tensor:
+                     head_dim: int | None = None, rotary: int | None = None) -> torch.Tensor:
     """SmoothAttention: q rows * lambda, k rows / lambda (biases too), so
     q.k is unchanged while keys (quantized to 4 bit) lose their outlier channels.
 
     key_absmax [Hkv, D] is measured on POST-RoPE keys by the caller; since
     lambda is pair-equal, post-RoPE k / lambda is exactly what the smoothed
-    model produces. Returns lambda [Hkv, D] (float64).
+    model produces. rotary: the channels RoPE turns (partial rotary
+    embeddings), default all. Returns lambda [Hkv, D] (float64).
     """
     h, hkv, d = heads(layer, num_heads, num_kv_heads, head_dim)
     qkv = layer.self_attn.qkv_proj
     q_rows, k_rows, _ = qkv_slices(layer, h, hkv, d)
-    lam = smooth_attention_lambda(key_absmax.to(qkv.weight.device).reshape(hkv, d), alpha)
+    lam = smooth_attention_lambda(key_absmax.to(qkv.weight.device).reshape(hkv, d), alpha, rotary)
     scale_rows(qkv, q_rows, expand_groups(lam, h, hkv))
     scale_rows(qkv, k_rows, 1 / lam.reshape(-1))
     return lam
