@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import gguf  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from test_gguf_tokenizers import spm_metadata  # noqa: E402
+from test_gguf_tokenizers import spm_metadata, with_probe_tokens  # noqa: E402
 from test_model_loader import _GGUF_NAMES, _llama_cpp_permute  # noqa: E402
 
 from qoqserve.model_loader import default_gguf_path  # noqa: E402
@@ -139,13 +139,15 @@ def spm(binary: str, tmp: Path, port: int, compare: int) -> None:
     (DATA / "spm_llamacpp_tokens.json").write_text(json.dumps(out, ensure_ascii=False, indent=0))
 
 
-def byte_level(binary: str, tmp: Path, port: int, compare: int, pre: str, name: str) -> None:
+def byte_level(binary: str, tmp: Path, port: int, compare: int, pre: str, name: str, vocab=lambda m: m) -> None:
+    """vocab: how the embedded vocabulary is changed first (with_probe_tokens)."""
     meta, _ = read_gguf_header(default_gguf_path())
-    meta = {**meta, "tokenizer.ggml.pre": pre}
+    meta = {**vocab(meta), "tokenizer.ggml.pre": pre}
     write_gguf(tmp / f"{name}.gguf", meta)
     ours = tokenizer_from_gguf_metadata(meta, f"{name}.gguf")
     others = [tokenizer_from_gguf_metadata({**meta, "tokenizer.ggml.pre": p}, p)
-              for p in ("gpt-2", "qwen2", "llama-bpe", "smollm", "tekken", "deepseek-coder") if p != pre]
+              for p in ("gpt-2", "qwen2", "llama-bpe", "smollm", "tekken", "deepseek-coder", "gpt-4o", "deepseek-llm")
+              if p != pre]
     server = Server(binary, tmp / f"{name}.gguf", port)
     try:
         rng, cases, tried = random.Random(17), [], 0
@@ -158,8 +160,10 @@ def byte_level(binary: str, tmp: Path, port: int, compare: int, pre: str, name: 
         report(pre, server, ours, PIECES, compare)
     finally:
         server.close()
+    probes = "with digit runs and words across a change of case added (with_probe_tokens) "
     (DATA / f"{name}_llamacpp_tokens.json").write_text(json.dumps(
         {"source": f"llama.cpp llama-server /tokenize (no BOS) over the embedded SmolLM2 vocabulary and merges "
+                   f"{probes if vocab is with_probe_tokens else ''}"
                    f"with tokenizer.ggml.pre {pre!r}; texts whose tokens differ under every other split "
                    f"(scripts/gguf_tokenizer_fixtures.py)", "cases": cases}, ensure_ascii=False, indent=0))
 
@@ -182,6 +186,8 @@ def main() -> None:
         spm(args.llama_server, Path(tmp), args.port, args.compare)
         byte_level(args.llama_server, Path(tmp), args.port, args.compare, "tekken", "tekken")
         byte_level(args.llama_server, Path(tmp), args.port, args.compare, "deepseek-coder", "deepseek_coder")
+        byte_level(args.llama_server, Path(tmp), args.port, args.compare, "gpt-4o", "gpt4o", with_probe_tokens)
+        byte_level(args.llama_server, Path(tmp), args.port, args.compare, "deepseek-llm", "deepseek_llm")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@ against llama.cpp's own: what llama.cpp 0.3.36's server answered is kept in
 tests/data/. SentencePiece ("llama": Llama 2, Mistral, Phi-3), 64 texts
 (special tokens inside, characters no piece covers, leading and repeated
 spaces) over the vocabulary built here, and 20 without the space prefix;
-the "tekken" (Mistral) and "deepseek-coder" pre-tokenizers, 30 texts each
+the "tekken" (Mistral), "deepseek-coder", "gpt-4o" (Phi-4-mini, Llama 4) and
+"deepseek-llm" pre-tokenizers, 30 texts each
 over the embedded model's vocabulary, texts whose tokens differ under every
 other split. scripts/gguf_tokenizer_fixtures.py makes them (and compares
 thousands of random texts: docs/models.md)."""
@@ -76,6 +77,23 @@ def test_another_tokenizer_model_is_refused_naming_the_way_out():
         tokenizer_from_gguf_metadata({**spm_metadata(), "tokenizer.ggml.model": "t5"}, "x.gguf")
 
 
+def with_probe_tokens(meta: dict) -> dict:
+    """The embedded model's vocabulary (single digits only) plus a token for
+    every run of two and three digits and the merges that make them, and
+    words across a change of case with no merges: where a pre-tokenizer groups
+    digits by three (gpt-4o, llama-bpe) its tokens then differ from one that
+    splits them one by one (tekken), and where it keeps such a word whole and
+    takes vocabulary hits whole (llama-bpe) from one that splits it at the
+    case (gpt-4o)."""
+    groups = [f"{a}{b}" for a in range(10) for b in range(10)] + [f"{a}{b}{c}" for a in range(10) for b in range(10)
+                                                                for c in range(10)]
+    merges = [f"{g[0]} {g[1]}" if len(g) == 2 else f"{g[:2]} {g[2]}" for g in groups]
+    words = ["camelCase", "isTheBest", "getURL", "abcDEF", "ĠcamelCase"]
+    return {**meta, "tokenizer.ggml.tokens": list(meta["tokenizer.ggml.tokens"]) + groups + words,
+            "tokenizer.ggml.token_type": list(meta["tokenizer.ggml.token_type"]) + [1] * (len(groups) + len(words)),
+            "tokenizer.ggml.merges": list(meta["tokenizer.ggml.merges"]) + merges}
+
+
 def _cases(name: str) -> list:
     return json.loads((Path(__file__).parent / "data" / f"{name}_llamacpp_tokens.json").read_text())["cases"]
 
@@ -89,17 +107,22 @@ def smollm2_with(default_gguf_path):
 
     def tokenizer(pre: str):
         if pre not in built:
-            built[pre] = tokenizer_from_gguf_metadata({**meta, "tokenizer.ggml.pre": pre}, f"{pre}.gguf")
+            vocab = with_probe_tokens(meta) if pre == "gpt-4o" else meta  # as its fixture was made
+            built[pre] = tokenizer_from_gguf_metadata({**vocab, "tokenizer.ggml.pre": pre}, f"{pre}.gguf")
         return built[pre]
     return tokenizer
 
 
 @pytest.mark.parametrize("pre,case", [("tekken", c) for c in _cases("tekken")]
-                         + [("deepseek-coder", c) for c in _cases("deepseek_coder")],
+                         + [("deepseek-coder", c) for c in _cases("deepseek_coder")]
+                         + [("gpt-4o", c) for c in _cases("gpt4o")]
+                         + [("deepseek-llm", c) for c in _cases("deepseek_llm")],
                          ids=lambda v: v if isinstance(v, str) else repr(v["text"])[:30])
 def test_byte_level_pre_tokenizers_split_as_llama_cpp(smollm2_with, pre, case):
     """Mistral Nemo / Small 3 ("tekken": capitalised words, single digits, no
-    merges across a vocabulary hit) and DeepSeek-Coder ("deepseek-coder": five
+    merges across a vocabulary hit), DeepSeek-Coder ("deepseek-coder": five
+    splits in turn), Phi-4-mini / Llama 4 ("gpt-4o": tekken's words with
+    contractions, digits in threes) and DeepSeek-LLM ("deepseek-llm": six
     splits in turn) over the embedded model's vocabulary; most cases are texts
     whose tokens differ under every other split."""
     assert smollm2_with(pre).encode(case["text"], add_special_tokens=False) == case["tokens"]

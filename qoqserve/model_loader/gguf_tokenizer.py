@@ -23,6 +23,22 @@ _TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{L
                  r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
                  r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _DEEPSEEK_CODER_SPLITS = (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[一-龥ࠀ-一가-퟿]+", r"\p{N}")
+# OpenAI's o200k as Phi-4-mini and Llama 4 ship it ("gpt-4o"): tekken's words with
+# their contractions, and up to three digits at a time
+_GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# DeepSeek-LLM (7B/67B, Llama architecture): six splits in turn, as llama.cpp
+# lists them (its letters and punctuation as explicit ranges)
+_DEEPSEEK_LLM_LETTERS = (
+    '\\s?[A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-'
+    'ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-ώᾀ-ᾴᾶ-ᾼιῂ-ῄῆ-ῌῐ-ΐῖ'
+    '-Ίῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤΩℨK-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ'
+    '-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃]+')
+_DEEPSEEK_LLM_SPLITS = (r"[\r\n]", _DEEPSEEK_LLM_LETTERS, '\\s?[!-/:-~！-／：-～‘-‟\u3000-。]+', r"\s+$",
+                        "[一-龥ࠀ-一가-퟿]+", r"\p{N}+")
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
@@ -56,9 +72,12 @@ def _pre_tokenizer_for(pre: str) -> tuple[pre_tokenizers.PreTokenizer, bool]:
         return _split_then_bytes(_QWEN2_SPLIT), False
     if pre == "tekken":  # llama.cpp ignores merges there too: whole vocabulary hits win
         return _split_then_bytes(_TEKKEN_SPLIT), True
-    if pre == "deepseek-coder":  # DeepSeek-Coder (Llama architecture): five splits, one after another
+    if pre in ("gpt-4o", "llama4"):
+        return _split_then_bytes(_GPT4O_SPLIT), False
+    if pre in ("deepseek-coder", "deepseek-llm"):  # DeepSeek (Llama architecture): splits one after another
+        splits = _DEEPSEEK_CODER_SPLITS if pre == "deepseek-coder" else _DEEPSEEK_LLM_SPLITS
         return pre_tokenizers.Sequence([
-            *(pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False) for r in _DEEPSEEK_CODER_SPLITS),
+            *(pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False) for r in splits),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]), False
     raise ModelLoadError(f"unsupported GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre): pass the model's HF "
                          "tokenizer with --tokenizer (a directory or a cached Hugging Face id)")
