@@ -230,6 +230,10 @@ _GGUF_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.wei
                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 
 
+_GEMMA3_GGUF_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                      "post_feedforward_layernorm": "post_ffw_norm"}
+
+
 def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     # what llama.cpp's convert_hf_to_gguf does to q/k rows of llama models
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2) \
@@ -250,7 +254,8 @@ def _write_gguf(path, model, arch: str, pre: str, rope_freqs=None, tokenizer_mod
     if getattr(c, "head_dim", None):
         w.add_key_length(c.head_dim)
         w.add_value_length(c.head_dim)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters)  # Gemma 3: per layer type
+    w.add_rope_freq_base(rope["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     tokens = [chr(i) for i in range(33, 33 + c.vocab_size - 1)] + ["<|eot|>"]
     w.add_tokenizer_model(tokenizer_model)
@@ -275,18 +280,21 @@ def _write_gguf(path, model, arch: str, pre: str, rope_freqs=None, tokenizer_mod
         meta(w)
     for name, arr in (extra or {}).items():
         w.add_tensor(name, arr)
+    names = {**_GGUF_NAMES, **(_GEMMA3_GGUF_NAMES if arch == "gemma3" else {})}
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
         arr = t.float().numpy()
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            arr = arr + 1.0  # as llama.cpp's converter stores Gemma's norms
         if arch in ("llama", "granite", "smollm3") and (".q_proj." in name or ".k_proj." in name):
             arr = _llama_cpp_permute(arr, c.num_attention_heads if ".q_proj." in name
                                      else c.num_key_value_heads)
         parts = name.split(".")
-        if name in _GGUF_NAMES:
-            gname = _GGUF_NAMES[name]
+        if name in names:
+            gname = names[name]
         else:  # model.layers.N.<module...>.weight|bias
-            gname = f"blk.{parts[2]}.{_GGUF_NAMES['.'.join(parts[3:-1])]}.{parts[-1]}"
+            gname = f"blk.{parts[2]}.{names['.'.join(parts[3:-1])]}.{parts[-1]}"
         w.add_tensor(gname, arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()

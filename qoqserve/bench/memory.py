@@ -106,11 +106,12 @@ def plan_memory(arch: ModelArchConfig, p: Precision, device: str, seq_len: int,
         lin += arch.num_layers * (local.num_heads + 2 * local.num_kv_heads) * arch.head_dim * bias_elem
     released = head_keeps_own_copy(p, device, dtype, group_size)
     embed = arch.vocab_size * arch.hidden_size * elem * (1 if arch.tie_word_embeddings or released else 2)
-    norms = (2 * arch.num_layers + 1) * arch.hidden_size * elem
-    if arch.qk_norm:  # Qwen3's q and k norms, one weight per channel of a head
+    norms = ((4 if arch.sandwich_norms else 2) * arch.num_layers + 1) * arch.hidden_size * elem
+    if arch.qk_norm:  # Qwen3's and Gemma's q and k norms, one weight per channel of a head
         norms += 2 * arch.num_layers * arch.head_dim * elem
-    # the fp32 RoPE cos/sin tables of every position the engine allows
-    rope = 2 * (max_positions or arch.max_position_embeddings) * arch.head_dim * 4
+    # the fp32 RoPE cos/sin tables of every position the engine allows (Gemma 3: two, global and local)
+    rope = 2 * (max_positions or arch.max_position_embeddings) * (arch.rotary_dim or arch.head_dim) * 4
+    rope *= 2 if arch.rope_local_theta else 1
     weights = lin + embed + norms + rope
     kv_kind = {"16bit": "float16" if device.startswith("cuda") else "bfloat16", "auto": "auto"}.get(p.kv, p.kv)
     kv_format = "int4" if (p.weights == "qoq" and kv_kind == "auto") else None

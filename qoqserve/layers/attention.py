@@ -43,17 +43,18 @@ class AttentionMetadata:
 
 class PagedAttention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
-                 backend: AttentionBackend | None, window: int | None = None):
+                 backend: AttentionBackend | None, window: int | None = None, scale: float | None = None):
         """backend: the page format and the kernels over it (None: a model that
         never runs, e.g. built on the meta device for its weight schema).
         window: the positions a query sees in a sliding-window layer (itself
-        and the window - 1 before it); None: all before it."""
+        and the window - 1 before it); None: all before it. scale: the
+        scores' (Gemma's query_pre_attn_scalar ** -0.5); None: head_dim ** -0.5."""
         super().__init__()
         self.window = window or 0
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = scale or head_dim ** -0.5
         self.backend = backend
         self.layout = backend.layout if backend is not None else None
 

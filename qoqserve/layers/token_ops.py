@@ -19,8 +19,10 @@ from qoqserve.kernels.cpu import elementwise
 class TorchTokenOps:
     name = "torch"
 
-    def embed(self, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, table)
+    def embed(self, ids: torch.Tensor, table: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        """table[ids], times scale where given (Gemma's embeddings), in the table's dtype."""
+        out = F.embedding(ids, table)
+        return out if scale is None else out * torch.tensor(scale, dtype=table.dtype)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         # statistics in fp32 whatever the activation dtype, as in HF Llama
@@ -38,6 +40,11 @@ class TorchTokenOps:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def gelu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gelu_tanh(gate) * up (Gemma's GeGLU)."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
     def qkv_rope(self, qkv: torch.Tensor, positions: torch.Tensor, rope, key_transform,
                  num_heads: int, num_kv_heads: int, head_dim: int, qk_norm=None):
@@ -66,8 +73,8 @@ class CpuTokenOps(TorchTokenOps):
     def supports(dtype: torch.dtype) -> bool:
         return elementwise.available() and dtype in elementwise.DTYPES
 
-    def embed(self, ids, table):
-        return elementwise.embed(ids, table)
+    def embed(self, ids, table, scale=None):
+        return elementwise.embed(ids, table, scale)
 
     def rms_norm(self, x, weight, eps):
         return elementwise.rms_norm(x, weight, eps)
@@ -77,6 +84,9 @@ class CpuTokenOps(TorchTokenOps):
 
     def silu_mul(self, gate_up):
         return elementwise.silu_mul(gate_up)
+
+    def gelu_mul(self, gate_up):
+        return elementwise.gelu_mul(gate_up)
 
     def qkv_rope(self, qkv, positions, rope, key_transform, num_heads, num_kv_heads, head_dim, qk_norm=None):
         kt = key_transform

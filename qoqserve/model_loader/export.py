@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from .generation_config import write_generation_config
+from .scalar_folds import is_norm_weight
 from .source import load_model_source
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -22,7 +23,10 @@ def export_hf_dir(model: str | None, out_dir: str, dtype: str = "bfloat16") -> s
     if source.quant_config.name != "fp":
         raise ValueError(f"{source.path}: a QoQ checkpoint holds integer codes; export its source model")
     os.makedirs(out_dir, exist_ok=True)
-    tensors = {name: t.to(_DTYPES[dtype]).contiguous() for name, t in source.iter_tensors()}
+    # the norms as Gemma's checkpoints store them (w - 1), the loaders having added the 1
+    unfold = source.arch.norm_offset
+    tensors = {name: (t.float() - 1.0 if unfold and is_norm_weight(name) else t).to(_DTYPES[dtype]).contiguous()
+               for name, t in source.iter_tensors()}
     if source.arch.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})

@@ -29,7 +29,8 @@ from .schema import check_inventory
 from .tokenizer_source import load_tokenizer
 
 _ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "smollm3": "smollm3",
-          "granite": "llama"}  # granite: its scales folded into the weights (scalar_folds.py)
+          "granite": "llama",  # granite: its scales folded into the weights (scalar_folds.py)
+          "gemma3": "gemma3"}
 # llama.cpp's converter reorders the q/k rows of these for its RoPE layout
 _ROPE_PERMUTED = ("llama", "granite", "smollm3")
 # llama.cpp's SmolLM3: every 4th layer without RoPE (its GGUF has no key for it)
@@ -44,16 +45,22 @@ _BLOCK_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
                 "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 # phi3 stores q/k/v as one attn_qkv and gate/up as one ffn_up (gate rows first)
 _FUSED_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# Gemma 3's sandwich norms, in HF's names: ffn_norm is the MLP's input norm there
+_SANDWICH_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                   "post_ffw_norm": "post_feedforward_layernorm"}
+# llama.cpp's Gemma 3: one global layer in six, the sliding ones' RoPE base
+_GEMMA3_PATTERN, _GEMMA3_LOCAL_THETA = 6, 10000.0
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _QUANT_SUFFIX = re.compile(r"[.-](I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
 
 
-def hf_tensor_name(gguf_name: str, fused: bool = False) -> str | None:
-    """The HF name of a GGUF tensor (fused: the architecture fuses q/k/v and gate/up)."""
+def hf_tensor_name(gguf_name: str, fused: bool = False, sandwich: bool = False) -> str | None:
+    """The HF name of a GGUF tensor (fused: the architecture fuses q/k/v and
+    gate/up; sandwich: it has Gemma's norms around attention and the MLP)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _BLOCK_RE.match(gguf_name)
-    names = {**_BLOCK_NAMES, **_FUSED_NAMES} if fused else _BLOCK_NAMES
+    names = {**_BLOCK_NAMES, **(_FUSED_NAMES if fused else {}), **(_SANDWICH_NAMES if sandwich else {})}
     if m and m.group(2) in names:
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     return None
@@ -239,6 +246,17 @@ def load_gguf(path: str, tok_spec: str | None = None) -> ModelSource:
     if "token_embd.weight" not in by_name:
         raise ModelLoadError(f"{path}: missing tensor token_embd.weight")
     layers = int(need(f"{a}.block_count"))
+    window = int(meta.get(f"{a}.attention.sliding_window") or 0) or None
+    gemma = {}
+    if a == "gemma3":  # as llama.cpp reads a Gemma 3 file (its norms hold the 1 added already)
+        if meta.get(f"{a}.final_logit_softcapping"):
+            raise UnsupportedModelError(f"{path}: final logit soft-capping is not supported")
+        every = int(meta.get(f"{a}.attention.sliding_window_pattern") or _GEMMA3_PATTERN)
+        # llama.cpp: 27B (62 layers) scales the scores by hidden / heads, the others by head_dim
+        gemma = dict(mlp_act="gelu_tanh", embed_scale=float(hidden) ** 0.5,
+                     attn_scale=(hidden // heads if layers == 62 else head_dim) ** -0.5,
+                     rope_local_theta=float(meta.get(f"{a}.rope.freq_base_swa") or _GEMMA3_LOCAL_THETA),
+                     sliding_layers=tuple(i for i in range(layers) if (i + 1) % every) if window else None)
     arch = ModelArchConfig(
         architecture=_ARCHS[a],
         vocab_size=int(by_name["token_embd.weight"].dims[1]),
@@ -255,16 +273,17 @@ def load_gguf(path: str, tok_spec: str | None = None) -> ModelSource:
         max_position_embeddings=_context(meta, a, scaling),
         tie_word_embeddings="output.weight" not in by_name,
         attention_bias="blk.0.attn_q.bias" in by_name,
-        sliding_window=int(meta.get(f"{a}.attention.sliding_window") or 0) or None,
+        sliding_window=window,
         nope_layers=tuple(i for i in range(layers) if (i + 1) % _SMOLLM3_NOPE_EVERY == 0) if a == "smollm3" else (),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        **gemma,
     )
 
     renamed: dict[str, Any] = {}
     for t in parsed.tensors:
         if t.name in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"):
             continue  # folded into arch.rope_scaling above
-        hf = hf_tensor_name(t.name, arch.fused_checkpoint_linears)
+        hf = hf_tensor_name(t.name, arch.fused_checkpoint_linears, arch.sandwich_norms)
         if hf is None:
             raise ModelLoadError(f"{path}: unexpected tensor {t.name!r} for a {a} model")
         renamed[hf] = t

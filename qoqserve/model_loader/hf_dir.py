@@ -17,7 +17,7 @@ from qoqserve.models.arch import ModelArchConfig
 from .base import ModelSource, TensorIter, read_json_object
 from .generation_config import sampling_keys
 from .lazy import LazyTensor
-from .scalar_folds import factor_of, folded, granite_folds
+from .scalar_folds import granite_folds, transform_of
 from .schema import check_inventory
 from .tokenizer import tokenizer_from_hf_dir
 from .tokenizer_source import load_tokenizer
@@ -162,6 +162,7 @@ def load_hf_dir(path: str, tok_spec: str | None = None) -> ModelSource:
         arch.bos_token_id = tokenizer.bos_token_id
 
     folds = granite_folds(cfg, arch.head_dim, arch.tie_word_embeddings)
+    offset_norms = arch.norm_offset and quant_file is None  # a QoQ checkpoint holds them added (scalar_folds.py)
 
     def iter_tensors(lazy: bool = False) -> TensorIter:
         """lazy: LazyTensors, read when (and where) the loader materializes them;
@@ -172,16 +173,15 @@ def load_hf_dir(path: str, tok_spec: str | None = None) -> ModelSource:
                            key=lambda n: located[n][1])
             with safe_open(file, framework="pt") as handle:
                 for name in names:
-                    factor = factor_of(folds, name)
+                    transform = transform_of(folds, name, offset_norms)
                     if lazy:
                         yield name, LazyTensor(handle.get_slice(name), shapes[name],
                                                functools.partial(quant.check_tensor, name, where=file),
-                                               transform=None if factor == 1.0 else
-                                               functools.partial(folded, factor=factor))
+                                               transform=transform)
                         continue
                     tensor = handle.get_tensor(name)
                     quant.check_tensor(name, tensor, file)
-                    yield name, folded(tensor, factor)
+                    yield name, tensor if transform is None else transform(tensor)
 
     return ModelSource(path=path, name=_display_name(path), arch=arch, tokenizer=tokenizer,
                        tensor_iter_factory=iter_tensors, quant_config=quant,

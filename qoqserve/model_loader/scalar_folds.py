@@ -1,5 +1,12 @@
-"""Granite's scalar multipliers, folded into its weights as they are read, so
-that the model is a Llama (and its QoQ checkpoint a Llama checkpoint):
+"""What is folded into a checkpoint's weights as they are read.
+
+Gemma's RMSNorm weights are stored as w - 1 (its norm multiplies by 1 + w):
+the 1 is added (`norm_offset`), in fp32, so the model's norms are plain ones.
+GGUF files hold them with the 1 added already (llama.cpp's converter adds
+it), and so do qoqserve's own QoQ checkpoints.
+
+Granite's scalar multipliers, folded so that the model is a Llama (and its
+QoQ checkpoint a Llama checkpoint):
 
 * `embedding_multiplier` m_e: the embedding table times m_e;
 * `residual_multiplier` m_r (each sublayer's output times m_r before the
@@ -14,6 +21,7 @@ holds, when it is copied in); a factor of 1 leaves the tensor as read.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -45,3 +53,21 @@ def factor_of(folds: dict[str, float], name: str) -> float:
 
 def folded(t: torch.Tensor, factor: float) -> torch.Tensor:
     return t if factor == 1.0 else t.float() * factor
+
+
+def is_norm_weight(name: str) -> bool:
+    """An RMSNorm's weight: the layers' norms, the q/k norms and the final one."""
+    return name.endswith("norm.weight")
+
+
+def norm_offset(t: torch.Tensor) -> torch.Tensor:
+    """A Gemma norm weight as stored (w - 1) -> the plain norm's (w)."""
+    return t.float() + 1.0
+
+
+def transform_of(folds: dict[str, float], name: str, offset_norms: bool):
+    """What is applied to tensor `name` as it is read (None: nothing)."""
+    if offset_norms and is_norm_weight(name):
+        return norm_offset
+    factor = factor_of(folds, name)
+    return None if factor == 1.0 else functools.partial(folded, factor=factor)

@@ -11,7 +11,7 @@ from typing import Any
 
 _HF_NAMES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
              "qwen3": ("Qwen3ForCausalLM", "qwen3"), "phi3": ("Phi3ForCausalLM", "phi3"),
-             "smollm3": ("SmolLM3ForCausalLM", "smollm3")}
+             "smollm3": ("SmolLM3ForCausalLM", "smollm3"), "gemma3": ("Gemma3ForCausalLM", "gemma3_text")}
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -23,6 +23,7 @@ SUPPORTED_ARCHITECTURES = {
     # Granite's four scalar multipliers are folded into its weights at load
     # (model_loader/scalar_folds.py): what remains is a Llama
     "GraniteForCausalLM": "llama",
+    "Gemma3ForCausalLM": "gemma3",
 }
 
 
@@ -76,6 +77,37 @@ def longrope_scaling(scaling: dict[str, Any], max_positions: int, orig: int | No
             "original_max_position_embeddings": orig, "attention_factor": float(attention)}
 
 
+def _gemma3_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A Gemma 3 text config in the keys the rest of from_hf_config reads, as
+    transformers fills it in: the global layers' RoPE (theta 1M, the config's
+    scaling) apart from the sliding layers' (rope_local_base_freq, 10k; or
+    transformers 5's rope_parameters per layer type), five sliding layers to
+    a full one unless layer_types says, GELU-tanh, tied embeddings."""
+    if cfg.get("attn_logit_softcapping") or cfg.get("final_logit_softcapping"):
+        raise UnsupportedModelError("logit soft-capping (Gemma 2) is not supported")
+    out = dict(cfg)
+    params = out.pop("rope_parameters", None)
+    if isinstance(params, dict) and "full_attention" in params:
+        full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise UnsupportedModelError(f"RoPE scaling {local['rope_type']!r} on the sliding layers is not supported")
+        out["rope_theta"], out["rope_local_base_freq"] = full.get("rope_theta", 1e6), local.get("rope_theta", 1e4)
+        out["rope_scaling"] = ({k: v for k, v in full.items() if k != "rope_theta"}
+                               if full.get("rope_type", "default") != "default" else None)
+    out.setdefault("rope_theta", 1e6)
+    out.setdefault("rope_local_base_freq", 1e4)
+    if not out.get("layer_types"):
+        every = out.get("sliding_window_pattern", 6)
+        out["layer_types"] = ["sliding_attention" if (i + 1) % every else "full_attention"
+                              for i in range(out["num_hidden_layers"])]
+    out["hidden_act"] = out.get("hidden_activation") or out.get("hidden_act") or "gelu_pytorch_tanh"
+    out.setdefault("tie_word_embeddings", True)
+    out.setdefault("head_dim", 256)
+    out.setdefault("rms_norm_eps", 1e-6)
+    out.setdefault("query_pre_attn_scalar", 256)
+    return out
+
+
 def _sliding_window(cfg: dict[str, Any], arch: str) -> tuple[int | None, tuple[int, ...] | None]:
     """The window of an HF config whose attention really slides, and the
     layers that slide (None: all), as transformers reads them: Qwen2/Qwen3
@@ -112,6 +144,10 @@ class ModelArchConfig:
     num_kv_heads: int
     head_dim: int
     rotary_dim: int | None = None  # the channels RoPE turns, the first of each head; None: all (head_dim)
+    mlp_act: str = "silu"  # the gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
+    attn_scale: float | None = None  # the attention scores' scale; None: head_dim ** -0.5
+    rope_local_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base (unscaled); None: rope_theta
+    embed_scale: float | None = None  # Gemma: the embeddings times sqrt(hidden), in the model's dtype
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     # HF-style dict, e.g. {"rope_type": "llama3", "factor": 8.0, ...}; None = plain RoPE
@@ -141,8 +177,21 @@ class ModelArchConfig:
 
     @property
     def qk_norm(self) -> bool:
-        """Qwen3: an RMSNorm over each q and k head (weights [head_dim]) before RoPE."""
-        return self.architecture == "qwen3"
+        """Qwen3, Gemma 3: an RMSNorm over each q and k head (weights [head_dim]) before RoPE."""
+        return self.architecture in ("qwen3", "gemma3")
+
+    @property
+    def sandwich_norms(self) -> bool:
+        """Gemma 3: RMSNorms on the attention's and the MLP's outputs too, before
+        each residual add (post_attention_layernorm, post_feedforward_layernorm),
+        and the MLP's input norm is pre_feedforward_layernorm."""
+        return self.architecture == "gemma3"
+
+    @property
+    def norm_offset(self) -> bool:
+        """Gemma: its checkpoints store each RMSNorm weight as w - 1 (the norm
+        multiplies by 1 + w); the loader adds the 1 (model_loader/scalar_folds.py)."""
+        return self.architecture == "gemma3"
 
     @property
     def fused_checkpoint_linears(self) -> bool:
@@ -158,9 +207,14 @@ class ModelArchConfig:
             raise UnsupportedModelError(
                 f"unsupported architecture {archs or cfg.get('model_type')!r}; "
                 f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        gemma = arch == "Gemma3ForCausalLM"
+        if gemma:
+            cfg = _gemma3_config(cfg)
         act = cfg.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):  # the MLP is SwiGLU; another activation would run as SiLU
-            raise UnsupportedModelError(f"unsupported hidden_act {act!r}: the MLP here is SwiGLU (silu)")
+        acts = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+        if act not in acts:  # the MLP is gated: SwiGLU or GeGLU (tanh); another would run wrong
+            raise UnsupportedModelError(f"unsupported hidden_act {act!r}: the MLP here is SwiGLU (silu) or "
+                                        "GeGLU (gelu_pytorch_tanh)")
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         eos = cfg.get("eos_token_id")
@@ -201,6 +255,10 @@ class ModelArchConfig:
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
             rotary_dim=None if rotary_dim == head_dim else rotary_dim,
+            mlp_act=acts[act],
+            attn_scale=float(cfg["query_pre_attn_scalar"]) ** -0.5 if gemma else None,
+            rope_local_theta=float(cfg["rope_local_base_freq"]) if gemma else None,
+            embed_scale=float(cfg["hidden_size"]) ** 0.5 if gemma else None,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
             rope_theta=float(rope_theta or 10000.0),
             rope_scaling=rope_scaling,
@@ -240,4 +298,7 @@ class ModelArchConfig:
             "torch_dtype": torch_dtype,
             **({"no_rope_layers": [int(i not in self.nope_layers) for i in range(self.num_layers)]}
                if self.architecture == "smollm3" else {}),
+            **({"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": round(self.attn_scale ** -2),
+                "rope_local_base_freq": self.rope_local_theta, "final_logit_softcapping": None,
+                "attn_logit_softcapping": None} if self.architecture == "gemma3" else {}),
         }

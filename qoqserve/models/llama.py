@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, SmolLM2/3) over paged attention.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, SmolLM2/3,
+Gemma 3) over paged attention.
 
 Tensors flow flattened: a batch is one [T, hidden] matrix of all its new
 tokens, so linears see every request at once and attention alone knows where
@@ -51,7 +52,8 @@ class Attention(nn.Module):
         self.o_proj = Linear(q_size, cfg.hidden_size, False, method_for("self_attn.o_proj"), dtype,
                              _row_shard(tp, rows[0]))
         self.rope = rope
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, attention, window)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, attention, window,
+                                   cfg.attn_scale)
         self.key_transform = (KeyTransform(self.num_kv_heads, self.head_dim, dtype,
                                            (kv0, self.num_kv_heads) if tp.size > 1 else None)
                               if key_transform else None)
@@ -81,12 +83,16 @@ class MLP(nn.Module):
         self.ops = ops
         inter = cfg.intermediate_size
         cols = tp.split(inter, "MLP intermediate channels")
+        self.gelu = cfg.mlp_act == "gelu_tanh"  # Gemma's GeGLU; else SwiGLU, fused where the kernels can
         self.gate_up_proj = Linear(cfg.hidden_size, [inter] * 2, False, method_for("mlp.gate_up_proj"), dtype,
-                                   LinearShard(rows=(cols, cols)) if tp.size > 1 else None, silu_mul_after=True)
+                                   LinearShard(rows=(cols, cols)) if tp.size > 1 else None,
+                                   silu_mul_after=not self.gelu)
         self.down_proj = Linear(inter, cfg.hidden_size, False, method_for("mlp.down_proj"), dtype,
                                 _row_shard(tp, cols))
 
     def forward(self, x):
+        if self.gelu:
+            return self.down_proj(self.ops.gelu_mul(self.gate_up_proj(x)))
         act = self.gate_up_proj.silu_mul_output(x, self.ops.silu_mul)  # in gate_up's epilogue, where it can be
         if act is None:
             act = self.down_proj.input_from_silu_mul(self.gate_up_proj(x), self.ops.silu_mul)
@@ -100,7 +106,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         self.self_attn = Attention(cfg, method_for, attention, rope, dtype, key_transform, ops, tp, window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:  # Gemma: post_attention_layernorm normalizes the attention's output instead
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         self.mlp = MLP(cfg, method_for, dtype, ops, tp)
+
+    @property
+    def mlp_input_norm(self) -> RMSNorm:
+        """The norm whose output is the MLP's input (what the quantizer folds into gate_up)."""
+        return self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
 
     def forward(self, positions, h, meta, cache, delta=None):
         """The residual stream h and the previous layer's output delta (not yet
@@ -109,8 +124,11 @@ class DecoderLayer(nn.Module):
         # the consuming linear may fuse the norm with quantizing its input
         x, h = self.self_attn.qkv_proj.input_from_norm(self.input_layernorm, h, delta)
         a = self.self_attn(positions, x, meta, cache)
-        x, h = self.mlp.gate_up_proj.input_from_norm(self.post_attention_layernorm, h, a)
-        return h, self.mlp(x)
+        if self.sandwich:
+            a = self.post_attention_layernorm(a)
+        x, h = self.mlp.gate_up_proj.input_from_norm(self.mlp_input_norm, h, a)
+        m = self.mlp(x)
+        return h, self.post_feedforward_layernorm(m) if self.sandwich else m
 
 
 class TensorSpec(NamedTuple):
@@ -144,11 +162,17 @@ class LlamaForCausalLM(nn.Module):
                       else linear_method)
         self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype),
                                          requires_grad=False)
-        rope = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
-                               cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim)
+        positions = max_positions or cfg.max_position_embeddings
+        rope = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim)
+        # Gemma 3: the sliding layers turn by their own base, unscaled
+        local = (RotaryEmbedding(cfg.head_dim, positions, cfg.rope_local_theta, None, cfg.rotary_dim)
+                 if cfg.rope_local_theta else rope)
+
+        def rope_of(i: int) -> RotaryEmbedding | None:
+            return None if i in cfg.nope_layers else local if cfg.window_of(i) else rope
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, lambda name, i=i: method_for(f"layers.{i}.{name}"), attention,
-                         None if i in cfg.nope_layers else rope, dtype, key_transform, ops, tp, cfg.window_of(i))
+                         rope_of(i), dtype, key_transform, ops, tp, cfg.window_of(i))
             for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         # lm_head and embeddings stay high precision (QoQ keeps them unquantized)
@@ -159,7 +183,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 caches: list[torch.Tensor] | None) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm."""
-        h, delta = self.token_ops.embed(input_ids, self.embed_tokens), None
+        h, delta = self.token_ops.embed(input_ids, self.embed_tokens, self.cfg.embed_scale), None
         for i, layer in enumerate(self.layers):
             h, delta = layer(positions, h, meta, caches[i] if caches is not None else None, delta)
         return self.norm(h, delta)[0]

@@ -112,14 +112,19 @@ def sequential_layer(layer, hidden: torch.Tensor, lengths: tuple[int, ...], arch
     residual, x_mlp, x_down = torch.empty_like(hidden), torch.empty_like(hidden), None
 
     def post_attention(rows):
-        x, residual[rows] = mlp.gate_up_proj.input_from_norm(
-            layer.post_attention_layernorm, hidden[rows], attn.o_proj(x_attn[rows]))
+        a = attn.o_proj(x_attn[rows])
+        if layer.sandwich:  # Gemma: the attention's output normalized before the residual add
+            a = layer.post_attention_layernorm(a)
+        x, residual[rows] = mlp.gate_up_proj.input_from_norm(layer.mlp_input_norm, hidden[rows], a)
         x_mlp[rows] = x
         return x
 
     def gate_up(rows):
         nonlocal x_down
-        x = mlp.down_proj.input_from_silu_mul(mlp.gate_up_proj(x_mlp[rows]), mlp.ops.silu_mul)
+        if mlp.gelu:
+            x = mlp.ops.gelu_mul(mlp.gate_up_proj(x_mlp[rows]))
+        else:
+            x = mlp.down_proj.input_from_silu_mul(mlp.gate_up_proj(x_mlp[rows]), mlp.ops.silu_mul)
         if x_down is None:
             x_down = x.new_empty(hidden.shape[0], x.shape[-1])
         x_down[rows] = x
@@ -141,5 +146,6 @@ def sequential_layer(layer, hidden: torch.Tensor, lengths: tuple[int, ...], arch
         quantize(name, cap)
     out = torch.empty_like(hidden)
     for _, rows in _row_chunks(lengths):
-        out[rows] = residual[rows] + mlp.down_proj(x_down[rows])
+        m = mlp.down_proj(x_down[rows])
+        out[rows] = residual[rows] + (layer.post_feedforward_layernorm(m) if layer.sandwich else m)
     return out

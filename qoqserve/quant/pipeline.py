@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -43,6 +44,8 @@ from qoqserve.quant.transforms.smooth import (
     smooth_scales,
 )
 from qoqserve.quant.weight_quantizer import WeightQuantizer
+
+log = logging.getLogger(__name__)
 
 # Bumped whenever the same QuantConfig makes different numbers (a cached
 # checkpoint of an older revision is quantized again). 2: the straight-through
@@ -215,6 +218,13 @@ def quantize_model(source, cfg: QuantConfig, calib: CalibrationSet, device: str 
     rotation: the residual rotation to fold (e.g. one learned by an earlier run
     of the same config), instead of cfg.rotation's."""
     cfg.check_model(source.arch)
+    if cfg.rotate and source.arch.sandwich_norms:
+        # Gemma normalizes each sublayer's output before the residual add: an
+        # elementwise weight, which a rotation of the residual stream does not
+        # commute with; its linears are quantized in the unrotated basis
+        log.warning("%s: no residual rotation for a %s model (its sublayers' output norms do not commute "
+                    "with one)", cfg.name, source.arch.architecture)
+        cfg = dataclasses.replace(cfg, rotate=False)
     top = max((max(sample) for sample in calib.samples if sample), default=-1)
     if top >= source.arch.vocab_size:  # an embedding lookup would fail deep inside the first pass
         raise ValueError(f"calibration token id {top} is past the model's vocabulary ({source.arch.vocab_size} "

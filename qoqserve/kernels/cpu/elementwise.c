@@ -36,6 +36,18 @@ void embed_rows(const int64_t *ids, const void *table, void *h, int64_t T, int64
         memcpy((char *)h + t * row_bytes, (const char *)table + ids[t] * row_bytes, (size_t)row_bytes);
 }
 
+/* h = table[ids] * scale (Gemma's scaled embeddings), rounded as torch's
+ * row * scale in the table's dtype (scale as that dtype holds it) */
+void embed_scaled(const int64_t *ids, const void *table, void *h, int64_t T, int64_t K, float scale, int bf16) {
+    const float s = bf16 ? bf16_to_float(float_to_bf16(scale)) : scale;
+    for (int64_t t = 0; t < T; t++) {
+        float row[MAX_ROW];
+        load_row(table, bf16, ids[t] * K, K, row);
+        for (int64_t i = 0; i < K; i++) row[i] *= s;
+        store_row(row, K, h, bf16, t * K);
+    }
+}
+
 /* out = a's bytes then b's: rows of two tensors one after the other */
 void concat_rows(const void *a, int64_t a_bytes, const void *b, int64_t b_bytes, void *out) {
     memcpy(out, a, (size_t)a_bytes);
@@ -74,6 +86,27 @@ void silu_mul(const void *gu, void *y, int64_t T, int64_t I, int bf16, int threa
             const int64_t n = I - i0 < MAX_ROW ? I - i0 : MAX_ROW;
             const char *row = (const char *)gu + (size_t)(t * 2 * I) * es;
             silu_mul_row(row + (size_t)i0 * es, row + (size_t)(I + i0) * es, bf16, n, g);
+            store_row(g, n, y, bf16, t * I + i0);
+        }
+    });
+}
+
+/* gu [T, 2I] (gate | up) -> y [T, I] = gelu_tanh(gate) * up (Gemma's GeGLU),
+ * gelu_tanh(g) = g / 2 (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), with torch's
+ * roundings: the GELU rounded to the dtype, then the product */
+void gelu_mul(const void *gu, void *y, int64_t T, int64_t I, int bf16, int threads) {
+    const size_t es = bf16 ? 2 : 4;
+    TEAM_RUN(threads, T >= PAR_ROWS, for (int64_t t = T * tm.t / tm.T; t < T * (tm.t + 1) / tm.T; t++) {
+        float g[MAX_ROW], u[MAX_ROW];
+        for (int64_t i0 = 0; i0 < I; i0 += MAX_ROW) {
+            const int64_t n = I - i0 < MAX_ROW ? I - i0 : MAX_ROW;
+            const char *row = (const char *)gu + (size_t)(t * 2 * I) * es;
+            load_row(row, bf16, i0, n, g);
+            load_row(row, bf16, I + i0, n, u);
+            for (int64_t i = 0; i < n; i++) {
+                const float x = g[i], inner = 0.7978845608028654f * (x + 0.044715f * (x * x * x));
+                g[i] = as_stored(as_stored(0.5f * x * (1.0f + tanhf(inner)), bf16) * u[i], bf16);
+            }
             store_row(g, n, y, bf16, t * I + i0);
         }
     });

@@ -14,10 +14,12 @@ from qoqserve.kernels.cpu.build import load_library
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "embed_rows": (None, [_P, _P, _P, _L, _L]),
+    "embed_scaled": (None, [_P, _P, _P, _L, _L, _F, _I]),
     "concat_rows": (None, [_P, _L, _P, _L, _P]),
     "rms_norm": (None, [_P, _L, _P, _P, _L, _L, _F, _I, _I]),
     "add_rms_norm": (None, [_P, _P, _P, _P, _L, _L, _F, _I, _I]),
     "silu_mul": (None, [_P, _P, _L, _L, _I, _I]),
+    "gelu_mul": (None, [_P, _P, _L, _L, _I, _I]),
     "qkv_rope": (None, [_P, _L, _L, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _P, _P, _F, _P, _P, _P, _I, _I]),
     "argmax_rows": (None, [_P, _L, _L, _L, _P, _I]),
 }
@@ -28,8 +30,8 @@ MAX_ROW = 16384  # the C scratch rows: hidden size, intermediate size per chunk
 
 def load():
     return load_library("elementwise", ["-ffp-contract=off"], _SIGNATURES,
-                        team_aware=("qkv_rope", "rms_norm", "add_rms_norm", "silu_mul", "argmax_rows"),
-                        serial=("embed_rows", "concat_rows"))
+                        team_aware=("qkv_rope", "rms_norm", "add_rms_norm", "silu_mul", "gelu_mul", "argmax_rows"),
+                        serial=("embed_rows", "embed_scaled", "concat_rows"))
 
 
 def available() -> bool:
@@ -42,12 +44,20 @@ def _check(*tensors: torch.Tensor) -> None:
             raise ValueError(f"CPU elementwise kernels take fp32/bf16 CPU tensors, got {t.dtype} on {t.device}")
 
 
-def embed(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """table[ids] (ids int64 [T], table [V, K] contiguous)."""
+def embed(ids: torch.Tensor, table: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """table[ids] (ids int64 [T], table [V, K] contiguous), times scale where
+    given (Gemma), rounded as torch's product in the table's dtype."""
     t, k = ids.shape[0], table.shape[1]
     out = graph.empty(t, k, dtype=table.dtype)
-    graph.launch(load().embed_rows, ids.data_ptr(), table.data_ptr(), out.data_ptr(), t,
-                 k * table.element_size())
+    if scale is None:
+        graph.launch(load().embed_rows, ids.data_ptr(), table.data_ptr(), out.data_ptr(), t,
+                     k * table.element_size())
+        return out
+    _check(table)
+    if k > MAX_ROW:
+        raise ValueError(f"embed: rows at most {MAX_ROW} wide")
+    graph.launch(load().embed_scaled, ids.data_ptr(), table.data_ptr(), out.data_ptr(), t, k, float(scale),
+                 int(table.dtype == torch.bfloat16))
     return out
 
 
@@ -96,6 +106,17 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     t, two_i = gate_up.shape
     y = graph.empty(t, two_i // 2, dtype=gate_up.dtype)
     graph.launch(load().silu_mul, gate_up.data_ptr(), y.data_ptr(), t, two_i // 2,
+                 int(gate_up.dtype == torch.bfloat16), torch.get_num_threads())
+    return y
+
+
+def gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up of gate_up [T, 2I] (gate | up) -> [T, I] (Gemma's GeGLU)."""
+    _check(gate_up)
+    gate_up = gate_up if gate_up.is_contiguous() else gate_up.contiguous()
+    t, two_i = gate_up.shape
+    y = graph.empty(t, two_i // 2, dtype=gate_up.dtype)
+    graph.launch(load().gelu_mul, gate_up.data_ptr(), y.data_ptr(), t, two_i // 2,
                  int(gate_up.dtype == torch.bfloat16), torch.get_num_threads())
     return y
 

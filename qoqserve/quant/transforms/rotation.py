@@ -35,7 +35,7 @@ def fold_norms(model) -> None:
     pairs = []
     for layer in model.layers:
         pairs.append((layer.input_layernorm, [layer.self_attn.qkv_proj.weight]))
-        pairs.append((layer.post_attention_layernorm, [layer.mlp.gate_up_proj.weight]))
+        pairs.append((layer.mlp_input_norm, [layer.mlp.gate_up_proj.weight]))
     pairs.append((model.norm, [model.lm_head]))
     for norm, weights in pairs:
         w = norm.weight.double()
