@@ -111,10 +111,11 @@ def test_two_ranks_match_one_fp32(tiny_ref):
             tiny_split()
 
 
-@pytest.mark.parametrize("model", ["synthetic:tiny-qwen3", "synthetic:tiny-phi3"])
-def test_two_ranks_match_one_for_qwen3_and_phi3(model):
+@pytest.mark.parametrize("model", ["synthetic:tiny-qwen3", "synthetic:tiny-phi3", "synthetic:tiny-gemma3"])
+def test_two_ranks_match_one_for_qwen3_phi3_and_gemma3(model):
     # qwen3: the q/k norms' weights are per channel, shared by every head: whole on
-    # each rank; phi3: each rank takes its rows of every part of the fused tensors
+    # each rank; phi3: each rank takes its rows of every part of the fused tensors;
+    # gemma3: the output norms after the all-reduces, whole on each rank
     ref = LLM(model, dtype="float32", **SMALL)
     assert ref.engine.arch.qk_norm or ref.engine.arch.fused_checkpoint_linears
     with LLM(model, dtype="float32", tensor_parallel_size=2, **SMALL) as split:

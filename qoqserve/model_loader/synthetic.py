@@ -42,10 +42,22 @@ ARCHS = {
     "tiny": (512, 128, 256, 2, 4, 2, 32, 10000.0, False),
     "tiny-qwen3": (512, 128, 256, 2, 4, 2, 64, 1000000.0, False),
     "tiny-phi3": (512, 128, 256, 2, 4, 2, 32, 10000.0, False),
+    "gemma-3-1b": (262144, 1152, 6912, 26, 4, 1, 256, 1000000.0, True),
+    "tiny-gemma3": (512, 128, 256, 6, 4, 2, 64, 1000000.0, True),
 }
 # the architecture where it is not "llama" (qwen3: per-head q/k norms; phi3:
 # q/k/v and gate/up fused in the checkpoint too)
-ARCHITECTURE = {"qwen3-8b": "qwen3", "tiny-qwen3": "qwen3", "tiny-phi3": "phi3"}
+ARCHITECTURE = {"qwen3-8b": "qwen3", "tiny-qwen3": "qwen3", "tiny-phi3": "phi3", "gemma-3-1b": "gemma3",
+                "tiny-gemma3": "gemma3"}
+
+
+def _gemma3(window: int, layers: int, hidden: int, head_dim: int) -> dict:
+    """What Gemma 3's shapes add: GeGLU, scaled embeddings, five sliding layers to a global one."""
+    return dict(mlp_act="gelu_tanh", embed_scale=hidden ** 0.5, attn_scale=head_dim ** -0.5, rope_local_theta=1e4,
+                sliding_window=window, sliding_layers=tuple(i for i in range(layers) if (i + 1) % 6))
+
+
+EXTRA = {"gemma-3-1b": _gemma3(512, 26, 1152, 256), "tiny-gemma3": _gemma3(32, 6, 128, 64)}
 FORMATS = ("fp", "qoq-g128", "qoq-g64", "qoq-chn")
 
 
@@ -61,7 +73,7 @@ def synthetic_arch(name: str) -> ModelArchConfig:
                            intermediate_size=inter,
                            num_layers=layers, num_heads=heads, num_kv_heads=kv, head_dim=hd,
                            rope_theta=theta, max_position_embeddings=8192, tie_word_embeddings=tied,
-                           bos_token_id=1, eos_token_ids=[2])
+                           bos_token_id=1, eos_token_ids=[2], **EXTRA.get(name, {}))
 
 
 def _placeholder_tokenizer(vocab: int) -> Tokenizer:
