@@ -174,3 +174,41 @@ def test_bench_memory_counts_what_the_engine_holds(gemma3):
     stats = LLM(path, dtype="float32", kv_cache_gb=2**24 / 2**30).engine.stats()
     # four norms a layer, q/k norms, a second RoPE table for the sliding layers
     assert stats["weight_bytes"] == plan.weight_bytes and plan.num_pages == stats["num_kv_blocks"]
+
+
+def test_the_text_model_of_a_multimodal_checkpoint(tmp_path):
+    # Gemma 3 4B/12B/27B ship as Gemma3ForConditionalGeneration: the text model
+    # is read from it (its vision tower is not), as transformers runs text alone
+    text = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24, sliding_window=WINDOW,
+                max_position_embeddings=256)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                    image_token_index=299, boi_token_index=297, eoi_token_index=298)
+    cfg.text_config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    ref = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, 0.3)
+    ref.save_pretrained(tmp_path)
+    _any_tokenizer().save(str(tmp_path))
+    model, arch = _ours(str(tmp_path))
+    assert arch.architecture == "gemma3" and arch.attn_scale == 24 ** -0.5
+    ids = torch.randint(0, 296, (3 * WINDOW,))
+    with torch.inference_mode():
+        torch.testing.assert_close(full_logits(model, ids), ref(input_ids=ids[None]).logits[0], atol=1e-4, rtol=1e-4)
+
+
+def test_a_multimodal_config_as_the_hub_writes_it():
+    # google/gemma-3-4b-it's config.json: its text_config leaves transformers' defaults out
+    hub = {"architectures": ["Gemma3ForConditionalGeneration"], "eos_token_id": [1, 106], "model_type": "gemma3",
+           "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                           "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                           "sliding_window": 1024}, "vision_config": {"model_type": "siglip_vision_model"}}
+    arch = ModelArchConfig.from_hf_config(hub)
+    assert (arch.vocab_size, arch.num_heads, arch.num_kv_heads, arch.head_dim) == (262208, 8, 4, 256)
+    assert arch.attn_scale == 256 ** -0.5 and arch.eos_token_ids == [1, 106] and arch.tie_word_embeddings
+    assert [arch.window_of(i) for i in range(12)] == ([1024] * 5 + [None]) * 2
+    assert arch.rope_scaling == {"rope_type": "linear", "factor": 8.0} and arch.rope_local_theta == 1e4

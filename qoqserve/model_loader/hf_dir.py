@@ -28,6 +28,21 @@ _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2"
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 # buffers some exporters save that are recomputed at runtime
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+# a multimodal checkpoint's text model (Gemma3ForConditionalGeneration), as
+# transformers 4.5x and 5 save it: its prefix -> ours; the vision parts are not read
+_TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                  ("language_model.lm_head.", "lm_head."))
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def _text_model_name(name: str) -> str | None:
+    """A multimodal checkpoint's tensor name as the text model's (None: a vision part)."""
+    if name.startswith(_VISION_PREFIXES):
+        return None
+    for prefix, ours in _TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return ours + name[len(prefix):]
+    return name
 _MAX_HEADER = 100 << 20
 
 
@@ -135,13 +150,21 @@ def load_hf_dir(path: str, tok_spec: str | None = None) -> ModelSource:
     quant = config_from_file(quant_file, quant_path)
 
     files = _weight_files(path)
+    multimodal = "Gemma3ForConditionalGeneration" in (cfg.get("architectures") or [])
     located: dict[str, tuple[str, int]] = {}  # name -> (file, data offset)
+    stored: dict[str, str] = {}  # name -> its name in the file, where the two differ (a multimodal text model)
     shapes: dict[str, tuple[int, ...]] = {}
     dtypes: dict[str, str] = {}
     for file in files:
         for name, (dtype, shape, begin) in read_safetensors_header(file).items():
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
+            if multimodal:
+                file_name, name = name, _text_model_name(name)
+                if name is None:
+                    continue
+                if name != file_name:
+                    stored[name] = file_name
             if name == "lm_head.weight" and arch.tie_word_embeddings:
                 continue  # some exporters store the tied copy anyway
             if dtype not in _FLOAT_DTYPES and quant_file is None:
@@ -175,11 +198,11 @@ def load_hf_dir(path: str, tok_spec: str | None = None) -> ModelSource:
                 for name in names:
                     transform = transform_of(folds, name, offset_norms)
                     if lazy:
-                        yield name, LazyTensor(handle.get_slice(name), shapes[name],
+                        yield name, LazyTensor(handle.get_slice(stored.get(name, name)), shapes[name],
                                                functools.partial(quant.check_tensor, name, where=file),
                                                transform=transform)
                         continue
-                    tensor = handle.get_tensor(name)
+                    tensor = handle.get_tensor(stored.get(name, name))
                     quant.check_tensor(name, tensor, file)
                     yield name, tensor if transform is None else transform(tensor)
 

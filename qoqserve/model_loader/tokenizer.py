@@ -156,7 +156,7 @@ def _first_id(backend: _Backend, token: Any) -> int | None:
 
 
 def tokenizer_from_hf_dir(path: str, eos_ids: list[int], bos_id: int | None) -> Tokenizer:
-    """Read tokenizer.json (+ tokenizer_config.json / chat_template.jinja) from `path`.
+    """Read tokenizer.json (+ tokenizer_config.json / chat_template.json / chat_template.jinja) from `path`.
 
     `eos_ids`/`bos_id` come from config.json and generation_config.json; the
     tokenizer config's own eos token is added to them.
@@ -180,6 +180,13 @@ def tokenizer_from_hf_dir(path: str, eos_ids: list[int], bos_id: int | None) -> 
     if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
         named = {t.get("name"): t.get("template") for t in template}
         template = named.get("default") or next(iter(named.values()), None)
+    processor_file = os.path.join(path, "chat_template.json")  # where multimodal checkpoints keep it (Gemma 3)
+    if template is None and os.path.isfile(processor_file):
+        try:
+            with open(processor_file, encoding="utf-8") as f:
+                template = json.load(f).get("chat_template")
+        except (OSError, ValueError, AttributeError) as e:
+            raise ModelLoadError(f"{processor_file}: cannot parse ({e})") from e
     jinja_file = os.path.join(path, "chat_template.jinja")
     if os.path.isfile(jinja_file):
         with open(jinja_file, encoding="utf-8") as f:

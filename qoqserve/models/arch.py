@@ -77,6 +77,27 @@ def longrope_scaling(scaling: dict[str, Any], max_positions: int, orig: int | No
             "original_max_position_embeddings": orig, "attention_factor": float(attention)}
 
 
+# transformers' Gemma3TextConfig defaults, which the text_config of the
+# multimodal checkpoints (Gemma 3 4B/12B/27B) leaves out
+_GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+                         "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+                         "head_dim": 256, "max_position_embeddings": 131072, "sliding_window": 4096,
+                         "bos_token_id": 2, "eos_token_id": 1}
+
+
+def text_model_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal checkpoint's config (Gemma3ForConditionalGeneration) as its
+    text model's (Gemma3ForCausalLM): the text_config with transformers'
+    defaults, the top level's token ids; any other config as it is."""
+    if "Gemma3ForConditionalGeneration" not in (cfg.get("architectures") or []):
+        return cfg
+    text = {**_GEMMA3_TEXT_DEFAULTS, **(cfg.get("text_config") or {})}
+    for key in ("eos_token_id", "bos_token_id"):
+        if cfg.get(key) is not None:
+            text[key] = cfg[key]
+    return {**text, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}
+
+
 def _gemma3_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """A Gemma 3 text config in the keys the rest of from_hf_config reads, as
     transformers fills it in: the global layers' RoPE (theta 1M, the config's
@@ -201,6 +222,7 @@ class ModelArchConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelArchConfig":
+        cfg = text_model_config(cfg)
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
