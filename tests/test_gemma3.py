@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 from test_model_parity import full_logits
-from test_quant_pipeline import _any_tokenizer
+from test_quant_pipeline import _any_tokenizer, qoq_engine_matches_simulation
 
 from qoqserve.layers.attention_backends import AttentionBackend
 from qoqserve.layers.kv_cache import DenseKVCacheLayout
@@ -142,7 +142,6 @@ def test_the_c_token_ops_round_as_torch_in_bf16():
 
 def test_a_qoq_checkpoint_runs_on_the_engine_as_its_simulation(gemma3, tmp_path, caplog):
     from qoqserve.quant.calibration import CalibrationSet
-    from qoqserve.quant.checkpoint import save_checkpoint
     from qoqserve.quant.config import get_preset
     from qoqserve.quant.pipeline import quantize_model
     _, path = gemma3
@@ -155,15 +154,8 @@ def test_a_qoq_checkpoint_runs_on_the_engine_as_its_simulation(gemma3, tmp_path,
         result = quantize_model(source, cfg, data, progress=False)
     # no residual rotation: Gemma's output norms do not commute with one
     assert not result.config.rotate and "no residual rotation" in caplog.text
-    save_checkpoint(result, source, data, str(tmp_path))
     prompt = torch.randint(3, 300, (60,), generator=torch.Generator().manual_seed(5)).tolist()
-    sim = result.model.prompt_logprobs(prompt)
-    llm = LLM(str(tmp_path), dtype="float32", num_blocks=32, quantized_prefill=True, lm_head_dtype="float")
-    assert any("packed" in p for p in llm.engine.stats()["linear_paths"])
-    got = llm.engine.prompt_logprobs(prompt)
-    assert (got - sim).abs().mean() < 0.02 and (got - sim).abs().max() < 0.25, (got - sim).abs().max()
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].token_ids
-    assert llm.engine.prompt_logits(prompt + out)[len(prompt) - 1:].argmax(-1).tolist() == out
+    qoq_engine_matches_simulation(result, source, data, tmp_path, prompt)
 
 
 def test_bench_memory_counts_what_the_engine_holds(gemma3):

@@ -72,14 +72,19 @@ def test_the_tables_are_transformers_long_past_the_pretrained_context_and_short_
     assert not torch.allclose(short.cos[:30], RotaryEmbedding(HEAD_DIM, LONG_CTX, arch.rope_theta, scaling).cos[:30])
 
 
-def test_logits_are_transformers_with_either_set():
-    ref = tiny_phi3_longrope()
+def matches_transformers_with_either_set(ref) -> None:
+    """Our logits are ref's with the long factors (a context past the pretrained
+    one, a sequence past it) and with the short ones (both within it)."""
     for context, length in ((LONG_CTX, 100), (ORIG, 30)):
         model, _ = _ours(ref, context)
         ids = torch.randint(0, 300, (length,))
         with torch.inference_mode():
             want = ref(ids[None]).logits[0]
         torch.testing.assert_close(full_logits(model, ids), want, atol=1e-4, rtol=1e-4)
+
+
+def test_logits_are_transformers_with_either_set():
+    matches_transformers_with_either_set(tiny_phi3_longrope())
 
 
 def test_a_gguf_with_llama_cpps_factor_tensors(tmp_path):

@@ -5,10 +5,10 @@ a GGUF with rope.dimension_count below head_dim, the engine on the C kernels
 and a QoQ checkpoint against its simulation."""
 import numpy as np
 import torch
-from test_longrope import HEAD_DIM, LONG_CTX, ORIG, _ours, tiny_phi3_longrope
+from test_longrope import HEAD_DIM, LONG_CTX, ORIG, _ours, matches_transformers_with_either_set, tiny_phi3_longrope
 from test_model_loader import _write_gguf
 from test_model_parity import full_logits
-from test_quant_pipeline import _any_tokenizer
+from test_quant_pipeline import _any_tokenizer, qoq_engine_matches_simulation
 
 from qoqserve.layers.key_transform import KeyTransform
 from qoqserve.layers.rotary import RotaryEmbedding
@@ -17,7 +17,6 @@ from qoqserve.llm import LLM
 from qoqserve.model_loader import load_model_source
 from qoqserve.models.arch import ModelArchConfig
 from qoqserve.quant.calibration import CalibrationSet
-from qoqserve.quant.checkpoint import save_checkpoint
 from qoqserve.quant.config import get_preset
 from qoqserve.quant.pipeline import quantize_model
 from qoqserve.quant.transforms.smooth import pair_max, smooth_attention
@@ -31,12 +30,7 @@ def test_logits_are_transformers_with_either_longrope_set():
     arch = ModelArchConfig.from_hf_config(ref.config.to_dict())
     assert arch.rotary_dim == ROT and len(arch.rope_scaling["long_factor"]) == ROT // 2
     assert ModelArchConfig.from_hf_config(arch.to_hf_config("float32")).rotary_dim == ROT
-    for context, length in ((LONG_CTX, 100), (ORIG, 30)):
-        model, _ = _ours(ref, context)
-        ids = torch.randint(0, 300, (length,))
-        with torch.inference_mode():
-            want = ref(ids[None]).logits[0]
-        torch.testing.assert_close(full_logits(model, ids), want, atol=1e-4, rtol=1e-4)
+    matches_transformers_with_either_set(ref)
     # turning every channel instead fails
     model, _ = _ours(ref, LONG_CTX)
     for layer in model.layers:
@@ -121,9 +115,5 @@ def test_the_engine_and_a_qoq_checkpoint(tmp_path, monkeypatch):
     data = CalibrationSet(torch.randint(3, 300, (8, 64), generator=torch.Generator().manual_seed(6)).tolist(),
                           "0" * 64, "random")
     result = quantize_model(source, cfg, data, progress=False)
-    save_checkpoint(result, source, data, str(tmp_path / "qoq"))
     assert pairs == [ROT, ROT]
-    sim = result.model.prompt_logprobs(prompt)
-    qoq = LLM(str(tmp_path / "qoq"), dtype="float32", num_blocks=32, quantized_prefill=True, lm_head_dtype="float")
-    got = qoq.engine.prompt_logprobs(prompt)
-    assert (got - sim).abs().mean() < 0.02 and (got - sim).abs().max() < 0.25, (got - sim).abs().max()
+    qoq_engine_matches_simulation(result, source, data, tmp_path / "qoq", prompt)

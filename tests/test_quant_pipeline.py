@@ -85,6 +85,26 @@ def calib(n=8, seq=64, seed=1):
     return CalibrationSet(torch.randint(0, VOCAB, (n, seq), generator=g).tolist(), "0" * 64, "random")
 
 
+def qoq_engine_matches_simulation(result, source, data, tmp_path, prompt: list[int], tokens: int = 20):
+    """Save a quantize_model result as a QoQ checkpoint and run it on the engine's
+    C kernels (packed W4A8 GEMMs, KV4 pages; float LM head and quantized prefill,
+    as the simulation has them): prompt logprobs within the rounding that per-token
+    INT8 and KV4 turn the kernels' other summation orders into (whole steps on a
+    few values: close, not equal), and greedy tokens over the KV4 pages that its
+    own teacher-forced pass picks. Returns the engine."""
+    from qoqserve.llm import LLM
+    from qoqserve.sampling_params import SamplingParams
+    save_checkpoint(result, source, data, str(tmp_path))
+    sim = result.model.prompt_logprobs(prompt)
+    llm = LLM(str(tmp_path), dtype="float32", num_blocks=32, quantized_prefill=True, lm_head_dtype="float")
+    assert any("packed" in p for p in llm.engine.stats()["linear_paths"])
+    got = llm.engine.prompt_logprobs(prompt)
+    assert (got - sim).abs().mean() < 0.02 and (got - sim).abs().max() < 0.25, (got - sim).abs().max()
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))[0].token_ids
+    assert llm.engine.prompt_logits(prompt + out)[len(prompt) - 1:].argmax(-1).tolist() == out
+    return llm
+
+
 def _full(model, ids):
     t = torch.tensor(ids)
     meta = AttentionMetadata(True, None, None, None, [0, len(ids)], [0])

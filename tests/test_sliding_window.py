@@ -9,13 +9,12 @@ import pytest
 import torch
 import transformers
 from test_model_parity import SMALL, full_logits, ours_from
-from test_quant_pipeline import calib, tiny_source
+from test_quant_pipeline import calib, qoq_engine_matches_simulation, tiny_source
 
 from qoqserve.config import EngineConfig, SchedulerConfig
 from qoqserve.engine.context_window import context_len, warn_about_context
 from qoqserve.llm import LLM
 from qoqserve.models.arch import ModelArchConfig, UnsupportedModelError
-from qoqserve.quant.checkpoint import save_checkpoint
 from qoqserve.quant.config import get_preset
 from qoqserve.quant.pipeline import quantize_model
 from qoqserve.sampling_params import SamplingParams
@@ -152,17 +151,9 @@ def test_a_qoq_checkpoint_slides_on_the_engine_as_its_simulation(mistral, tmp_pa
     # calibration windows of 64 tokens: past the window, so the quantizer's own passes slide too
     cfg = get_preset("g64", calib_samples=8, calib_seq_len=64, scale_tuning_epochs=0)
     result = quantize_model(source, cfg, calib(), progress=False)
-    save_checkpoint(result, source, calib(), str(tmp_path))
-    prompt = calib(1, 80, seed=9).samples[0]
-    sim = result.model.prompt_logprobs(prompt)
-    llm = LLM(str(tmp_path), dtype="float32", num_blocks=32, quantized_prefill=True, lm_head_dtype="float")
+    # an 80-token prompt and 24 tokens more over KV4 pages: past the window
+    llm = qoq_engine_matches_simulation(result, source, calib(), tmp_path, calib(1, 80, seed=9).samples[0], 24)
     assert llm.engine.max_model_len == 512
-    got = llm.engine.prompt_logprobs(prompt)
-    assert (got - sim).abs().mean() < 0.02 and (got - sim).abs().max() < 0.25, (got - sim).abs().max()
-    # greedy decode over KV4 pages past the window: the tokens its own teacher-forced pass picks
-    out = _greedy(llm, [prompt], 24)[0]
-    teacher = llm.engine.prompt_logits(prompt + out)[len(prompt) - 1:].argmax(-1).tolist()
-    assert teacher == out
 
 
 def test_pages_before_the_window_go_back_to_the_pool_while_sequences_run(mistral):

@@ -100,25 +100,25 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     return y, h
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def _gated(kernel: str, gate_up: torch.Tensor) -> torch.Tensor:
+    """act(gate) * up of gate_up [T, 2I] (gate | up) -> [T, I] by C function `kernel`."""
     _check(gate_up)
     gate_up = gate_up if gate_up.is_contiguous() else gate_up.contiguous()
     t, two_i = gate_up.shape
     y = graph.empty(t, two_i // 2, dtype=gate_up.dtype)
-    graph.launch(load().silu_mul, gate_up.data_ptr(), y.data_ptr(), t, two_i // 2,
+    graph.launch(getattr(load(), kernel), gate_up.data_ptr(), y.data_ptr(), t, two_i // 2,
                  int(gate_up.dtype == torch.bfloat16), torch.get_num_threads())
     return y
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up (SwiGLU)."""
+    return _gated("silu_mul", gate_up)
 
 
 def gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gelu_tanh(gate) * up of gate_up [T, 2I] (gate | up) -> [T, I] (Gemma's GeGLU)."""
-    _check(gate_up)
-    gate_up = gate_up if gate_up.is_contiguous() else gate_up.contiguous()
-    t, two_i = gate_up.shape
-    y = graph.empty(t, two_i // 2, dtype=gate_up.dtype)
-    graph.launch(load().gelu_mul, gate_up.data_ptr(), y.data_ptr(), t, two_i // 2,
-                 int(gate_up.dtype == torch.bfloat16), torch.get_num_threads())
-    return y
+    """gelu_tanh(gate) * up (Gemma's GeGLU)."""
+    return _gated("gelu_mul", gate_up)
 
 
 def qkv_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
