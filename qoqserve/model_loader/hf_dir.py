@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from qoqserve.errors import ModelLoadError
 from qoqserve.layers.quantization import config_from_file
-from qoqserve.models.arch import ModelArchConfig
+from qoqserve.models.arch import ModelArchConfig, is_multimodal
 
 from .base import ModelSource, TensorIter, read_json_object
 from .generation_config import sampling_keys
@@ -28,7 +28,7 @@ _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2"
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 # buffers some exporters save that are recomputed at runtime
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
-# a multimodal checkpoint's text model (Gemma3ForConditionalGeneration), as
+# a multimodal checkpoint's text model (models/arch.MULTIMODAL_ARCHITECTURES), as
 # transformers 4.5x and 5 save it: its prefix -> ours; the vision parts are not read
 _TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
                   ("language_model.lm_head.", "lm_head."))
@@ -150,7 +150,7 @@ def load_hf_dir(path: str, tok_spec: str | None = None) -> ModelSource:
     quant = config_from_file(quant_file, quant_path)
 
     files = _weight_files(path)
-    multimodal = "Gemma3ForConditionalGeneration" in (cfg.get("architectures") or [])
+    multimodal = is_multimodal(cfg)
     located: dict[str, tuple[str, int]] = {}  # name -> (file, data offset)
     stored: dict[str, str] = {}  # name -> its name in the file, where the two differ (a multimodal text model)
     shapes: dict[str, tuple[int, ...]] = {}

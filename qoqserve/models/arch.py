@@ -85,17 +85,37 @@ _GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediat
                          "bos_token_id": 2, "eos_token_id": 1}
 
 
+# multimodal checkpoints whose text model is served (their vision parts are
+# not read: model_loader/hf_dir.py), and the text model's class by its model_type
+MULTIMODAL_ARCHITECTURES = ("Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration",
+                            "LlavaForConditionalGeneration")
+_TEXT_CLASSES = {"gemma3_text": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM", "llama": "LlamaForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM"}
+
+
+def is_multimodal(cfg: dict[str, Any]) -> bool:
+    return any(a in MULTIMODAL_ARCHITECTURES for a in cfg.get("architectures") or [])
+
+
 def text_model_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """A multimodal checkpoint's config (Gemma3ForConditionalGeneration) as its
-    text model's (Gemma3ForCausalLM): the text_config with transformers'
-    defaults, the top level's token ids; any other config as it is."""
-    if "Gemma3ForConditionalGeneration" not in (cfg.get("architectures") or []):
+    """A multimodal checkpoint's config (Gemma 3 4B+, Mistral Small 3.1,
+    Llava/Pixtral) as its text model's: the text_config (Gemma's with the
+    defaults transformers fills in), the top level's token ids and tying;
+    any other config as it is."""
+    if not is_multimodal(cfg):
         return cfg
-    text = {**_GEMMA3_TEXT_DEFAULTS, **(cfg.get("text_config") or {})}
-    for key in ("eos_token_id", "bos_token_id"):
+    text = dict(cfg.get("text_config") or {})
+    archs = cfg.get("architectures") or []
+    kind = text.get("model_type") or ("gemma3_text" if "Gemma3ForConditionalGeneration" in archs
+                                      else "mistral" if "Mistral3ForConditionalGeneration" in archs else "llama")
+    if kind not in _TEXT_CLASSES:
+        raise UnsupportedModelError(f"unsupported text model {kind!r} in a {archs[0]} checkpoint")
+    if kind == "gemma3_text":
+        text = {**_GEMMA3_TEXT_DEFAULTS, **text}
+    for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings"):  # transformers ties by the top level's
         if cfg.get(key) is not None:
             text[key] = cfg[key]
-    return {**text, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}
+    return {**text, "architectures": [_TEXT_CLASSES[kind]], "model_type": kind}
 
 
 def _gemma3_config(cfg: dict[str, Any]) -> dict[str, Any]:
