@@ -57,6 +57,11 @@ def tiny_source(kind: str, tmp_path) -> ModelSource:
         cfg.architectures = ["MistralForCausalLM"]
         cfg._attn_implementation = "eager"  # the windowed mask in every transformers version
         model = transformers.MistralForCausalLM(cfg)
+    elif kind == "gemma3":  # sandwich norms, GeGLU, 5 sliding layers (window 24) to a global one
+        cfg = transformers.Gemma3TextConfig(**{**common, "num_hidden_layers": 6}, head_dim=32, sliding_window=24,
+                                            pad_token_id=0)
+        cfg.architectures = ["Gemma3ForCausalLM"]
+        model = transformers.Gemma3ForCausalLM(cfg)
     elif kind == "phi3":  # q/k/v and gate/up fused in the checkpoint
         cfg = transformers.Phi3Config(**common, pad_token_id=0, tie_word_embeddings=False)
         cfg.architectures = ["Phi3ForCausalLM"]
@@ -72,7 +77,7 @@ def tiny_source(kind: str, tmp_path) -> ModelSource:
                 p[:, :3] *= 8
             elif "bias" in name:
                 p.normal_(0, 0.3)
-            elif "q_norm" in name or "k_norm" in name:
+            elif ("q_norm" in name or "k_norm" in name) and kind != "gemma3":  # Gemma's store w - 1
                 p.uniform_(0.5, 2.0)
     path = tmp_path / kind
     model.save_pretrained(path)

@@ -44,6 +44,10 @@ class QuantConfig:
     # post-RoPE key centering + per-head rotation (layers/key_transform.py), KV4 only
     key_transform: bool = True
     smooth_out: bool = True       # block-output smoothing (o_proj, down_proj inputs)
+    # block-input smoothing (qkv_proj, gate_up_proj inputs, into the norms before
+    # them): where the residual stream is not rotated (Gemma turns it on: the
+    # quantizer skips the rotation there)
+    smooth_in: bool = False
     smooth_alpha: float | None = None  # None: searched per layer over smooth_alpha_grid
     smooth_alpha_grid: tuple[float, ...] = (0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35)
     reorder: bool = True          # activation-aware input-channel reordering (group configs)
@@ -161,7 +165,7 @@ class QuantConfig:
 
 _QOQ = QuantConfig()
 NO_TRANSFORMS = dict(rotate=False, rotate_v=False, smooth_attention=False, key_transform=False,
-                     smooth_out=False, reorder=False,
+                     smooth_out=False, smooth_in=False, reorder=False,
                      clip=False, gptq=False, group_search=False, scale_tuning_epochs=0,
                      scale_tuning_windows=0)
 

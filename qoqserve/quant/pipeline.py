@@ -40,6 +40,7 @@ from qoqserve.quant.transforms.rotation import fold_norms, rotate_model, rotate_
 from qoqserve.quant.transforms.smooth import (
     smooth_attention,
     smooth_down,
+    smooth_input,
     smooth_out_proj,
     smooth_scales,
 )
@@ -163,9 +164,19 @@ def _transform_layer(layer, cap: LayerCapture, cfg: QuantConfig, arch, info: dic
         perm = reorder_out_proj(layer, o_abs, h, hkv, d)
         o_abs = o_abs[perm]
         cap.permute_inputs("self_attn.o_proj", perm)
+    wq, act8 = _weight_quant_fn(cfg), cfg.a_bits == 8
+    if cfg.smooth_in:
+        for name, norm, linear in (("self_attn.qkv_proj", layer.input_layernorm, layer.self_attn.qkv_proj),
+                                   ("mlp.gate_up_proj", layer.mlp_input_norm, layer.mlp.gate_up_proj)):
+            w, act = linear.weight.detach(), cap.absmax[name]
+            alpha = cfg.smooth_alpha
+            if alpha is None:
+                alpha = search_alpha(cap.samples[name], w, cfg.smooth_alpha_grid, wq, act8,
+                                     lambda a, w=w, act=act: smooth_scales(act, w.abs().amax(dim=0), a))
+            cap.scale_inputs(name, 1 / smooth_input(norm, linear, act, alpha))
+            info[f"alpha_{name.split('.')[1].split('_')[0]}"] = alpha
     if not cfg.smooth_out:
         return
-    wq, act8 = _weight_quant_fn(cfg), cfg.a_bits == 8
     w_down = layer.mlp.down_proj.weight.detach()
     alpha = cfg.smooth_alpha
     if alpha is None:
@@ -189,13 +200,13 @@ def _needs_statistics(cfg: QuantConfig) -> bool:
     """Round-to-nearest without transforms needs no calibration pass at all."""
     uses_kv = (cfg.smooth_attention and cfg.kv_bits == 4) or cfg.uses_key_transform
     uses_w = cfg.w_bits != 16 and (cfg.gptq or cfg.clip)
-    return uses_kv or uses_w or cfg.smooth_out or (cfg.reorder and cfg.group_size > 0)
+    return uses_kv or uses_w or cfg.smooth_out or cfg.smooth_in or (cfg.reorder and cfg.group_size > 0)
 
 
 def _layer_steps(cfg: QuantConfig) -> list[str]:
     """The per-layer steps that ran: switched on and meaningful for this format."""
     applies = {"smooth_attention": cfg.kv_bits == 4, "key_transform": cfg.kv_bits == 4,
-               "reorder": cfg.group_size > 0, "smooth_out": True, "clip": True, "gptq": True,
+               "reorder": cfg.group_size > 0, "smooth_in": True, "smooth_out": True, "clip": True, "gptq": True,
                "true_sequential": True, "asymmetric_calibration": cfg.gptq and cfg.w_bits != 16,
                "group_search": cfg.group_size > 0 and cfg.w_bits == 4}
     return [step for step, ok in applies.items() if ok and getattr(cfg, step)]
@@ -223,8 +234,9 @@ def quantize_model(source, cfg: QuantConfig, calib: CalibrationSet, device: str 
         # elementwise weight, which a rotation of the residual stream does not
         # commute with; its linears are quantized in the unrotated basis
         log.warning("%s: no residual rotation for a %s model (its sublayers' output norms do not commute "
-                    "with one)", cfg.name, source.arch.architecture)
-        cfg = dataclasses.replace(cfg, rotate=False)
+                    "with one): its block inputs are smoothed into the norms instead", cfg.name,
+                    source.arch.architecture)
+        cfg = dataclasses.replace(cfg, rotate=False, smooth_in=True)
     top = max((max(sample) for sample in calib.samples if sample), default=-1)
     if top >= source.arch.vocab_size:  # an embedding lookup would fail deep inside the first pass
         raise ValueError(f"calibration token id {top} is past the model's vocabulary ({source.arch.vocab_size} "

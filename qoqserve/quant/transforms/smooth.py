@@ -4,7 +4,8 @@ A per-channel scale s moves activation range into the weight: X W^T =
 (X / s)(W s)^T. It is only free when X / s can be produced by the layer that
 computes X, so each transform names the producer it folds into: up rows for
 down_proj inputs (silu(gate) * up is linear in up), v rows for o_proj inputs
-(attention output is a convex mix of v), and q/k rows for the attention scores.
+(attention output is a convex mix of v), q/k rows for the attention scores,
+and the RMSNorm weight before qkv_proj or gate_up_proj for their inputs.
 """
 from __future__ import annotations
 
@@ -27,6 +28,17 @@ def smooth_scales(act_absmax: torch.Tensor, weight_absmax: torch.Tensor,
     s = a.pow(alpha) / w.pow(1 - alpha)
     s = torch.where(torch.isfinite(s), s, torch.ones_like(s))
     return s.clamp(min=_MIN)
+
+
+@torch.no_grad()
+def smooth_input(norm, linear, act_absmax: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Divide the input channel j of a linear that reads an RMSNorm's output by
+    s_j: the norm's weight / s, the linear's columns * s (SmoothQuant's fold,
+    for the block inputs a residual rotation does not reach). Returns s (float64)."""
+    s = smooth_scales(act_absmax.to(linear.weight.device), linear.weight.detach().abs().amax(dim=0), alpha)
+    update(norm.weight, lambda w: w / s)
+    update(linear.weight, lambda w: w * s[None, :])
+    return s
 
 
 @torch.no_grad()
