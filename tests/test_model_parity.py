@@ -139,10 +139,12 @@ def test_an_activation_other_than_silu_is_refused():
         ModelArchConfig.from_hf_config({**cfg, "hidden_act": "gelu"})
 
 
-def test_partial_rotary_embeddings_are_refused():
+def test_a_partial_rotary_factor_that_leaves_an_odd_channel_count_is_refused():
+    # Phi-4-mini's 0.75 of 128 turns 96 channels (tests/test_partial_rotary.py); 0.3 of 16 would turn 4.8
     cfg = tiny_phi3().config.to_dict()
-    with pytest.raises(UnsupportedModelError, match="partial rotary"):
-        ModelArchConfig.from_hf_config({**cfg, "partial_rotary_factor": 0.75})
+    assert ModelArchConfig.from_hf_config({**cfg, "partial_rotary_factor": 0.75}).rotary_dim == 12
+    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor 0.1"):
+        ModelArchConfig.from_hf_config({**cfg, "partial_rotary_factor": 0.1})
 
 
 @pytest.mark.parametrize("make", [tiny_phi3, tiny_smollm3])
