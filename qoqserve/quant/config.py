@@ -134,7 +134,7 @@ class QuantConfig:
         the hidden size, o_proj heads x head_dim, down_proj the intermediate size)."""
         if self.smooth_attention and self.kv_bits == 4 and arch.qk_norm:
             raise ValueError(f"{self.name}: SmoothAttention scales the q and k rows of qkv_proj, which this "
-                             "model's per-head q/k norms (Qwen3) normalize away; quantize it without "
+                             "model's per-head q/k norms (Qwen3, Gemma 3) normalize away; quantize it without "
                              "smooth_attention (the key transform handles its keys)")
         if self.w_bits != 4 or not self.group_size:
             return
