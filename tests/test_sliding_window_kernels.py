@@ -153,8 +153,8 @@ def _prefill_case(fmt, heads, hkv, d, bs, lens, chunks, window, seed=0):
 def test_prefill_sees_the_last_window_positions_on_every_path(fmt, isa):
     # whole prompts and chunks after a cached prefix, windows inside a tile
     # (16 / 48 / 64 keys), across several, and longer than every prompt
-    for window in (1, 5, 16, 50, 129, 1000):
-        _prefill_case(fmt, 9, 3, 64, 16, [1, 40, 77, 130, 400], [1, 40, 9, 70, 150], window)
+    for window in (1, 5, 16, 129, 1000):
+        _prefill_case(fmt, 9, 3, 64, 16, [1, 40, 77, 130, 300], [1, 40, 9, 70, 150], window)
 
 
 def test_amx_prefill_slides():
@@ -162,7 +162,7 @@ def test_amx_prefill_slides():
     if start is None:
         pytest.skip("no AMX-INT8 path for KV4 prefill on this CPU")
     lens, chunks = [start + 200, start + 333], [start + 200, 90]
-    for window in (1, 30, 64, 200, 400):
+    for window in (1, 30, 200, 400):
         _prefill_case("int4", 9, 3, 64, 16, lens, chunks, window, seed=5)
 
 
