@@ -109,6 +109,11 @@ def test_a_gguf_as_llama_cpp_writes_it(tmp_path):
     arch = src.arch
     assert (arch.architecture, arch.mlp_act, arch.embed_scale, arch.rope_local_theta) == ("gemma3", "gelu_tanh", 8.0,
                                                                                            1e4)
+    # newer converters write the pattern as a flag per layer
+    flagged = tmp_path / "flags.gguf"
+    _write_gguf(flagged, ref, "gemma3", "gpt-2", meta=lambda w: (
+        w.add_sliding_window(WINDOW), w.add_array("gemma3.attention.sliding_window_pattern", [True, False] * 3)))
+    assert load_model_source(str(flagged)).arch.sliding_layers == (0, 2, 4)
     assert [arch.window_of(i) for i in range(6)] == [WINDOW] * 5 + [None] and arch.attn_scale == 32 ** -0.5
     ours = LlamaForCausalLM(arch, AttentionBackend(DenseKVCacheLayout(2, 32, 16, torch.float32)), torch.float32)
     ours.load_weights(src.iter_tensors())

@@ -251,12 +251,15 @@ def load_gguf(path: str, tok_spec: str | None = None) -> ModelSource:
     if a == "gemma3":  # as llama.cpp reads a Gemma 3 file (its norms hold the 1 added already)
         if meta.get(f"{a}.final_logit_softcapping"):
             raise UnsupportedModelError(f"{path}: final logit soft-capping is not supported")
-        every = int(meta.get(f"{a}.attention.sliding_window_pattern") or _GEMMA3_PATTERN)
+        # the pattern: one global layer every n, or (newer converters) a flag per layer
+        pattern = meta.get(f"{a}.attention.sliding_window_pattern") or _GEMMA3_PATTERN
+        sliding = (tuple(i for i, swa in enumerate(pattern) if swa) if isinstance(pattern, list)
+                   else tuple(i for i in range(layers) if (i + 1) % int(pattern)))
         # llama.cpp: 27B (62 layers) scales the scores by hidden / heads, the others by head_dim
         gemma = dict(mlp_act="gelu_tanh", embed_scale=float(hidden) ** 0.5,
                      attn_scale=(hidden // heads if layers == 62 else head_dim) ** -0.5,
                      rope_local_theta=float(meta.get(f"{a}.rope.freq_base_swa") or _GEMMA3_LOCAL_THETA),
-                     sliding_layers=tuple(i for i in range(layers) if (i + 1) % every) if window else None)
+                     sliding_layers=sliding if window else None)
     arch = ModelArchConfig(
         architecture=_ARCHS[a],
         vocab_size=int(by_name["token_embd.weight"].dims[1]),
