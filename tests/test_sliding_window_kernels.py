@@ -162,7 +162,7 @@ def test_amx_prefill_slides():
     if start is None:
         pytest.skip("no AMX-INT8 path for KV4 prefill on this CPU")
     lens, chunks = [start + 200, start + 333], [start + 200, 90]
-    for window in (1, 30, 200, 400):
+    for window in (30, 200):  # inside a 64-key tile, across several
         _prefill_case("int4", 9, 3, 64, 16, lens, chunks, window, seed=5)
 
 
