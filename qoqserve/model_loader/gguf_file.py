@@ -18,13 +18,19 @@ import numpy as np
 import torch
 
 from qoqserve.errors import ModelLoadError
-from qoqserve.models.arch import ModelArchConfig, UnsupportedModelError, longrope_scaling, yarn_scaling
+from qoqserve.models.arch import (
+    ModelArchConfig,
+    UnsupportedModelError,
+    longrope_scaling,
+    sliding_pattern,
+    yarn_scaling,
+)
 
 from .base import ModelSource, TensorIter
 from .gguf_header import GGUFTensor, read_gguf_header
 from .gguf_tokenizer import tokenizer_from_gguf_metadata
 from .lazy import LazyTensor
-from .scalar_folds import factor_of, folded, folds_of
+from .scalar_folds import folds_of, transform_of
 from .schema import check_inventory
 from .tokenizer_source import load_tokenizer
 
@@ -254,7 +260,7 @@ def load_gguf(path: str, tok_spec: str | None = None) -> ModelSource:
         # the pattern: one global layer every n, or (newer converters) a flag per layer
         pattern = meta.get(f"{a}.attention.sliding_window_pattern") or _GEMMA3_PATTERN
         sliding = (tuple(i for i, swa in enumerate(pattern) if swa) if isinstance(pattern, list)
-                   else tuple(i for i in range(layers) if (i + 1) % int(pattern)))
+                   else sliding_pattern(layers, int(pattern)))
         # llama.cpp: 27B (62 layers) scales the scores by hidden / heads, the others by head_dim
         gemma = dict(mlp_act="gelu_tanh", embed_scale=float(hidden) ** 0.5,
                      attn_scale=(hidden // heads if layers == 62 else head_dim) ** -0.5,
@@ -317,15 +323,14 @@ def load_gguf(path: str, tok_spec: str | None = None) -> ModelSource:
             w = _to_torch(t)
             if rope_permuted(name):
                 w = unpermute_rope_rows(w, heads if ".q_proj." in name else arch.num_kv_heads)
-            yield name, folded(w, factor_of(folds, name))
+            transform = transform_of(folds, name, False)  # a GGUF's norms hold Gemma's 1 added
+            yield name, w if transform is None else transform(w)
 
     def iter_lazy() -> TensorIter:
         """Each tensor-parallel rank reads its shard's rows and blocks only."""
         for name, t in renamed.items():
-            shape, factor = t.shape, factor_of(folds, name)
-            yield name, LazyTensor(GGUFSlice(t, shape, head_dim if rope_permuted(name) else None),
-                                   shape, _no_checks,
-                                   transform=None if factor == 1.0 else functools.partial(folded, factor=factor))
+            yield name, LazyTensor(GGUFSlice(t, t.shape, head_dim if rope_permuted(name) else None),
+                                   t.shape, _no_checks, transform=transform_of(folds, name, False))
 
     stem = os.path.basename(path)
     stem = _QUANT_SUFFIX.sub("", stem[:-5] if stem.endswith(".gguf") else stem)

@@ -22,7 +22,7 @@ from qoqserve.layers.quantization import (
     QuantizationConfig,
     UnquantizedConfig,
 )
-from qoqserve.models.arch import ModelArchConfig
+from qoqserve.models.arch import ModelArchConfig, sliding_pattern
 
 from .base import ModelSource
 from .schema import expected_tensors
@@ -54,7 +54,7 @@ ARCHITECTURE = {"qwen3-8b": "qwen3", "tiny-qwen3": "qwen3", "tiny-phi3": "phi3",
 def _gemma3(window: int, layers: int, hidden: int, head_dim: int) -> dict:
     """What Gemma 3's shapes add: GeGLU, scaled embeddings, five sliding layers to a global one."""
     return dict(mlp_act="gelu_tanh", embed_scale=hidden ** 0.5, attn_scale=head_dim ** -0.5, rope_local_theta=1e4,
-                sliding_window=window, sliding_layers=tuple(i for i in range(layers) if (i + 1) % 6))
+                sliding_window=window, sliding_layers=sliding_pattern(layers, 6))
 
 
 EXTRA = {"gemma-3-1b": _gemma3(512, 26, 1152, 256), "tiny-gemma3": _gemma3(32, 6, 128, 64)}

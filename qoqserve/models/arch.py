@@ -118,6 +118,12 @@ def text_model_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return {**text, "architectures": [_TEXT_CLASSES[kind]], "model_type": kind}
 
 
+def sliding_pattern(layers: int, every: int) -> tuple[int, ...]:
+    """The sliding layers of a model with one global layer every `every`
+    (Gemma 3: 6), the last of each group, as transformers and llama.cpp count."""
+    return tuple(i for i in range(layers) if (i + 1) % every)
+
+
 def _gemma3_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """A Gemma 3 text config in the keys the rest of from_hf_config reads, as
     transformers fills it in: the global layers' RoPE (theta 1M, the config's
@@ -138,8 +144,8 @@ def _gemma3_config(cfg: dict[str, Any]) -> dict[str, Any]:
     out.setdefault("rope_theta", 1e6)
     out.setdefault("rope_local_base_freq", 1e4)
     if not out.get("layer_types"):
-        every = out.get("sliding_window_pattern", 6)
-        out["layer_types"] = ["sliding_attention" if (i + 1) % every else "full_attention"
+        sliding = sliding_pattern(out["num_hidden_layers"], out.get("sliding_window_pattern", 6))
+        out["layer_types"] = ["sliding_attention" if i in sliding else "full_attention"
                               for i in range(out["num_hidden_layers"])]
     out["hidden_act"] = out.get("hidden_activation") or out.get("hidden_act") or "gelu_pytorch_tanh"
     out.setdefault("tie_word_embeddings", True)
