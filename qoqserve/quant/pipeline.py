@@ -165,32 +165,31 @@ def _transform_layer(layer, cap: LayerCapture, cfg: QuantConfig, arch, info: dic
         o_abs = o_abs[perm]
         cap.permute_inputs("self_attn.o_proj", perm)
     wq, act8 = _weight_quant_fn(cfg), cfg.a_bits == 8
+
+    def strength(name: str, w, scales_for) -> float:
+        """cfg.smooth_alpha, else the one search_alpha finds for linear `name`'s inputs."""
+        if cfg.smooth_alpha is not None:
+            return cfg.smooth_alpha
+        return search_alpha(cap.samples[name], w, cfg.smooth_alpha_grid, wq, act8, scales_for)
+
     if cfg.smooth_in:
-        for name, norm, linear in (("self_attn.qkv_proj", layer.input_layernorm, layer.self_attn.qkv_proj),
-                                   ("mlp.gate_up_proj", layer.mlp_input_norm, layer.mlp.gate_up_proj)):
+        for key, name, norm, linear in (
+                ("qkv", "self_attn.qkv_proj", layer.input_layernorm, layer.self_attn.qkv_proj),
+                ("gate", "mlp.gate_up_proj", layer.mlp_input_norm, layer.mlp.gate_up_proj)):
             w, act = linear.weight.detach(), cap.absmax[name]
-            alpha = cfg.smooth_alpha
-            if alpha is None:
-                alpha = search_alpha(cap.samples[name], w, cfg.smooth_alpha_grid, wq, act8,
-                                     lambda a, w=w, act=act: smooth_scales(act, w.abs().amax(dim=0), a))
+            alpha = strength(name, w, lambda a, w=w, act=act: smooth_scales(act, w.abs().amax(dim=0), a))
             cap.scale_inputs(name, 1 / smooth_input(norm, linear, act, alpha))
-            info[f"alpha_{name.split('.')[1].split('_')[0]}"] = alpha
+            info[f"alpha_{key}"] = alpha
     if not cfg.smooth_out:
         return
     w_down = layer.mlp.down_proj.weight.detach()
-    alpha = cfg.smooth_alpha
-    if alpha is None:
-        alpha = search_alpha(cap.samples["mlp.down_proj"], w_down, cfg.smooth_alpha_grid, wq, act8,
-                             lambda a: smooth_scales(down_abs, w_down.abs().amax(dim=0), a))
+    alpha = strength("mlp.down_proj", w_down, lambda a: smooth_scales(down_abs, w_down.abs().amax(dim=0), a))
     cap.scale_inputs("mlp.down_proj", 1 / smooth_down(layer, down_abs, alpha))
     info["alpha_down"] = alpha
     w_o = layer.self_attn.o_proj.weight.detach()
-    alpha = cfg.smooth_alpha
-    if alpha is None:
-        # the scales smooth_out_proj would use: shared by the query heads of a KV group
-        o_act, o_w = group_max(o_abs.double(), h, hkv, d), group_max(w_o.abs().amax(dim=0).double(), h, hkv, d)
-        alpha = search_alpha(cap.samples["self_attn.o_proj"], w_o, cfg.smooth_alpha_grid, wq, act8,
-                             lambda a: expand_groups(smooth_scales(o_act, o_w, a), h, hkv))
+    # the scales smooth_out_proj would use: shared by the query heads of a KV group
+    o_act, o_w = group_max(o_abs.double(), h, hkv, d), group_max(w_o.abs().amax(dim=0).double(), h, hkv, d)
+    alpha = strength("self_attn.o_proj", w_o, lambda a: expand_groups(smooth_scales(o_act, o_w, a), h, hkv))
     s_o = smooth_out_proj(layer, o_abs, alpha, h, hkv, d)
     cap.scale_inputs("self_attn.o_proj", 1 / expand_groups(s_o, h, hkv))
     info["alpha_o"] = alpha
