@@ -58,10 +58,11 @@ def generate(model: str, device: str, kernels: str, dtype: str, max_tokens: int,
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--device", default="cuda")
-    # tiny-gemma3: GeGLU, sandwich norms, sliding-window layers (window 32: the 70-token prompt passes it)
+    # tiny-gemma3: GeGLU, sandwich norms, sliding-window layers (window 32: the 70-token prompt passes it);
+    # tiny-gemma2: those and soft-capped scores and logits
     p.add_argument("--models", nargs="+", default=["synthetic:tiny:qoq-g64", "synthetic:tiny:qoq-chn",
                                                    "synthetic:tiny-qwen3:qoq-g64", "synthetic:tiny-gemma3:qoq-g64",
-                                                   "synthetic:smollm2-135m:qoq-g64"])
+                                                   "synthetic:tiny-gemma2:qoq-g64", "synthetic:smollm2-135m:qoq-g64"])
     p.add_argument("--dtypes", nargs="+", default=["float32", "float16"])
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--atol", type=float, default=2e-3)

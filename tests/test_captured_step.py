@@ -442,11 +442,12 @@ def test_c_kernels_are_torch_custom_ops_with_fake_implementations():
     rows = cache.view(-1, 2, 2, 12)
     torch.library.opcheck(paged_decode.paged_decode_op,
                           (torch.randn(2, 4, 16, generator=g), rows[:, 0], rows[:, 1], "int4", 16,
-                           torch.tensor([[0, 1], [1, 0]]), torch.tensor([3, 18]), 0.25, 5))  # a sliding window
+                           torch.tensor([[0, 1], [1, 0]]), torch.tensor([3, 18]), 0.25, 5, 3.0))  # window, cap
     from qoqserve.kernels.cpu import paged_prefill
     torch.library.opcheck(paged_prefill.paged_prefill_op,
                           (torch.randn(5, 4, 16, generator=g), rows[:, 0], rows[:, 1], "int4", 16,
-                           torch.tensor([[0, 1], [1, 0]]), torch.tensor([0, 3, 5]), torch.tensor([0, 16]), 0.25, 5))
+                           torch.tensor([[0, 1], [1, 0]]), torch.tensor([0, 3, 5]), torch.tensor([0, 16]), 0.25, 5,
+                           3.0))
 
 
 @needs_c

@@ -230,7 +230,7 @@ _GGUF_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.wei
                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 
 
-_GEMMA3_GGUF_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+_GEMMA_GGUF_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                       "post_feedforward_layernorm": "post_ffw_norm"}
 
 
@@ -280,12 +280,12 @@ def _write_gguf(path, model, arch: str, pre: str, rope_freqs=None, tokenizer_mod
         meta(w)
     for name, arr in (extra or {}).items():
         w.add_tensor(name, arr)
-    names = {**_GGUF_NAMES, **(_GEMMA3_GGUF_NAMES if arch == "gemma3" else {})}
+    names = {**_GGUF_NAMES, **(_GEMMA_GGUF_NAMES if arch in ("gemma2", "gemma3") else {})}
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
         arr = t.float().numpy()
-        if arch == "gemma3" and name.endswith("norm.weight"):
+        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             arr = arr + 1.0  # as llama.cpp's converter stores Gemma's norms
         if arch in ("llama", "granite", "smollm3") and (".q_proj." in name or ".k_proj." in name):
             arr = _llama_cpp_permute(arr, c.num_attention_heads if ".q_proj." in name

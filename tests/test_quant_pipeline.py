@@ -62,6 +62,12 @@ def tiny_source(kind: str, tmp_path) -> ModelSource:
                                             pad_token_id=0)
         cfg.architectures = ["Gemma3ForCausalLM"]
         model = transformers.Gemma3ForCausalLM(cfg)
+    elif kind == "gemma2":  # gemma3's, with every other layer sliding and soft caps that bind here
+        cfg = transformers.Gemma2Config(**{**common, "num_hidden_layers": 4}, head_dim=32, sliding_window=24,
+                                        pad_token_id=0, attn_logit_softcapping=4.0, final_logit_softcapping=8.0)
+        cfg.architectures = ["Gemma2ForCausalLM"]
+        cfg._attn_implementation = "eager"  # SDPA cannot soft-cap
+        model = transformers.Gemma2ForCausalLM(cfg)
     elif kind == "phi3":  # q/k/v and gate/up fused in the checkpoint
         cfg = transformers.Phi3Config(**common, pad_token_id=0, tie_word_embeddings=False)
         cfg.architectures = ["Phi3ForCausalLM"]

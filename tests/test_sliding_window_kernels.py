@@ -30,9 +30,10 @@ def _pages(fmt, heads, hkv, d, bs, lens, seed=0):
     return layout, cache, tables, ctx
 
 
-def _reference(layout, q, cache, tables, positions, window, scale):
+def _reference(layout, q, cache, tables, positions, window, scale, softcap=0.0):
     """fp64 attention of each query row (at positions[i] of sequence i) over the
-    keys p - window + 1 .. p of its pages, gathered by the layout's own read."""
+    keys p - window + 1 .. p of its pages, gathered by the layout's own read;
+    softcap > 0: its scores s soft-capped to softcap * tanh(s / softcap)."""
     k_all, v_all = layout.read(cache, tables, torch.float64)  # [B, L, Hkv, D]
     outs = []
     for i, p in enumerate(positions):
@@ -40,7 +41,8 @@ def _reference(layout, q, cache, tables, positions, window, scale):
         k, v = k_all[i, lo:p + 1], v_all[i, lo:p + 1]
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        w = torch.softmax(torch.einsum("hd,lhd->hl", q[i].double(), k) * scale, -1)
+        scores = torch.einsum("hd,lhd->hl", q[i].double(), k) * scale
+        w = torch.softmax(torch.tanh(scores / softcap) * softcap if softcap else scores, -1)
         outs.append(torch.einsum("hl,lhd->hd", w, v))
     return torch.stack(outs).float()
 
@@ -131,9 +133,10 @@ def test_the_torch_paths_slide_too():
 # ---- prefill ---------------------------------------------------------------------
 
 
-def _prefill_case(fmt, heads, hkv, d, bs, lens, chunks, window, seed=0):
-    """The last chunks[i] queries of sequences of lens[i] tokens in one call,
-    held to the fp64 reference: (attention, pages, tables, q, starts, firsts, result)."""
+def _prefill_case(fmt, heads, hkv, d, bs, lens, chunks, window, seed=0, softcap=0.0):
+    """The last chunks[i] queries of sequences of lens[i] tokens in one call
+    (softcap > 0: the scores soft-capped), held to the fp64 reference:
+    (attention, pages, tables, q, starts, firsts, result)."""
     layout, cache, tables, _ = _pages(fmt, heads, hkv, d, bs, lens, seed=seed)
     attn = CpuAttention(layout, quantized_prefill=True)
     firsts = [n - c for n, c in zip(lens, chunks)]
@@ -141,10 +144,10 @@ def _prefill_case(fmt, heads, hkv, d, bs, lens, chunks, window, seed=0):
     for c in chunks:
         starts.append(starts[-1] + c)
     q = torch.randn(starts[-1], heads, d, generator=torch.Generator().manual_seed(seed + 1)) * 2
-    got = attn.prefill(q, cache, tables, starts, firsts, d ** -0.5, window)
+    got = attn.prefill(q, cache, tables, starts, firsts, d ** -0.5, window, softcap)
     rows = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(chunks))
     positions = [f + i for f, c in zip(firsts, chunks) for i in range(c)]
-    ref = _reference(layout, q, cache, tables[rows], positions, window, d ** -0.5)
+    ref = _reference(layout, q, cache, tables[rows], positions, window, d ** -0.5, softcap)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=2e-5, msg=f"window {window}")
     return attn, cache, tables, q, starts, firsts, got
 

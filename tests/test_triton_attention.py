@@ -137,3 +137,20 @@ def test_decode_with_a_sliding_window_sees_the_last_window_positions(splits):
                                    splits=splits).cpu()
         ref = _reference(layout, q, cache, tables, [n - 1 for n in lens], window, d ** -0.5)
         torch.testing.assert_close(got, ref, rtol=RTOL, atol=ATOL, msg=f"window {window}")
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("heads", [8, 2])  # a dot of 4 query heads per KV head; one each (multiply and reduce)
+def test_decode_soft_caps_the_scores(splits, heads):
+    from test_sliding_window_kernels import _reference
+    hkv, d, lens, cap = 2, 64, [13, 150], 3.0
+    layout = Int4KVCacheLayout(hkv, d, 16)
+    _, cache, tables, ctx = make_pages(heads, hkv, d, lens, num_blocks=16, seed=12, layout=layout)
+    q = torch.randn(2, heads, d, generator=torch.Generator().manual_seed(13)) * 2
+    for window in (0, 20):
+        got = kv4_decode_attention(*on_device(q, cache, tables, ctx), d ** -0.5, window, cap, block_n=32,
+                                   splits=splits).cpu()
+        ref = _reference(layout, q, cache, tables, [n - 1 for n in lens], window, d ** -0.5, cap)
+        torch.testing.assert_close(got, ref, rtol=RTOL, atol=ATOL, msg=f"window {window}")
+        plain = _reference(layout, q, cache, tables, [n - 1 for n in lens], window, d ** -0.5)
+        assert (got - plain).abs().max() > 10 * ATOL

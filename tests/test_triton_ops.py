@@ -52,7 +52,7 @@ def _cases():
         "triton_w4a8_gemm": (ops.w4a8_gemm_op, (xq, sa, w["qweight"], w["s1"], w["zeros"], w["s2"], 64, rs, None,
                                                 torch.float32)),
         "triton_kv4_write": (ops.kv4_write_op, (cache.clone(), k, v, slots)),
-        "triton_kv4_decode": (ops.kv4_decode_op, (q, cache, tables, lens, D ** -0.5, 20)),  # a sliding window
+        "triton_kv4_decode": (ops.kv4_decode_op, (q, cache, tables, lens, D ** -0.5, 20, 3.0)),  # window, cap
     }
 
 

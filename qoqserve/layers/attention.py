@@ -10,18 +10,18 @@ share a prefix block (one computes it, the other hits it in the prefix cache)
 see the freshly written values.
 
 A sliding-window layer (window > 0) attends each query to its last `window`
-positions only, on every path.
+positions only, and a soft-capping one (softcap > 0, Gemma 2) replaces each
+score s by softcap * tanh(s / softcap) before the softmax, on every path.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from qoqserve.kernels.cpu import dense_attention_f64
-from qoqserve.layers.attention_backends import AttentionBackend
+from qoqserve.layers.attention_backends import AttentionBackend, attend
 
 
 @dataclass
@@ -43,14 +43,17 @@ class AttentionMetadata:
 
 class PagedAttention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
-                 backend: AttentionBackend | None, window: int | None = None, scale: float | None = None):
+                 backend: AttentionBackend | None, window: int | None = None, scale: float | None = None,
+                 softcap: float | None = None):
         """backend: the page format and the kernels over it (None: a model that
         never runs, e.g. built on the meta device for its weight schema).
         window: the positions a query sees in a sliding-window layer (itself
         and the window - 1 before it); None: all before it. scale: the
-        scores' (Gemma's query_pre_attn_scalar ** -0.5); None: head_dim ** -0.5."""
+        scores' (Gemma's query_pre_attn_scalar ** -0.5); None: head_dim ** -0.5.
+        softcap: the scores' soft cap (Gemma 2's attn_logit_softcapping); None: none."""
         super().__init__()
         self.window = window or 0
+        self.softcap = float(softcap or 0.0)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -70,7 +73,8 @@ class PagedAttention(nn.Module):
         if cache is not None and meta.slot_mapping is not None:  # the chunks' K/V are in the pages
             out = self.backend.prefill(q[d:], cache, meta.block_tables[d:], meta.query_starts,
                                        meta.cached_lens if meta.cached_lens is not None
-                                       else [0] * (len(meta.query_starts) - 1), self.scale, self.window)
+                                       else [0] * (len(meta.query_starts) - 1), self.scale, self.window,
+                                       self.softcap)
         if out is None:
             qp, kp, vp = q[d:], k[d:], v[d:]
             if self.backend.quantized_prefill:
@@ -78,7 +82,7 @@ class PagedAttention(nn.Module):
             out = self._prefill(qp, kp, vp, meta, cache)
         if d:
             dec = self.backend.decode(q[:d], cache, meta.block_tables[:d], meta.context_lens, self.scale,
-                                      self.window)
+                                      self.window, self.softcap)
             out = self.backend.join(dec, out)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
@@ -106,24 +110,21 @@ class PagedAttention(nn.Module):
         # quantizer's calibration passes spend much of their time here).
         out_dtype = q.dtype
         slides = 0 < self.window < k.shape[0]  # some query here sees fewer keys than all before it
-        if not slides and dense_attention_f64.handles(q, k, v, offset):
+        if not slides and not self.softcap and dense_attention_f64.handles(q, k, v, offset):
             return dense_attention_f64.attention(q, k, v, offset, self.scale).to(out_dtype)
         if q.device.type == "cpu" and not q.requires_grad:  # training (quant/) needs no fp64
             q, k, v = q.double(), k.double(), v.double()
         # [L, H, D] -> [1, H, L, D]
         qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        gqa = self.num_heads != self.num_kv_heads
-        if offset == 0 and not slides:
-            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale,
-                                               enable_gqa=gqa)
-        else:
+        mask = None
+        if offset or slides:
             lq, lk = q.shape[0], k.shape[0]
             mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(diagonal=offset)
             if slides:  # query i (position offset + i) sees keys offset + i - window + 1 ..
                 mask &= ~torch.ones_like(mask).tril(diagonal=offset - self.window)
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale,
-                                               enable_gqa=gqa)
+        o = attend(qh, kh, vh, mask, self.scale, self.softcap)
         return o[0].transpose(0, 1).to(out_dtype)
 
     def _decode(self, q, meta, cache):
-        return self.backend.decode(q, cache, meta.block_tables, meta.context_lens, self.scale, self.window)
+        return self.backend.decode(q, cache, meta.block_tables, meta.context_lens, self.scale, self.window,
+                                   self.softcap)

@@ -54,13 +54,13 @@ class AttentionBackend:
 
     def prefill(self, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                 query_starts: list[int], first_positions: list[int], scale: float,
-                window: int = 0) -> torch.Tensor | None:
+                window: int = 0, softcap: float = 0.0) -> torch.Tensor | None:
         """q [T, H, D]: prompt chunks back to back (sequence i: rows
         query_starts[i]:query_starts[i+1], the first at position
         first_positions[i]), causal over their pages (window > 0: over the
-        last `window` positions only), the chunks' own K/V written first ->
-        [T, H, D]. None: no kernel over the pages here (the attention layer
-        then attends the fresh values in torch)."""
+        last `window` positions only; softcap > 0: scores soft-capped), the
+        chunks' own K/V written first -> [T, H, D]. None: no kernel over the
+        pages here (the attention layer then attends the fresh values in torch)."""
         return None
 
     def join(self, decodes: torch.Tensor, prefills: torch.Tensor) -> torch.Tensor:
@@ -68,11 +68,12 @@ class AttentionBackend:
         return torch.cat([decodes, prefills])
 
     def decode(self, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
-               context_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+               context_lens: torch.Tensor, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         """q [B, H, D], one query per sequence over its pages (window > 0:
-        over its last `window` positions) -> [B, H, D]."""
+        over its last `window` positions; softcap > 0: scores soft-capped) -> [B, H, D]."""
         if self._compiled is not None:
-            return self._compiled(self.layout, cache, block_tables, context_lens, q, scale, q.shape[1], window)
+            return self._compiled(self.layout, cache, block_tables, context_lens, q, scale, q.shape[1], window,
+                                  softcap)
         # fp64 on CPU: torch's bf16 SDPA with a mask is ~7x slower than fp32 there,
         # and the padded length (the longest sequence in the batch) changes the
         # summation order; in fp64 that difference vanishes when rounding back,
@@ -82,8 +83,7 @@ class AttentionBackend:
         mask = seen_positions(kc.shape[1], context_lens, window)
         qh = q.to(work).unsqueeze(2)             # [B, H, 1, D]
         kh, vh = kc.transpose(1, 2), vc.transpose(1, 2)  # [B, Hkv, L, D]
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask[:, None, None, :], scale=scale,
-                                           enable_gqa=q.shape[1] != kc.shape[2])
+        o = attend(qh, kh, vh, mask[:, None, None, :], scale, softcap)
         return o[:, :, 0, :].to(q.dtype)
 
 
@@ -114,7 +114,7 @@ class CpuAttention(AttentionBackend):
         else:
             self.layout.write(cache, k, v, slot_mapping)
 
-    def prefill(self, q, cache, block_tables, query_starts, first_positions, scale, window=0):
+    def prefill(self, q, cache, block_tables, query_starts, first_positions, scale, window=0, softcap=0.0):
         # the pages must hold what prefill attends to: the stored values when
         # those are what it sees (quantized_prefill), else the exact ones
         exact = isinstance(self.layout, DenseKVCacheLayout) and self.layout.dtype == q.dtype
@@ -122,7 +122,8 @@ class CpuAttention(AttentionBackend):
             return None
         k_rows, v_rows = self.layout.page_rows(cache)
         return paged_prefill.paged_prefill_attention(q, k_rows, v_rows, self.layout.name, self.layout.block_size,
-                                                     block_tables, query_starts, first_positions, scale, window)
+                                                     block_tables, query_starts, first_positions, scale, window,
+                                                     softcap)
 
     def join(self, decodes, prefills):
         if (self._c_join and decodes.dtype == prefills.dtype and decodes.is_contiguous()
@@ -130,11 +131,11 @@ class CpuAttention(AttentionBackend):
             return elementwise.concat_rows(decodes, prefills)  # one C call: a one-shot step records it
         return super().join(decodes, prefills)
 
-    def decode(self, q, cache, block_tables, context_lens, scale, window=0):
+    def decode(self, q, cache, block_tables, context_lens, scale, window=0, softcap=0.0):
         k_rows, v_rows = self.layout.page_rows(cache)
         return paged_decode.paged_decode_attention(q, k_rows, v_rows, self.layout.name,
                                                    self.layout.block_size, block_tables,
-                                                   context_lens, scale, window)
+                                                   context_lens, scale, window, softcap)
 
 
 class TritonAttention(AttentionBackend):
@@ -150,10 +151,10 @@ class TritonAttention(AttentionBackend):
         from qoqserve.kernels.triton.ops import kv4_write
         kv4_write(cache, k, v, slot_mapping)
 
-    def decode(self, q, cache, block_tables, context_lens, scale, window=0):
+    def decode(self, q, cache, block_tables, context_lens, scale, window=0, softcap=0.0):
         # lazy: Triton (imports triton, present only with it)
         from qoqserve.kernels.triton.ops import kv4_decode_attention
-        return kv4_decode_attention(q, cache, block_tables, context_lens, scale, window)
+        return kv4_decode_attention(q, cache, block_tables, context_lens, scale, window, softcap)
 
 
 def seen_positions(length: int, context_lens: torch.Tensor, window: int = 0) -> torch.Tensor:
@@ -164,9 +165,30 @@ def seen_positions(length: int, context_lens: torch.Tensor, window: int = 0) -> 
     return seen & (pos >= context_lens[:, None] - window) if window > 0 else seen
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+           softcap: float = 0.0) -> torch.Tensor:
+    """Attention of q [B, H, Lq, D] over k, v [B, Hkv, Lk, D] (GQA: H a
+    multiple of Hkv) where mask (bool, broadcast to [B, H, Lq, Lk]) allows;
+    None: causal, the queries the last Lq positions. softcap > 0: each score
+    s soft-capped to softcap * tanh(s / softcap) (Gemma 2), in the order
+    transformers computes it, which SDPA cannot; a row that sees nothing
+    gives zeros then."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.tanh(q @ k.transpose(-1, -2) * scale / softcap) * softcap
+    if mask is None:
+        lq, lk = q.shape[2], k.shape[2]
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(diagonal=lk - lq)
+    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).nan_to_num(0.0)
+    return weights @ v
+
+
 def decode_attention(layout: KVCacheLayout, cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, q: torch.Tensor, scale: float,
-                     num_heads: int, window: int = 0) -> torch.Tensor:
+                     num_heads: int, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """One query per sequence over its paged history, in fp32, GQA by reshape.
 
     Written as plain tensor math so torch.compile can fuse the page gather,
@@ -177,6 +199,8 @@ def decode_attention(layout: KVCacheLayout, cache: torch.Tensor, block_tables: t
     b, length, hkv, d = k.shape
     qg = q.float().reshape(b, hkv, num_heads // hkv, d)
     scores = torch.einsum("bkgd,blkd->bkgl", qg, k) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     valid = seen_positions(length, context_lens, window)
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     out = torch.einsum("bkgl,blkd->bkgd", torch.softmax(scores, dim=-1), v)

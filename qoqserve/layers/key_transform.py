@@ -3,7 +3,8 @@
     k' = (k - shift) R        q' = q R        (R orthogonal, per KV head: shift [Hkv, D])
 
 q'.k' = q.k - q.shift: the subtracted term is the same for every key a query
-attends to, so the softmax, and the layer's output, are unchanged. What
+attends to, so the softmax, and the layer's output, are unchanged (not where
+the scores are soft-capped, Gemma 2: the quantizer leaves the shift 0 there). What
 changes is what per-token KV4 sees: keys carry a large per-channel offset
 (shared by all tokens) and a few outlier channels. Subtracting the calibrated
 mean removes the first; the Hadamard-like R spreads the second over all

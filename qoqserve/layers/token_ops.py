@@ -1,7 +1,8 @@
 """The per-token ops between a decoder layer's GEMMs and attention, as one
 swappable object (like the attention and linear backends): embedding lookup,
 RMSNorm (optionally fused with the residual add before it), q/k/v split with
-RoPE and the key transform (after Qwen3's per-head q/k norms), SiLU * mul.
+RoPE and the key transform (after Qwen3's per-head q/k norms), SiLU * mul;
+and the final logits' soft-capping (Gemma 2).
 
 * `TorchTokenOps`: torch ops (any device and dtype);
 * `CpuTokenOps`: one C call per op (kernels/cpu/elementwise.c) where torch
@@ -46,6 +47,10 @@ class TorchTokenOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
 
+    def softcap(self, logits: torch.Tensor, cap: float) -> torch.Tensor:
+        """cap * tanh(logits / cap), in transformers' order (Gemma 2's final_logit_softcapping)."""
+        return torch.tanh(logits / cap) * cap
+
     def qkv_rope(self, qkv: torch.Tensor, positions: torch.Tensor, rope, key_transform,
                  num_heads: int, num_kv_heads: int, head_dim: int, qk_norm=None):
         """qkv [T, (H + 2 Hkv) D] -> q [T, H, D], k, v [T, Hkv, D] after RoPE
@@ -87,6 +92,11 @@ class CpuTokenOps(TorchTokenOps):
 
     def gelu_mul(self, gate_up):
         return elementwise.gelu_mul(gate_up)
+
+    def softcap(self, logits, cap):
+        if logits.dtype == torch.float32 and logits.dim() == 2:
+            return elementwise.softcap(logits, cap)
+        return super().softcap(logits, cap)
 
     def qkv_rope(self, qkv, positions, rope, key_transform, num_heads, num_kv_heads, head_dim, qk_norm=None):
         kt = key_transform

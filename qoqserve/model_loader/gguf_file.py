@@ -23,6 +23,7 @@ from qoqserve.models.arch import (
     UnsupportedModelError,
     longrope_scaling,
     sliding_pattern,
+    softcap_of,
     yarn_scaling,
 )
 
@@ -36,7 +37,7 @@ from .tokenizer_source import load_tokenizer
 
 _ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "smollm3": "smollm3",
           "granite": "llama",  # granite: its scales folded into the weights (scalar_folds.py)
-          "gemma3": "gemma3"}
+          "gemma2": "gemma2", "gemma3": "gemma3"}
 # llama.cpp's converter reorders the q/k rows of these for its RoPE layout
 _ROPE_PERMUTED = ("llama", "granite", "smollm3")
 # llama.cpp's SmolLM3: every 4th layer without RoPE (its GGUF has no key for it)
@@ -54,8 +55,13 @@ _FUSED_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 # Gemma 3's sandwich norms, in HF's names: ffn_norm is the MLP's input norm there
 _SANDWICH_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
                    "post_ffw_norm": "post_feedforward_layernorm"}
-# llama.cpp's Gemma 3: one global layer in six, the sliding ones' RoPE base
-_GEMMA3_PATTERN, _GEMMA3_LOCAL_THETA = 6, 10000.0
+# llama.cpp's Gemma 2 and 3: one global layer in two / six; Gemma 3's sliding
+# layers' RoPE base; Gemma 2's soft caps and window where the file has none
+_GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}
+_GEMMA3_LOCAL_THETA = 10000.0
+_GEMMA2_DEFAULTS = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "attention.sliding_window": 4096}
+# llama.cpp's 27B models (by their layer count) scale the scores by hidden / heads, the others by head_dim
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _QUANT_SUFFIX = re.compile(r"[.-](I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
 
@@ -252,20 +258,24 @@ def load_gguf(path: str, tok_spec: str | None = None) -> ModelSource:
     if "token_embd.weight" not in by_name:
         raise ModelLoadError(f"{path}: missing tensor token_embd.weight")
     layers = int(need(f"{a}.block_count"))
-    window = int(meta.get(f"{a}.attention.sliding_window") or 0) or None
+    gemma2 = a == "gemma2"
+
+    def gemma2_key(key: str) -> Any:
+        return meta.get(f"{a}.{key}", _GEMMA2_DEFAULTS[key] if gemma2 else None)
+    window = int(gemma2_key("attention.sliding_window") or 0) or None
     gemma = {}
-    if a == "gemma3":  # as llama.cpp reads a Gemma 3 file (its norms hold the 1 added already)
-        if meta.get(f"{a}.final_logit_softcapping"):
-            raise UnsupportedModelError(f"{path}: final logit soft-capping is not supported")
+    if a in _GEMMA_PATTERN:  # as llama.cpp reads a Gemma file (its norms hold the 1 added already)
         # the pattern: one global layer every n, or (newer converters) a flag per layer
-        pattern = meta.get(f"{a}.attention.sliding_window_pattern") or _GEMMA3_PATTERN
+        pattern = meta.get(f"{a}.attention.sliding_window_pattern") or _GEMMA_PATTERN[a]
         sliding = (tuple(i for i, swa in enumerate(pattern) if swa) if isinstance(pattern, list)
                    else sliding_pattern(layers, int(pattern)))
-        # llama.cpp: 27B (62 layers) scales the scores by hidden / heads, the others by head_dim
         gemma = dict(mlp_act="gelu_tanh", embed_scale=float(hidden) ** 0.5,
-                     attn_scale=(hidden // heads if layers == 62 else head_dim) ** -0.5,
-                     rope_local_theta=float(meta.get(f"{a}.rope.freq_base_swa") or _GEMMA3_LOCAL_THETA),
+                     attn_scale=(hidden // heads if layers == _GEMMA_27B_LAYERS[a] else head_dim) ** -0.5,
+                     attn_softcap=softcap_of(gemma2_key("attn_logit_softcapping")),
+                     logit_softcap=softcap_of(gemma2_key("final_logit_softcapping")),
                      sliding_layers=sliding if window else None)
+        if not gemma2:
+            gemma["rope_local_theta"] = float(meta.get(f"{a}.rope.freq_base_swa") or _GEMMA3_LOCAL_THETA)
     arch = ModelArchConfig(
         architecture=_ARCHS[a],
         vocab_size=int(by_name["token_embd.weight"].dims[1]),

@@ -42,13 +42,15 @@ ARCHS = {
     "tiny": (512, 128, 256, 2, 4, 2, 32, 10000.0, False),
     "tiny-qwen3": (512, 128, 256, 2, 4, 2, 64, 1000000.0, False),
     "tiny-phi3": (512, 128, 256, 2, 4, 2, 32, 10000.0, False),
+    "gemma-2-2b": (256000, 2304, 9216, 26, 8, 4, 256, 10000.0, True),
+    "tiny-gemma2": (512, 128, 256, 4, 4, 2, 64, 10000.0, True),
     "gemma-3-1b": (262144, 1152, 6912, 26, 4, 1, 256, 1000000.0, True),
     "tiny-gemma3": (512, 128, 256, 6, 4, 2, 64, 1000000.0, True),
 }
 # the architecture where it is not "llama" (qwen3: per-head q/k norms; phi3:
 # q/k/v and gate/up fused in the checkpoint too)
-ARCHITECTURE = {"qwen3-8b": "qwen3", "tiny-qwen3": "qwen3", "tiny-phi3": "phi3", "gemma-3-1b": "gemma3",
-                "tiny-gemma3": "gemma3"}
+ARCHITECTURE = {"qwen3-8b": "qwen3", "tiny-qwen3": "qwen3", "tiny-phi3": "phi3", "gemma-2-2b": "gemma2",
+                "tiny-gemma2": "gemma2", "gemma-3-1b": "gemma3", "tiny-gemma3": "gemma3"}
 
 
 def _gemma3(window: int, layers: int, hidden: int, head_dim: int) -> dict:
@@ -57,7 +59,15 @@ def _gemma3(window: int, layers: int, hidden: int, head_dim: int) -> dict:
                 sliding_window=window, sliding_layers=sliding_pattern(layers, 6))
 
 
-EXTRA = {"gemma-3-1b": _gemma3(512, 26, 1152, 256), "tiny-gemma3": _gemma3(32, 6, 128, 64)}
+def _gemma2(window: int, layers: int, hidden: int, head_dim: int) -> dict:
+    """Gemma 2's: GeGLU, scaled embeddings, every other layer sliding, scores
+    and logits soft-capped at 50 and 30."""
+    return dict(mlp_act="gelu_tanh", embed_scale=hidden ** 0.5, attn_scale=head_dim ** -0.5, attn_softcap=50.0,
+                logit_softcap=30.0, sliding_window=window, sliding_layers=sliding_pattern(layers, 2))
+
+
+EXTRA = {"gemma-2-2b": _gemma2(4096, 26, 2304, 256), "tiny-gemma2": _gemma2(32, 4, 128, 64),
+         "gemma-3-1b": _gemma3(512, 26, 1152, 256), "tiny-gemma3": _gemma3(32, 6, 128, 64)}
 FORMATS = ("fp", "qoq-g128", "qoq-g64", "qoq-chn")
 
 

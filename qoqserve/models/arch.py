@@ -11,7 +11,8 @@ from typing import Any
 
 _HF_NAMES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
              "qwen3": ("Qwen3ForCausalLM", "qwen3"), "phi3": ("Phi3ForCausalLM", "phi3"),
-             "smollm3": ("SmolLM3ForCausalLM", "smollm3"), "gemma3": ("Gemma3ForCausalLM", "gemma3_text")}
+             "smollm3": ("SmolLM3ForCausalLM", "smollm3"), "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+             "gemma3": ("Gemma3ForCausalLM", "gemma3_text")}
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -23,8 +24,10 @@ SUPPORTED_ARCHITECTURES = {
     # Granite's four scalar multipliers are folded into its weights at load
     # (model_loader/scalar_folds.py): what remains is a Llama
     "GraniteForCausalLM": "llama",
+    "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
 }
+GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 
 
 class UnsupportedModelError(ValueError):
@@ -124,27 +127,39 @@ def sliding_pattern(layers: int, every: int) -> tuple[int, ...]:
     return tuple(i for i in range(layers) if (i + 1) % every)
 
 
-def _gemma3_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """A Gemma 3 text config in the keys the rest of from_hf_config reads, as
-    transformers fills it in: the global layers' RoPE (theta 1M, the config's
-    scaling) apart from the sliding layers' (rope_local_base_freq, 10k; or
-    transformers 5's rope_parameters per layer type), five sliding layers to
-    a full one unless layer_types says, GELU-tanh, tied embeddings."""
-    if cfg.get("attn_logit_softcapping") or cfg.get("final_logit_softcapping"):
-        raise UnsupportedModelError("logit soft-capping (Gemma 2) is not supported")
+def _gemma_config(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """A Gemma 2 or Gemma 3 text config in the keys the rest of
+    from_hf_config reads, as transformers fills it in. Gemma 2: every other
+    layer sliding (the first of each pair), scores and logits soft-capped at
+    50 and 30 unless the config says otherwise. Gemma 3: the global layers'
+    RoPE (theta 1M, the config's scaling) apart from the sliding layers'
+    (rope_local_base_freq, 10k; or transformers 5's rope_parameters per
+    layer type), five sliding layers to a full one unless layer_types says.
+    Both: GELU-tanh, tied embeddings."""
     out = dict(cfg)
-    params = out.pop("rope_parameters", None)
-    if isinstance(params, dict) and "full_attention" in params:
-        full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
-        if local.get("rope_type", "default") != "default":
-            raise UnsupportedModelError(f"RoPE scaling {local['rope_type']!r} on the sliding layers is not supported")
-        out["rope_theta"], out["rope_local_base_freq"] = full.get("rope_theta", 1e6), local.get("rope_theta", 1e4)
-        out["rope_scaling"] = ({k: v for k, v in full.items() if k != "rope_theta"}
-                               if full.get("rope_type", "default") != "default" else None)
-    out.setdefault("rope_theta", 1e6)
-    out.setdefault("rope_local_base_freq", 1e4)
+    if arch == "Gemma2ForCausalLM":
+        every = 2
+        out.setdefault("rope_theta", 1e4)
+        out.setdefault("sliding_window", 4096)
+        out.setdefault("attn_logit_softcapping", 50.0)
+        out.setdefault("final_logit_softcapping", 30.0)
+    else:
+        every = out.get("sliding_window_pattern", 6)
+        params = out.pop("rope_parameters", None)
+        if isinstance(params, dict) and "full_attention" in params:
+            full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+            if local.get("rope_type", "default") != "default":
+                raise UnsupportedModelError(f"RoPE scaling {local['rope_type']!r} on the sliding layers is "
+                                            "not supported")
+            out["rope_theta"], out["rope_local_base_freq"] = full.get("rope_theta", 1e6), local.get("rope_theta", 1e4)
+            out["rope_scaling"] = ({k: v for k, v in full.items() if k != "rope_theta"}
+                                   if full.get("rope_type", "default") != "default" else None)
+        elif params is not None:
+            out["rope_parameters"] = params
+        out.setdefault("rope_theta", 1e6)
+        out.setdefault("rope_local_base_freq", 1e4)
     if not out.get("layer_types"):
-        sliding = sliding_pattern(out["num_hidden_layers"], out.get("sliding_window_pattern", 6))
+        sliding = sliding_pattern(out["num_hidden_layers"], every)
         out["layer_types"] = ["sliding_attention" if i in sliding else "full_attention"
                               for i in range(out["num_hidden_layers"])]
     out["hidden_act"] = out.get("hidden_activation") or out.get("hidden_act") or "gelu_pytorch_tanh"
@@ -195,6 +210,8 @@ class ModelArchConfig:
     attn_scale: float | None = None  # the attention scores' scale; None: head_dim ** -0.5
     rope_local_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base (unscaled); None: rope_theta
     embed_scale: float | None = None  # Gemma: the embeddings times sqrt(hidden), in the model's dtype
+    attn_softcap: float | None = None  # Gemma 2: scores s -> cap * tanh(s / cap) before the softmax; None: none
+    logit_softcap: float | None = None  # Gemma 2: the final logits, likewise
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     # HF-style dict, e.g. {"rope_type": "llama3", "factor": 8.0, ...}; None = plain RoPE
@@ -229,16 +246,16 @@ class ModelArchConfig:
 
     @property
     def sandwich_norms(self) -> bool:
-        """Gemma 3: RMSNorms on the attention's and the MLP's outputs too, before
+        """Gemma 2 and 3: RMSNorms on the attention's and the MLP's outputs too, before
         each residual add (post_attention_layernorm, post_feedforward_layernorm),
         and the MLP's input norm is pre_feedforward_layernorm."""
-        return self.architecture == "gemma3"
+        return self.architecture in GEMMA_ARCHITECTURES
 
     @property
     def norm_offset(self) -> bool:
         """Gemma: its checkpoints store each RMSNorm weight as w - 1 (the norm
         multiplies by 1 + w); the loader adds the 1 (model_loader/scalar_folds.py)."""
-        return self.architecture == "gemma3"
+        return self.architecture in GEMMA_ARCHITECTURES
 
     @property
     def fused_checkpoint_linears(self) -> bool:
@@ -255,9 +272,9 @@ class ModelArchConfig:
             raise UnsupportedModelError(
                 f"unsupported architecture {archs or cfg.get('model_type')!r}; "
                 f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
-        gemma = arch == "Gemma3ForCausalLM"
+        gemma = SUPPORTED_ARCHITECTURES[arch] in GEMMA_ARCHITECTURES
         if gemma:
-            cfg = _gemma3_config(cfg)
+            cfg = _gemma_config(cfg, arch)
         act = cfg.get("hidden_act", "silu")
         acts = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
         if act not in acts:  # the MLP is gated: SwiGLU or GeGLU (tanh); another would run wrong
@@ -305,8 +322,10 @@ class ModelArchConfig:
             rotary_dim=None if rotary_dim == head_dim else rotary_dim,
             mlp_act=acts[act],
             attn_scale=float(cfg["query_pre_attn_scalar"]) ** -0.5 if gemma else None,
-            rope_local_theta=float(cfg["rope_local_base_freq"]) if gemma else None,
+            rope_local_theta=float(cfg["rope_local_base_freq"]) if cfg.get("rope_local_base_freq") else None,
             embed_scale=float(cfg["hidden_size"]) ** 0.5 if gemma else None,
+            attn_softcap=softcap_of(cfg.get("attn_logit_softcapping")) if gemma else None,
+            logit_softcap=softcap_of(cfg.get("final_logit_softcapping")) if gemma else None,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
             rope_theta=float(rope_theta or 10000.0),
             rope_scaling=rope_scaling,
@@ -347,6 +366,16 @@ class ModelArchConfig:
             **({"no_rope_layers": [int(i not in self.nope_layers) for i in range(self.num_layers)]}
                if self.architecture == "smollm3" else {}),
             **({"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": round(self.attn_scale ** -2),
-                "rope_local_base_freq": self.rope_local_theta, "final_logit_softcapping": None,
-                "attn_logit_softcapping": None} if self.architecture == "gemma3" else {}),
+                "final_logit_softcapping": self.logit_softcap, "attn_logit_softcapping": self.attn_softcap}
+               if self.architecture in GEMMA_ARCHITECTURES else {}),
+            **({"rope_local_base_freq": self.rope_local_theta} if self.architecture == "gemma3" else {}),
         }
+
+
+def softcap_of(value: Any) -> float | None:
+    """A soft cap from a config: None or 0 is none."""
+    if value is None or float(value) == 0.0:
+        return None
+    if float(value) < 0 or not math.isfinite(float(value)):
+        raise UnsupportedModelError(f"a logit soft cap must be positive, got {value!r}")
+    return float(value)

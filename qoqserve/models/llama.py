@@ -1,5 +1,5 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, SmolLM2/3,
-Gemma 3) over paged attention.
+Gemma 2/3) over paged attention.
 
 Tensors flow flattened: a batch is one [T, hidden] matrix of all its new
 tokens, so linears see every request at once and attention alone knows where
@@ -53,7 +53,7 @@ class Attention(nn.Module):
                              _row_shard(tp, rows[0]))
         self.rope = rope
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, attention, window,
-                                   cfg.attn_scale)
+                                   cfg.attn_scale, cfg.attn_softcap)
         self.key_transform = (KeyTransform(self.num_kv_heads, self.head_dim, dtype,
                                            (kv0, self.num_kv_heads) if tp.size > 1 else None)
                               if key_transform else None)
@@ -198,7 +198,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Parameter(self.lm_head.to("meta"), requires_grad=False)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.logits_head(hidden, self.lm_head)
+        logits = self.logits_head(hidden, self.lm_head)
+        cap = self.cfg.logit_softcap
+        return self.token_ops.softcap(logits, cap) if cap else logits
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int], rows: list[int] | None = None,

@@ -161,14 +161,15 @@ def search_alpha(x: torch.Tensor, w: torch.Tensor, grid: Sequence[float],
 def search_key_alpha(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Sequence[float],
                      key_absmax: torch.Tensor, key_mean: torch.Tensor | None = None,
                      rotation: torch.Tensor | None = None, max_q: int = 512, max_k: int = 2048,
-                     rotary: int | None = None) -> float:
+                     rotary: int | None = None, scale: float | None = None, softcap: float = 0.0) -> float:
     """SmoothAttention strength (0 = none) minimising the attention-output error
     ||softmax(q K^T) V - softmax(q K4^T) V|| over sampled queries and keys, with
     K4 the keys as the cache would hold them: smoothed by lambda, then (with
     key_mean and rotation) centered and rotated, then KV4 round-tripped.
     Output error, not score error: it weighs the keys that get attention.
     q [Tq, H, D], k / v [Tk, Hkv, D] post-RoPE; key_absmax [Hkv, D] feeds lambda;
-    rotary: the channels RoPE turns (smooth_attention_lambda)."""
+    rotary: the channels RoPE turns (smooth_attention_lambda); scale, softcap:
+    the model's score scale (None: head_dim ** -0.5) and soft cap (Gemma 2)."""
 
     q = q[torch.linspace(0, q.shape[0] - 1, min(max_q, q.shape[0])).long()].float()
     pick = torch.linspace(0, k.shape[0] - 1, min(max_k, k.shape[0])).long()
@@ -179,7 +180,8 @@ def search_key_alpha(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Se
 
     def attend(qs, ks):  # [Tq, H, D] x [Tk, Hkv, D] -> [Hkv, Tq*g, D]
         qh = qs.reshape(-1, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, -1, d)
-        return torch.softmax(qh @ ks.permute(1, 2, 0) * d ** -0.5, dim=-1) @ vh
+        scores = qh @ ks.permute(1, 2, 0) * (scale or d ** -0.5)
+        return torch.softmax(torch.tanh(scores / softcap) * softcap if softcap else scores, dim=-1) @ vh
 
     ref = attend(q, k)
     best, best_err = None, float("inf")

@@ -143,19 +143,25 @@ def _transform_layer(layer, cap: LayerCapture, cfg: QuantConfig, arch, info: dic
     h, hkv, d = arch.num_heads, arch.num_kv_heads, arch.head_dim
     rotary = arch.rotary_dim  # partial rotary embeddings: SmoothAttention pairs only the channels RoPE turns
     lam = None
+    # The key shift leaves a softmax unchanged (it moves every score of a
+    # query by q . shift), but not soft-capped scores (Gemma 2: tanh(s - c) is
+    # not tanh(s) - c): their keys are rotated only.
+    centered = cfg.uses_key_transform and not arch.attn_softcap
+    key_mean = cap.key_mean if centered else torch.zeros_like(cap.key_mean)
     if cfg.smooth_attention and cfg.kv_bits == 4:
         # with a key shift the codes see centered keys: smooth what is left of them
-        k_abs = cap.centered_key_absmax() if cfg.uses_key_transform else cap.key_absmax
+        k_abs = cap.centered_key_absmax() if centered else cap.key_absmax
         alpha = cfg.smooth_attention_alpha
         if alpha is None:
-            kt = (cap.key_mean, key_rotation(d, cfg.seed)) if cfg.uses_key_transform else (None, None)
+            kt = (key_mean, key_rotation(d, cfg.seed)) if cfg.uses_key_transform else (None, None)
             alpha = search_key_alpha(cap.q_sample, cap.k_sample, cap.v_sample, cfg.smooth_attention_grid,
-                                     k_abs, *kt, rotary=rotary)
+                                     k_abs, *kt, rotary=rotary, scale=arch.attn_scale,
+                                     softcap=arch.attn_softcap or 0.0)
         info["alpha_attn"] = alpha
         if alpha:
             lam = smooth_attention(layer, k_abs, alpha, h, hkv, d, rotary)
     if cfg.uses_key_transform:
-        center_and_rotate_keys(layer, cap.key_mean, lam, cfg.seed)
+        center_and_rotate_keys(layer, key_mean, lam, cfg.seed)
     o_abs, down_abs = cap.absmax["self_attn.o_proj"], cap.absmax["mlp.down_proj"]
     if cfg.reorder and cfg.group_size:
         perm = reorder_down(layer, down_abs)

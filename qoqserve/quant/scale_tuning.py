@@ -179,7 +179,7 @@ def tune_scales(model, teacher, samples: list[list[int]], epochs: int, lr: float
                 for norm, weight, theta in norms:  # a plain attribute while its parameter is out
                     norm.weight = weight.float() * (1 + theta)
                 loss = HeadKL.apply(_hidden(model, samples[i]), ref[i] if epochs > 1 else ref.pop(i),
-                                    model.lm_head, teacher.lm_head, head_grad, work)
+                                    model.lm_head, teacher.lm_head, head_grad, work, model.cfg.logit_softcap or 0.0)
                 opt.zero_grad()
                 loss.backward()
                 opt.step()

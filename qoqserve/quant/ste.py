@@ -37,11 +37,13 @@ class HeadKL(torch.autograd.Function):
     (at 512 tokens x 49k words each is a fresh 100 MB tensor, whose page faults
     cost more than its arithmetic). work: [3, rows, vocab] fp32, reused from
     call to call; head_grad: head in the dtype of the gradient's product
-    (grad_dtype(): bf16 halves its time where torch has the kernels)."""
+    (grad_dtype(): bf16 halves its time where torch has the kernels).
+    cap > 0: both models' logits soft-capped at it (Gemma 2), as the model's
+    compute_logits does."""
 
     @staticmethod
     def forward(ctx, h: torch.Tensor, h_ref: torch.Tensor, head: torch.Tensor, head_ref: torch.Tensor,
-                head_grad: torch.Tensor, work: torch.Tensor) -> torch.Tensor:
+                head_grad: torch.Tensor, work: torch.Tensor, cap: float = 0.0) -> torch.Tensor:
         n_tok, rows = h.shape[0], work.shape[1]
         head_t, head_ref_t = head.float().t(), head_ref.float().t()
         grad, total = torch.empty(h.shape, dtype=torch.float32, device=h.device), 0.0
@@ -49,18 +51,25 @@ class HeadKL(torch.autograd.Function):
             n = min(rows, n_tok - r0)
             a, b, p = work[0, :n], work[1, :n], work[2, :n]
             torch.mm(h_ref[r0:r0 + n].float(), head_ref_t, out=a)
+            if cap:
+                a.div_(cap).tanh_().mul_(cap)
             a.sub_(a.amax(-1, keepdim=True))
             torch.exp(a, out=p)
             norm = p.sum(-1, keepdim=True)
             p.div_(norm)                       # P_FP
             a.sub_(norm.log_())                # log P_FP
             torch.mm(h[r0:r0 + n].float(), head_t, out=b)
-            b.sub_(b.amax(-1, keepdim=True))   # log P + log sum exp(b)
+            if cap:
+                b.div_(cap).tanh_().mul_(cap)
+            top = b.amax(-1, keepdim=True)
+            b.sub_(top)                        # log P + log sum exp(b)
             total += float(torch.dot(p.view(-1), a.sub_(b).view(-1)))
             torch.exp(b, out=a)
             norm = a.sum(-1, keepdim=True)
             total += float(norm.log().sum())   # sum P_FP = 1 per token
             g = a.div_(norm).sub_(p)           # d KL / d logits = P - P_FP
+            if cap:  # through the cap: d (cap tanh(z / cap)) / dz = 1 - tanh^2
+                g.mul_(b.add_(top).div_(cap).square_().neg_().add_(1))
             if head_grad.dtype != g.dtype:     # into b's memory, free now
                 g = b.view(head_grad.dtype)[:, :g.shape[1]].copy_(g)
             grad[r0:r0 + n] = g @ head_grad
@@ -70,7 +79,7 @@ class HeadKL(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         (grad,) = ctx.saved_tensors
-        return grad * g, None, None, None, None, None
+        return grad * g, None, None, None, None, None, None
 
 
 def ste(x: torch.Tensor, xq: torch.Tensor, step: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The per-token ops of a decoder layer on CPU (elementwise.c), via ctypes:
 embedding rows, RMSNorm (alone, or fused with the residual add), q/k/v split
-with RoPE and the key transform, SiLU * mul; and the greedy argmax of the
-logits. fp32 or bf16 activations."""
+with RoPE and the key transform, SiLU * mul; and the soft-capping and
+greedy argmax of the logits. fp32 or bf16 activations."""
 from __future__ import annotations
 
 import ctypes
@@ -22,6 +22,7 @@ _SIGNATURES = {
     "gelu_mul": (None, [_P, _P, _L, _L, _I, _I]),
     "qkv_rope": (None, [_P, _L, _L, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _P, _P, _F, _P, _P, _P, _I, _I]),
     "argmax_rows": (None, [_P, _L, _L, _L, _P, _I]),
+    "softcap_rows": (None, [_P, _P, _L, _L, _F, _I]),
 }
 DTYPES = (torch.float32, torch.bfloat16)
 MAX_HEAD_DIM = 512
@@ -30,7 +31,8 @@ MAX_ROW = 16384  # the C scratch rows: hidden size, intermediate size per chunk
 
 def load():
     return load_library("elementwise", ["-ffp-contract=off"], _SIGNATURES,
-                        team_aware=("qkv_rope", "rms_norm", "add_rms_norm", "silu_mul", "gelu_mul", "argmax_rows"),
+                        team_aware=("qkv_rope", "rms_norm", "add_rms_norm", "silu_mul", "gelu_mul", "argmax_rows",
+                                    "softcap_rows"),
                         serial=("embed_rows", "embed_scaled", "concat_rows"))
 
 
@@ -119,6 +121,19 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gelu_tanh(gate) * up (Gemma's GeGLU)."""
     return _gated("gelu_mul", gate_up)
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap) of fp32 logits x [T, V] (Gemma 2's final logit
+    soft-capping), within 2e-7 * cap of torch's, as one C call a captured
+    step records."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
+        raise ValueError(f"softcap: fp32 CPU [T, V] logits, got {x.dtype} {tuple(x.shape)} on {x.device}")
+    x = x if x.is_contiguous() else x.contiguous()
+    y = graph.empty(*x.shape, dtype=x.dtype)
+    graph.launch(load().softcap_rows, x.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], float(cap),
+                 torch.get_num_threads())
+    return y
 
 
 def qkv_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -75,15 +75,29 @@ static inline float exp2_poly(float x) {
     return p * scale;
 }
 
+/* Logit soft-capping (Gemma 2) of a score x in log2 units: cap2 tanh(x / cap2),
+ * cap2 the cap times log2 e, which is cap tanh(s / cap) of the natural score s
+ * in log2 units. tanh y = (1 - e^-2|y|) / (1 + e^-2|y|) with y's sign, by
+ * exp2_poly so that a loop over scores vectorizes (libm's tanhf is a call per
+ * score); the vector paths compute the same (softcap_ps, softcap_avx2). Its
+ * error is absolute, under 1e-7 cap2, which is what the softmax sees. NaN stays NaN. */
+static inline float softcap_log2(float x, float cap2) {
+    const float e = exp2_poly(-2.8853900817779268f * fabsf(x) / cap2);  /* 2 log2 e */
+    const float t = cap2 * ((1.f - e) / (1.f + e));
+    return x != x ? x : (x < 0.f ? -t : t);
+}
+
 /* One query row (q, already in log2 units) over n converted rows k[n][D],
  * v[n][D]: its online softmax (running max m, sum l, unnormalized acc[D])
- * moves on by those rows, in one fixed order. */
+ * moves on by those rows, in one fixed order. cap2 > 0: the scores
+ * soft-capped first (softcap_log2). */
 static inline void softmax_step_scalar(const float *q, const float *k, const float *v, int n, int D, float *m,
-                                       float *l, float *acc) {
+                                       float *l, float *acc, float cap2) {
     float sc[16], e[16], mx = -INFINITY;  /* n <= 16: the kernels step 16 rows at a time */
     for (int i = 0; i < n; i++) {
         float dot = 0.f;
         for (int d = 0; d < D; d++) dot += q[d] * k[i * D + d];
+        if (cap2 > 0.f) dot = softcap_log2(dot, cap2);
         sc[i] = dot;
         mx = dot > mx ? dot : mx;
     }

@@ -45,6 +45,14 @@ static inline __m512 exp2_ps(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* softcap_log2 (kv_rows.h) of 16 scores in log2 units: cap2 tanh(x / cap2), k = -2 log2 e / cap2 */
+static inline __m512 softcap_ps(__m512 x, __m512 cap2, __m512 k) {
+    const __m512 one = _mm512_set1_ps(1.f), e = exp2_ps(_mm512_mul_ps(_mm512_abs_ps(x), k));
+    const __m512 t = _mm512_mul_ps(cap2, _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e)));
+    const __m512 signed_t = _mm512_or_ps(t, _mm512_and_ps(x, _mm512_set1_ps(-0.f)));
+    return _mm512_mask_mov_ps(signed_t, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);  /* NaN stays NaN */
+}
+
 /* Planar rows (KV4, bf16) hold channels 32c + 2i in slot 32c + i and 32c + 2i + 1
  * in slot 32c + 16 + i (channel_of): these move 32 channels between the two orders. */
 static inline __m512i planar_even(void) {

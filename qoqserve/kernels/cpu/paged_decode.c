@@ -29,6 +29,9 @@
  * define it): the chunks start at the page of the first position it sees, and
  * the positions before it in that page are scored -inf, so they weigh exactly
  * 0 and a page outside the window is never read.
+ *
+ * Logit soft-capping (Gemma 2: softcap > 0): each score s becomes
+ * softcap tanh(s / softcap) before the softmax (softcap_log2, kv_rows.h).
  */
 #include <math.h>
 #include <stdint.h>
@@ -49,6 +52,7 @@ typedef struct {
     int fmt, B, H, Hkv, G, D, bs, width, chunk_pages, max_chunks;
     int window;    /* positions a query sees (sliding-window attention); 0: all of them */
     float qscale;  /* sm_scale * log2(e) */
+    float cap2;    /* soft-capping: the cap in log2 units (softcap * log2 e); 0: none */
     int kv4_vnni;  /* KV4 scores by integer dot products (paged_decode_vnni.h) */
     float *part;   /* per (sequence, chunk, query head): m, l, acc[D] in channel order */
     float *out;    /* [B, H, D]; the vector path writes a one-chunk sequence's rows itself */
@@ -80,10 +84,16 @@ static inline int64_t chunk_end(const job *j, int b, int c) {
     return end < pages ? end : pages;
 }
 
-/* The scores of chunk c's positions before the window (only ever in its
- * first page, of chunk 0) set to -inf, between the K pass and the softmax:
- * their weights are then exactly 0. sc: the chunk's scores, ct apart per query head. */
-static inline void mask_before_window(const job *j, int b, int c, float *sc, int ct) {
+/* Between the K pass and the softmax of the vector paths: the T scores of
+ * each query head soft-capped (where the model caps them), then those of
+ * chunk c's positions before the window (only ever in its first page, of
+ * chunk 0) set to -inf: their weights are then exactly 0. sc: the chunk's
+ * scores, ct apart per query head. Inlined so that the caller's target
+ * vectorizes the capping loop. */
+static inline __attribute__((always_inline)) void finish_scores(const job *j, int b, int c, float *sc, int ct,
+                                                                int T) {
+    for (int hq = j->h_lo * j->G; j->cap2 > 0.f && hq < j->h_hi * j->G; hq++)
+        for (int t = 0; t < T; t++) sc[(int64_t)hq * ct + t] = softcap_log2(sc[(int64_t)hq * ct + t], j->cap2);
     const int64_t lo = first_token(j, b) - chunk_first(j, b, c) * j->bs;
     for (int hq = j->h_lo * j->G; lo > 0 && hq < j->h_hi * j->G; hq++)
         for (int64_t t = 0; t < lo; t++) sc[(int64_t)hq * ct + t] = -INFINITY;
@@ -135,7 +145,7 @@ PORTABLE_CLONES static void chunk_scalar(const job *j, int b, int c, float *s) {
                 }
                 for (int g = 0; g < G; g++) {
                     const int hq = h * G + g;
-                    softmax_step_scalar(q + hq * D, kr, vr, n, D, m + hq, l + hq, acc + hq * D);
+                    softmax_step_scalar(q + hq * D, kr, vr, n, D, m + hq, l + hq, acc + hq * D, j->cap2);
                 }
             }
         }
@@ -271,14 +281,16 @@ static int decode_part(job *j, int vec, int merges, team_t tm, int *next) {
  * k + slot * slot_stride + head * head_stride bytes, for V at v + the same;
  * slot = table[t / bs] * bs + t % bs. tables: int64 [B, width]; lens: int64 [B].
  * window > 0: each query sees only its sequence's last `window` positions.
+ * softcap > 0: the scores soft-capped at it.
  * Returns 0, or -1 if out of memory. */
 int paged_decode_attention(const float *q, const uint8_t *k, const uint8_t *v, int64_t slot_stride,
                            int64_t head_stride, int fmt, const int64_t *tables, const int64_t *lens,
                            float *out, int B, int H, int Hkv, int D, int bs, int width,
-                           float sm_scale, int window, int threads) {
+                           float sm_scale, int window, float softcap, int threads) {
     job j = {q, k, v, slot_stride, head_stride, tables, lens, fmt, B, H, Hkv, H / Hkv, D, bs, width,
              CHUNK_TOKENS / bs > 0 ? CHUNK_TOKENS / bs : 1, 1, window > 0 ? window : 0,
-             sm_scale * 1.4426950408889634f, 0, NULL, out, 0, 0, Hkv};
+             sm_scale * 1.4426950408889634f, softcap > 0.f ? softcap * 1.4426950408889634f : 0.f,
+             0, NULL, out, 0, 0, Hkv};
     j.kv4_vnni = kv4_vnni_path();
     for (int b = 0; b < B; b++) j.max_chunks = chunks_of(&j, b) > j.max_chunks ? chunks_of(&j, b) : j.max_chunks;
     /* in a running team, thread 0's partials are shared inside decode_part */
@@ -306,8 +318,9 @@ enum { FETCH_PAGE_BYTES = 128 << 10 };
 int paged_decode_fetch(const float *q, const uint8_t *k, const uint8_t *v, int64_t slot_stride,
                        int64_t head_stride, int fmt, const int64_t *tables, const int64_t *lens,
                        float *out, int B, int H, int Hkv, int D, int bs, int width,
-                       float sm_scale, int window, int threads) {
-    (void)q, (void)head_stride, (void)fmt, (void)out, (void)H, (void)Hkv, (void)D, (void)sm_scale, (void)threads;
+                       float sm_scale, int window, float softcap, int threads) {
+    (void)q, (void)head_stride, (void)fmt, (void)out, (void)H, (void)Hkv, (void)D, (void)sm_scale, (void)softcap,
+        (void)threads;
     if (B != 1 || lens[0] <= 0) return 0;
     const int64_t bytes = bs * slot_stride, pages = (lens[0] + bs - 1) / bs;
     const int64_t n = pages < width ? pages : width, most = FETCH_PAGE_BYTES / (2 * bytes);

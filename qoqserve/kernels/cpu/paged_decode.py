@@ -22,7 +22,7 @@ if platform.machine() in ("x86_64", "AMD64"):
     _FLAGS.append("-march=x86-64-v2")
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _SIGNATURES = {"paged_decode_attention": (
-    _I, [_P, _P, _P, _L, _L, _I, _P, _P, _P] + [_I] * 6 + [ctypes.c_float, _I, _I]),
+    _I, [_P, _P, _P, _L, _L, _I, _P, _P, _P] + [_I] * 6 + [ctypes.c_float, _I, ctypes.c_float, _I]),
     "paged_decode_isa": (_I, [])}
 _SIGNATURES["paged_decode_fetch"] = _SIGNATURES["paged_decode_attention"]
 _SIGNATURES["paged_decode_attention_bf16"] = _SIGNATURES["paged_decode_attention"]  # bf16 q and out
@@ -66,13 +66,14 @@ def supports_dtype(dtype: torch.dtype) -> bool:
 @torch.library.custom_op("qoqserve::paged_decode", mutates_args=())
 def paged_decode_op(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, fmt: str,
                     block_size: int, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                    sm_scale: float, window: int) -> torch.Tensor:
+                    sm_scale: float, window: int, softcap: float) -> torch.Tensor:
     """paged_decode_attention as one opaque op of a captured graph."""
-    return _paged_decode(q, k_rows, v_rows, fmt, block_size, block_tables, context_lens, sm_scale, window)
+    return _paged_decode(q, k_rows, v_rows, fmt, block_size, block_tables, context_lens, sm_scale, window,
+                         softcap)
 
 
 @paged_decode_op.register_fake
-def _(q, k_rows, v_rows, fmt, block_size, block_tables, context_lens, sm_scale, window):
+def _(q, k_rows, v_rows, fmt, block_size, block_tables, context_lens, sm_scale, window, softcap):
     return torch.empty_like(q)
 
 
@@ -90,23 +91,23 @@ def check_pages(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, fmt
 
 def paged_decode_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, fmt: str,
                            block_size: int, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           sm_scale: float, window: int = 0) -> torch.Tensor:
+                           sm_scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """q [B, H, D] over paged K/V -> [B, H, D] in q's dtype (fp32 math).
 
     k_rows, v_rows: views [num_slots, Hkv, row] of one layer's page pool (one
     row = one token's K or V of one head, in format `fmt`), with equal strides.
     A sequence with context length 0 (a padding row) gets zeros. window > 0:
     sliding-window attention, each query over its sequence's last `window`
-    positions only.
+    positions only. softcap > 0: each score s becomes softcap * tanh(s /
+    softcap) before the softmax (Gemma 2's logit soft-capping).
     """
-    if torch.compiler.is_compiling():
-        return paged_decode_op(q, k_rows, v_rows, fmt, block_size, block_tables, context_lens, sm_scale, window)
-    return _paged_decode(q, k_rows, v_rows, fmt, block_size, block_tables, context_lens, sm_scale, window)
+    args = (q, k_rows, v_rows, fmt, block_size, block_tables, context_lens, sm_scale, window, softcap)
+    return paged_decode_op(*args) if torch.compiler.is_compiling() else _paged_decode(*args)
 
 
 def _paged_decode(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, fmt: str,
                   block_size: int, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                  sm_scale: float, window: int) -> torch.Tensor:
+                  sm_scale: float, window: int, softcap: float) -> torch.Tensor:
     b, h, d = q.shape
     hkv = check_pages(q, k_rows, v_rows, fmt)
     size = k_rows.element_size()
@@ -122,7 +123,7 @@ def _paged_decode(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, f
         lib.paged_decode_attention_bf16 if bf16 else lib.paged_decode_attention, qf.data_ptr(), k_rows.data_ptr(),
         v_rows.data_ptr(), k_rows.stride(0) * size, k_rows.stride(1) * size, FORMATS[fmt], tables.data_ptr(),
         lens.data_ptr(), out.data_ptr(), b, h, hkv, d, block_size, tables.shape[1], float(sm_scale),
-        int(window), torch.get_num_threads())
+        int(window), float(softcap), torch.get_num_threads())
     if rc != 0:
         raise MemoryError("paged decode kernel could not allocate its scratch buffers")
     return out.to(q.dtype)

@@ -152,7 +152,7 @@ static inline __attribute__((always_inline)) void chunk_impl_avx2(const job *j, 
             }
         }
         if (pass) break;
-        mask_before_window(j, b, c, sc, ct);
+        finish_scores(j, b, c, sc, ct, T);
         for (int hq = j->h_lo * G; hq < j->h_hi * G; hq++) {  /* softmax of the chunk, unnormalized */
             float *sh = sc + hq * ct;
             const __m256 ninf = _mm256_set1_ps(-INFINITY);

@@ -227,7 +227,7 @@ static inline __attribute__((always_inline)) void chunk_impl(const job *j, int b
             }
         }
         if (pass) break;
-        mask_before_window(j, b, c, sc, ct);
+        finish_scores(j, b, c, sc, ct, T);
         if (quant) v_meta(j, b, c, fmt, D, vs, vz);
         for (int hq = j->h_lo * G; hq < j->h_hi * G; hq++) {  /* softmax of the chunk, unnormalized */
             float *sh = sc + hq * ct;

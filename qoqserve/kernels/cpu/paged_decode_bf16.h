@@ -15,7 +15,7 @@ static void *volatile team_f32;  /* thread 0's, in a running team (team.h) */
 int paged_decode_attention_bf16(const uint16_t *q, const uint8_t *k, const uint8_t *v, int64_t slot_stride,
                                 int64_t head_stride, int fmt, const int64_t *tables, const int64_t *lens,
                                 uint16_t *out, int B, int H, int Hkv, int D, int bs, int width,
-                                float sm_scale, int window, int threads) {
+                                float sm_scale, int window, float softcap, int threads) {
     const int64_t n = (int64_t)B * H * D;
     const size_t bytes = sizeof(float) * (size_t)(n > 0 ? 2 * n : 1);
     team_t tm = {0, 1, 0};
@@ -28,7 +28,7 @@ int paged_decode_attention_bf16(const uint16_t *q, const uint8_t *k, const uint8
     for (int64_t i = n * tm.t / tm.T; i < n * (tm.t + 1) / tm.T; i++) q32[i] = bf16_to_float(q[i]);
     TEAM_SYNC(tm);
     const int rc = paged_decode_attention(q32, k, v, slot_stride, head_stride, fmt, tables, lens, out32, B, H, Hkv,
-                                          D, bs, width, sm_scale, window, threads);
+                                          D, bs, width, sm_scale, window, softcap, threads);
     TEAM_SYNC(tm);
     for (int64_t i = n * tm.t / tm.T; !rc && i < n * (tm.t + 1) / tm.T; i++) out[i] = float_to_bf16(out32[i]);
     return rc;

@@ -19,6 +19,9 @@
  * adds exactly nothing to it, so its arithmetic is still a function of its
  * position alone.
  *
+ * Logit soft-capping (Gemma 2: softcap > 0): each score s is replaced by
+ * softcap tanh(s / softcap) before the online softmax (softcap_log2, kv_rows.h).
+ *
  * Task = (sequence, KV head, qblock consecutive queries): each K/V tile is
  * converted to fp32 once per task, for its qblock * G query rows. qblock is
  * QBLOCK, or half of it when a call would hand out too few tasks to keep the
@@ -49,6 +52,7 @@ typedef struct {
     int fmt, S, H, Hkv, G, D, bs, width, qblock;
     int window;      /* positions a query sees (sliding-window attention); 0: all before it */
     float qscale;    /* sm_scale * log2(e): scores in log2 units, softmax by exp2 */
+    float cap2;      /* soft-capping: the cap in log2 units (softcap * log2 e); 0: none */
 } pjob;
 
 /* byte offset of the row of (sequence s, position p, KV head h) */
@@ -110,7 +114,7 @@ PORTABLE_CLONES static void task_scalar(const pjob *j, int s, int h, int t0, int
             const int nv = (int)(p - k0 + 1 < n ? p - k0 + 1 : n), lo = (int)keys_before_window(j, p, k0);
             if (lo < nv)
                 softmax_step_scalar(q + (int64_t)r * D, kr + (int64_t)lo * D, vr + (int64_t)lo * D, nv - lo, D, m + r,
-                                    l + r, acc + (int64_t)r * D);
+                                    l + r, acc + (int64_t)r * D, j->cap2);
         }
     }
     for (int r = 0; r < R; r++) {
@@ -139,15 +143,18 @@ int paged_prefill_amx(int fmt, int D) {
 /* q, out: float [T, H, D], the queries of S sequences back to back: sequence s
  * owns rows q_starts[s] .. q_starts[s + 1] - 1, the first at position
  * first_pos[s] (its cached prefix length); query i of it attends to positions
- * 0 .. first_pos[s] + i, or with window > 0 to the last `window` of them. Rows as in paged_decode_attention: K of (slot, head)
- * at k + slot * slot_stride + head * head_stride bytes, V at v + the same,
- * slot = tables[s][p / bs] * bs + p % bs. Returns 0, or -1 if out of memory. */
+ * 0 .. first_pos[s] + i, or with window > 0 to the last `window` of them;
+ * softcap > 0: its scores soft-capped at it. Rows as in paged_decode_attention:
+ * K of (slot, head) at k + slot * slot_stride + head * head_stride bytes, V at
+ * v + the same, slot = tables[s][p / bs] * bs + p % bs. Returns 0, or -1 if
+ * out of memory. */
 int paged_prefill_attention(const float *q, const uint8_t *k, const uint8_t *v, int64_t slot_stride,
                             int64_t head_stride, int fmt, const int64_t *tables, const int64_t *q_starts,
                             const int64_t *first_pos, float *out, int S, int H, int Hkv, int D, int bs,
-                            int width, float sm_scale, int window, int threads) {
+                            int width, float sm_scale, int window, float softcap, int threads) {
     pjob j = {q, k, v, slot_stride, head_stride, tables, q_starts, first_pos, out, fmt, S, H, Hkv, H / Hkv,
-              D, bs, width, QBLOCK, window > 0 ? window : 0, sm_scale * 1.4426950408889634f};
+              D, bs, width, QBLOCK, window > 0 ? window : 0, sm_scale * 1.4426950408889634f,
+              softcap > 0.f ? softcap * 1.4426950408889634f : 0.f};
     int64_t ntasks = 0;
     for (;;) {  /* at least 4 tasks a thread where the prompts allow, for the dynamic schedule to even out */
         ntasks = 0;

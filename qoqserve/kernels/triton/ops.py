@@ -83,12 +83,12 @@ def _(cache, k, v, slot_mapping):
 
 @torch.library.custom_op("qoqserve::triton_kv4_decode", mutates_args=())
 def kv4_decode_op(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                  sm_scale: float, window: int) -> torch.Tensor:
-    return _kv4_decode(q, cache, block_tables, context_lens, sm_scale, window)
+                  sm_scale: float, window: int, softcap: float) -> torch.Tensor:
+    return _kv4_decode(q, cache, block_tables, context_lens, sm_scale, window, softcap)
 
 
 @kv4_decode_op.register_fake
-def _(q, cache, block_tables, context_lens, sm_scale, window):
+def _(q, cache, block_tables, context_lens, sm_scale, window, softcap):
     return torch.empty_like(q)
 
 
@@ -122,8 +122,9 @@ def kv4_write(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mappin
 
 
 def kv4_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
-                         context_lens: torch.Tensor, sm_scale: float, window: int = 0) -> torch.Tensor:
+                         context_lens: torch.Tensor, sm_scale: float, window: int = 0,
+                         softcap: float = 0.0) -> torch.Tensor:
     """One query per sequence over its KV4 pages (paged_decode.kv4_decode_attention)."""
     if torch.compiler.is_compiling():
-        return kv4_decode_op(q, cache, block_tables, context_lens, sm_scale, window)
-    return _kv4_decode(q, cache, block_tables, context_lens, sm_scale, window)
+        return kv4_decode_op(q, cache, block_tables, context_lens, sm_scale, window, softcap)
+    return _kv4_decode(q, cache, block_tables, context_lens, sm_scale, window, softcap)

@@ -12,7 +12,11 @@ multiply-and-reduce instead of a 16-row padded dot. Online softmax in base 2
 (log2(e) is folded into the query scale). Small batches split the context
 over several programs (flash-decoding) and a reduce kernel merges them.
 Sliding-window attention (window > 0) starts a sequence's tiles at the first
-of its last `window` positions, so pages before it are never read.
+of its last `window` positions, so pages before it are never read. Logit
+soft-capping (Gemma 2; SOFTCAP, cap2 the cap in log2 units) turns each score
+s into cap2 tanh(s / cap2) before the softmax, by the C kernels' formula; a
+variant of its own, so that models without it compile as before (with it as
+a run-time branch the fp16 baseline spilled registers on sm_90).
 """
 from __future__ import annotations
 
@@ -77,10 +81,11 @@ def _load_kv4_tile(rows, tok_ok, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: 
 @triton.jit(do_not_specialize=["stride_bt", "window"])
 def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, ml_ptr, qk_scale,
                          stride_qb, stride_qh, stride_bt, stride_ob, stride_oh, stride_slot, stride_head,
-                         splits, window,
+                         splits, window, cap2,
                          D: tl.constexpr, D_PAD: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                          BS: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP16: tl.constexpr,
-                         WORDS: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr):
+                         WORDS: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr,
+                         SOFTCAP: tl.constexpr):
     # KV heads vary fastest: the programs reading one token's interleaved head
     # rows (which share DRAM sectors) run side by side
     kvh = tl.program_id(0)
@@ -130,6 +135,10 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, ml_ptr, 
             s = tl.dot(q16, tl.trans(k), out_dtype=tl.float32)
         else:
             s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+        if SOFTCAP:  # tanh y = (1 - e^-2|y|) / (1 + e^-2|y|), y's sign (kernels/cpu/kv_rows.h softcap_log2)
+            e = tl.exp2(tl.abs(s) * (-2.8853900817779268 / cap2))
+            t = cap2 * ((1.0 - e) / (1.0 + e))
+            s = tl.where(s < 0, -t, t)
         s = tl.where(tok_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -200,7 +209,7 @@ def _check_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, b: int
 
 
 def _decode(q, k_src, v_src, block_tables, context_lens, sm_scale, bs, hkv, stride_slot, stride_head,
-            kv_fp16, words, block_n, splits, sms, window=0):
+            kv_fp16, words, block_n, splits, sms, window=0, softcap=0.0):
     b, h, d = q.shape
     if h % hkv:
         raise ValueError(f"{h} query heads do not group over {hkv} KV heads")
@@ -219,19 +228,20 @@ def _decode(q, k_src, v_src, block_tables, context_lens, sm_scale, bs, hkv, stri
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits must be in 1..{MAX_SPLITS}, got {splits}")
     meta = dict(D=d, D_PAD=d_pad, G=g, G_PAD=g_pad, BS=bs, BLOCK_N=block_n, KV_FP16=kv_fp16,
-                WORDS=words, SPLIT=splits > 1, F32_DOT=q.dtype == torch.float32, num_warps=8, num_stages=2)
-    scale = sm_scale * LOG2E
+                WORDS=words, SPLIT=splits > 1, F32_DOT=q.dtype == torch.float32, SOFTCAP=softcap > 0, num_warps=8,
+                num_stages=2)
+    scale, cap2 = sm_scale * LOG2E, softcap * LOG2E if softcap > 0 else 0.0
     common = (q, k_src, v_src, block_tables, context_lens)
     if splits == 1:
         _paged_decode_kernel[(hkv, b, 1)](
             *common, out, out, scale, q.stride(0), q.stride(1), block_tables.stride(0),
-            out.stride(0), out.stride(1), stride_slot, stride_head, 1, window, **meta)
+            out.stride(0), out.stride(1), stride_slot, stride_head, 1, window, cap2, **meta)
         return out
     part = torch.empty(b, h, splits, d_pad, dtype=torch.float32, device=q.device)
     ml = torch.empty(b, h, splits, 2, dtype=torch.float32, device=q.device)
     _paged_decode_kernel[(hkv, b, splits)](
         *common, part, ml, scale, q.stride(0), q.stride(1), block_tables.stride(0),
-        0, 0, stride_slot, stride_head, splits, window, **meta)
+        0, 0, stride_slot, stride_head, splits, window, cap2, **meta)
     # the split count is a runtime argument and S_PAD fixed: one variant for every count
     _merge_splits_kernel[(h, b)](part, ml, out, out.stride(0), out.stride(1), h, splits, D=d,
                                  D_PAD=d_pad, S_PAD=MAX_SPLITS, num_warps=4)
@@ -243,11 +253,11 @@ def _sms(device: torch.device) -> int:
 
 
 def kv4_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
-                         context_lens: torch.Tensor, sm_scale: float, window: int = 0, block_n: int = BLOCK_N,
-                         splits: int | None = None) -> torch.Tensor:
+                         context_lens: torch.Tensor, sm_scale: float, window: int = 0, softcap: float = 0.0,
+                         block_n: int = BLOCK_N, splits: int | None = None) -> torch.Tensor:
     """q [B, H, D], one query per sequence, over its KV4 pages
     [num_blocks, bs, 2, Hkv, D/2 + 4] (window > 0: its last `window`
-    positions only) -> [B, H, D] in q's dtype."""
+    positions only; softcap > 0: scores soft-capped at it) -> [B, H, D] in q's dtype."""
     d = q.shape[-1]
     if cache.dim() != 5 or cache.dtype != torch.uint8 or not cache.is_contiguous():
         raise ValueError(f"expected a contiguous uint8 KV4 page pool, got {tuple(cache.shape)} {cache.dtype}")
@@ -255,7 +265,7 @@ def kv4_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: tor
     if row != d // 2 + 4:
         raise ValueError(f"cache rows of {row} bytes do not hold head_dim {d}")
     return _decode(q, cache, cache[:, :, 1], block_tables, context_lens, sm_scale, bs, hkv,
-                   2 * hkv * row, row, False, d % 8 == 0, block_n, splits, _sms(q.device), window)
+                   2 * hkv * row, row, False, d % 8 == 0, block_n, splits, _sms(q.device), window, softcap)
 
 
 def fp16_paged_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,

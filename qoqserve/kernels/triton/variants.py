@@ -24,10 +24,15 @@ ARCHS = {
     "tiny": (128, 256, 4, 2, 32),
     "tiny-qwen3": (128, 256, 4, 2, 64),
     "tiny-phi3": (128, 256, 4, 2, 32),
+    "gemma-2-2b": (2304, 9216, 8, 4, 256),
+    "tiny-gemma2": (128, 256, 4, 2, 64),
     "gemma-3-1b": (1152, 6912, 4, 1, 256),
     "tiny-gemma3": (128, 256, 4, 2, 64),
 }
 QUICK_ARCHS = ("llama-3-8b", "smollm2-135m")
+# the architectures whose attention scores are soft-capped (Gemma 2): their
+# decode kernel is a variant of its own
+SOFTCAPS = {"gemma-2-2b": 50.0, "tiny-gemma2": 50.0}
 GROUPS = (0, 32, 64, 128, 256)
 M_PER_BUCKET = (1, 32, 64, 256, 4096)   # one M in each tile bucket of w4a8_gemm.M_BUCKETS
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -93,7 +98,7 @@ def _kv_launches(archs, dtypes, page_sizes, batches, label, ctx=4096):
                     label[0] = f"{tag} kv4 decode B={b} ctx={ctx}"
                     paged_decode.kv4_decode_attention(_e(b, heads, hd, dtype=dtype), cache,
                                                       _e(b, nb, dtype=torch.int64), _e(b, dtype=torch.int64),
-                                                      hd ** -0.5)
+                                                      hd ** -0.5, softcap=SOFTCAPS.get(name, 0.0))
 
 
 def _fp16_paged_launches(label, ctx=4096):
@@ -133,6 +138,7 @@ def engine_launches(quick: bool = False) -> list[Launch]:
             _representative_gemms(label)
             _act_launches(("llama-3-8b",), (torch.float16,), label)
             _kv_launches(QUICK_ARCHS, (torch.float16,), (16,), (1, 64), label)
+            _kv_launches(("gemma-2-2b",), (torch.float16,), (16,), (1,), label)  # the soft-capped variant
         else:
             _gemm_launches(ARCHS, GROUPS, DTYPES, (False, True), label)
             _act_launches(ARCHS, DTYPES, label)

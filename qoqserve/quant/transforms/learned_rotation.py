@@ -177,10 +177,14 @@ class RotationTrainer:
         ref = torch.cat([self._ref_hidden(i) for i in idx]) if kl else None
         self.state.r, self.state.quantize = r.float(), True
         hidden, head = _hidden(self.model, self.windows[idx], self.state.r), self.model.lm_head
+        cap = self.model.cfg.logit_softcap or 0.0
         if kl:
-            return HeadKL.apply(hidden, ref, head, head, self.head_grad, self.work)
+            return HeadKL.apply(hidden, ref, head, head, self.head_grad, self.work, cap)
         ids = self.windows[idx]
-        lp = torch.log_softmax(F.linear(hidden, head).float(), -1).view(*ids.shape, -1)[:, :-1]
+        logits = F.linear(hidden, head).float()
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        lp = torch.log_softmax(logits, -1).view(*ids.shape, -1)[:, :-1]
         return F.nll_loss(lp.reshape(-1, lp.shape[-1]), ids[:, 1:].reshape(-1))
 
     def evaluate(self, r: torch.Tensor) -> float:
