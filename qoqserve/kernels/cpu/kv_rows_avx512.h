@@ -147,15 +147,25 @@ static inline __attribute__((always_inline)) void slab_avx512(const uint8_t *r, 
     }
 }
 
+/* slots c0 .. c0 + 16 nv of one row -> dst (nv a constant where inlined: else v lives on the stack) */
+static inline __attribute__((always_inline)) void slab_store(const uint8_t *r, const int fmt, const int D, int c0,
+                                                              const int nv, float *dst) {
+    __m512 v[4];
+    slab_avx512(r, fmt, D, c0, nv, v);
+    for (int u = 0; u < nv; u++) _mm512_store_ps(dst + c0 + 16 * u, v[u]);
+}
+
 /* one row -> dst[padded(fmt, D)] fp32, the slots slab_avx512 makes */
 static inline __attribute__((always_inline)) void row_avx512(const uint8_t *r, const int fmt, const int D,
                                                               float *dst) {
     const int np = padded(fmt, D);
-    for (int c0 = 0; c0 < np; c0 += 64) {
-        const int nv = np - c0 >= 64 ? 4 : (np - c0) / 16;
-        __m512 v[4];
-        slab_avx512(r, fmt, D, c0, nv, v);
-        for (int u = 0; u < nv; u++) _mm512_store_ps(dst + c0 + 16 * u, v[u]);
+    int c0 = 0;
+    for (; c0 + 64 <= np; c0 += 64) slab_store(r, fmt, D, c0, 4, dst);
+    switch ((np - c0) / 16) {
+    case 1: slab_store(r, fmt, D, c0, 1, dst); break;
+    case 2: slab_store(r, fmt, D, c0, 2, dst); break;
+    case 3: slab_store(r, fmt, D, c0, 3, dst); break;
+    default: break;
     }
 }
 

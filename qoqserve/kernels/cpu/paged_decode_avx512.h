@@ -70,31 +70,47 @@ static inline __attribute__((always_inline)) __m512 block_scores(const float *q,
     return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xdd));
 }
 
-/* acc[np] += sum_{i<n} w[i] * rows[i]: even and odd rows on separate
- * accumulators (up to 16 registers in flight) */
+/* acc[c0 .. c0 + 16 nv) += sum_{i<n} w[i] * rows[i][same]: even and odd rows
+ * on separate accumulators (up to 16 registers in flight). nv must be a
+ * constant where inlined (as a run-time count the sums lived on the stack:
+ * a load and a store per multiply-add; so did those below) */
+static inline __attribute__((always_inline)) void accumulate_block(float *acc, const float *w, const float *rows,
+                                                                    int n, const int np, int c0, const int nv) {
+    __m512 x[8], y[8];
+    for (int u = 0; u < nv; u++) {
+        x[u] = _mm512_load_ps(acc + c0 + 16 * u);
+        y[u] = _mm512_setzero_ps();
+    }
+    int i = 0;
+    for (; i + 1 < n; i += 2) {
+        const __m512 w0 = _mm512_set1_ps(w[i]), w1 = _mm512_set1_ps(w[i + 1]);
+        const float *r0 = rows + i * np + c0, *r1 = r0 + np;
+        for (int u = 0; u < nv; u++) {
+            x[u] = _mm512_fmadd_ps(w0, _mm512_load_ps(r0 + 16 * u), x[u]);
+            y[u] = _mm512_fmadd_ps(w1, _mm512_load_ps(r1 + 16 * u), y[u]);
+        }
+    }
+    if (i < n) {
+        const __m512 w0 = _mm512_set1_ps(w[i]);
+        for (int u = 0; u < nv; u++) x[u] = _mm512_fmadd_ps(w0, _mm512_load_ps(rows + i * np + c0 + 16 * u), x[u]);
+    }
+    for (int u = 0; u < nv; u++) _mm512_store_ps(acc + c0 + 16 * u, _mm512_add_ps(x[u], y[u]));
+}
+
+/* acc[np] += sum_{i<n} w[i] * rows[i], 128 slots at a time */
 static inline __attribute__((always_inline)) void accumulate(float *acc, const float *w, const float *rows,
                                                               int n, const int np) {
-    for (int c0 = 0; c0 < np; c0 += 128) {
-        const int nv = np - c0 >= 128 ? 8 : (np - c0) / 16;
-        __m512 x[8], y[8];
-        for (int u = 0; u < nv; u++) {
-            x[u] = _mm512_load_ps(acc + c0 + 16 * u);
-            y[u] = _mm512_setzero_ps();
-        }
-        int i = 0;
-        for (; i + 1 < n; i += 2) {
-            const __m512 w0 = _mm512_set1_ps(w[i]), w1 = _mm512_set1_ps(w[i + 1]);
-            const float *r0 = rows + i * np + c0, *r1 = r0 + np;
-            for (int u = 0; u < nv; u++) {
-                x[u] = _mm512_fmadd_ps(w0, _mm512_load_ps(r0 + 16 * u), x[u]);
-                y[u] = _mm512_fmadd_ps(w1, _mm512_load_ps(r1 + 16 * u), y[u]);
-            }
-        }
-        if (i < n) {
-            const __m512 w0 = _mm512_set1_ps(w[i]);
-            for (int u = 0; u < nv; u++) x[u] = _mm512_fmadd_ps(w0, _mm512_load_ps(rows + i * np + c0 + 16 * u), x[u]);
-        }
-        for (int u = 0; u < nv; u++) _mm512_store_ps(acc + c0 + 16 * u, _mm512_add_ps(x[u], y[u]));
+    int c0 = 0;
+    for (; c0 + 128 <= np; c0 += 128) accumulate_block(acc, w, rows, n, np, c0, 8);
+    switch ((np - c0) / 16) {  /* the last 16 .. 112 slots */
+    case 1: accumulate_block(acc, w, rows, n, np, c0, 1); break;
+    case 2: accumulate_block(acc, w, rows, n, np, c0, 2); break;
+    case 3: accumulate_block(acc, w, rows, n, np, c0, 3); break;
+    case 4: accumulate_block(acc, w, rows, n, np, c0, 4); break;
+    case 5: accumulate_block(acc, w, rows, n, np, c0, 5); break;
+    case 6: accumulate_block(acc, w, rows, n, np, c0, 6); break;
+    case 7: accumulate_block(acc, w, rows, n, np, c0, 7); break;
+    default: break;
     }
 }
 
@@ -102,25 +118,37 @@ static inline __attribute__((always_inline)) void accumulate(float *acc, const f
  * the G query heads of one KV head at once (w rows ws apart). Each row is
  * converted once per 64 slots into registers and serves all G heads from
  * there, instead of being written out as fp32 and read back per head. Per
- * (head, slot) the tokens are summed in order into one accumulator. */
+ * (head, slot) the tokens are summed in order into one accumulator. Slots
+ * c0 .. c0 + 16 nv here, nv a constant where inlined. */
+static inline __attribute__((always_inline)) void accumulate_rows_block(float *acc, const float *w, int64_t ws,
+                                                                         const uint8_t *rows, int64_t ss, int n,
+                                                                         const int G, const int fmt, const int D,
+                                                                         const int np, int c0, const int nv) {
+    __m512 a[4][4];
+    for (int g = 0; g < G; g++)
+        for (int u = 0; u < nv; u++) a[g][u] = _mm512_load_ps(acc + g * np + c0 + 16 * u);
+    for (int i = 0; i < n; i++) {
+        __m512 v[4];
+        slab_avx512(rows + i * ss, fmt, D, c0, nv, v);
+        for (int g = 0; g < G; g++) {
+            const __m512 wg = _mm512_set1_ps(w[g * ws + i]);
+            for (int u = 0; u < nv; u++) a[g][u] = _mm512_fmadd_ps(wg, v[u], a[g][u]);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int u = 0; u < nv; u++) _mm512_store_ps(acc + g * np + c0 + 16 * u, a[g][u]);
+}
+
 static inline __attribute__((always_inline)) void accumulate_rows(float *acc, const float *w, int64_t ws,
                                                                    const uint8_t *rows, int64_t ss, int n, const int G,
                                                                    const int fmt, const int D, const int np) {
-    for (int c0 = 0; c0 < np; c0 += 64) {
-        const int nv = np - c0 >= 64 ? 4 : (np - c0) / 16;
-        __m512 a[4][4];
-        for (int g = 0; g < G; g++)
-            for (int u = 0; u < nv; u++) a[g][u] = _mm512_load_ps(acc + g * np + c0 + 16 * u);
-        for (int i = 0; i < n; i++) {
-            __m512 v[4];
-            slab_avx512(rows + i * ss, fmt, D, c0, nv, v);
-            for (int g = 0; g < G; g++) {
-                const __m512 wg = _mm512_set1_ps(w[g * ws + i]);
-                for (int u = 0; u < nv; u++) a[g][u] = _mm512_fmadd_ps(wg, v[u], a[g][u]);
-            }
-        }
-        for (int g = 0; g < G; g++)
-            for (int u = 0; u < nv; u++) _mm512_store_ps(acc + g * np + c0 + 16 * u, a[g][u]);
+    int c0 = 0;
+    for (; c0 + 64 <= np; c0 += 64) accumulate_rows_block(acc, w, ws, rows, ss, n, G, fmt, D, np, c0, 4);
+    switch ((np - c0) / 16) {  /* the last 16, 32 or 48 slots */
+    case 1: accumulate_rows_block(acc, w, ws, rows, ss, n, G, fmt, D, np, c0, 1); break;
+    case 2: accumulate_rows_block(acc, w, ws, rows, ss, n, G, fmt, D, np, c0, 2); break;
+    case 3: accumulate_rows_block(acc, w, ws, rows, ss, n, G, fmt, D, np, c0, 3); break;
+    default: break;
     }
 }
 

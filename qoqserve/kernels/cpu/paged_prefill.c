@@ -76,10 +76,11 @@ static inline int64_t keys_before_window(const pjob *j, int64_t p, int64_t k0) {
 }
 
 /* floats of per-thread scratch (any path): rows padded to 32 channels and
- * 8 spare rows, so the vector paths can always work on blocks of 8 */
+ * 8 spare rows, so the vector paths can always work on blocks of 8; a key
+ * tile's weights for every row (the AVX-512 path's) */
 static inline int64_t scratch_floats(const pjob *j) {
     const int64_t np = (j->D + 31) / 32 * 32, rows = (int64_t)j->qblock * j->G + 8;
-    return rows * (2 * np + TILE + 1) + 3 * WIDE * np + 8 * WIDE + 32;
+    return rows * (2 * np + TILE + 1 + WIDE) + 3 * WIDE * np + 32;
 }
 
 #include "paged_prefill_avx512.h"  /* defines task_avx512() where it can */

@@ -5,9 +5,13 @@
  * (kv_rows_avx512.h, scale and zero applied) and transposed by 16 x 16
  * blocks, so that a query row's WIDE scores are KV_VECS vectors built by D
  * broadcast-FMAs; blocks of 8 query rows share each loaded K vector (8 x
- * KV_VECS independent sums). V rows stay row-major and blocks of 4 query rows
- * share each loaded V vector, so the output rows are loaded and stored once
- * per WIDE keys. KV4 and bf16 rows come out planar per 32 channels, so q is
+ * KV_VECS independent sums). V rows stay row-major; once every row's
+ * weights for the tile are known, the tile's V is taken 64 channels at a
+ * time, each block (WIDE x 64 floats, in L1) passing every row, blocks of 4
+ * query rows sharing each loaded V vector: the output rows are loaded and
+ * stored once per WIDE keys. (Past head_dim 64, sweeping the whole tile's
+ * K, then its V, per block of rows thrashed L1 between the two: each came
+ * from L2, and the path fell below the AVX2 one at head_dim 256.) KV4 and bf16 rows come out planar per 32 channels, so q is
  * permuted into that order once per task and the output permuted back
  * (load_query, store_output: kv_rows_avx512.h).
  */
@@ -61,24 +65,42 @@ static inline __attribute__((always_inline)) void transpose16(const float *src, 
     }
 }
 
-/* o[4 rows][np] += sum_{k<n} w[row][k] * v[k] (w rows WIDE apart) */
-static inline __attribute__((always_inline)) void accumulate4(float *o, const float *w, const float *v, int n,
-                                                               const int np) {
-    for (int c0 = 0; c0 < np; c0 += 64) {
-        const int nv = np - c0 >= 64 ? 4 : (np - c0) / 16;
+/* o[r][c0 .. c0 + 16 nv) += sum_{k<n} w[r][k] * v[k][same] for `rows` rows (a
+ * multiple of 4; w rows WIDE apart). nv must be a constant where inlined: as
+ * a run-time count the 4 x nv sums lived on the stack (a load and a store per
+ * FMA), which is what made every head_dim but 64 slow here. */
+static inline __attribute__((always_inline)) void accumulate_block(float *o, const float *w, const float *v, int n,
+                                                                    const int np, int rows, int c0, const int nv) {
+    for (int r0 = 0; r0 < rows; r0 += 4) {
+        float *orow = o + (int64_t)r0 * np;
+        const float *wrow = w + (int64_t)r0 * WIDE;
         __m512 a[4][4];
         for (int r = 0; r < 4; r++)
-            for (int u = 0; u < nv; u++) a[r][u] = _mm512_load_ps(o + r * np + c0 + 16 * u);
+            for (int u = 0; u < nv; u++) a[r][u] = _mm512_load_ps(orow + r * np + c0 + 16 * u);
         for (int k = 0; k < n; k++) {
             __m512 x[4];
             for (int u = 0; u < nv; u++) x[u] = _mm512_load_ps(v + k * np + c0 + 16 * u);
             for (int r = 0; r < 4; r++) {
-                const __m512 wr = _mm512_set1_ps(w[r * WIDE + k]);
+                const __m512 wr = _mm512_set1_ps(wrow[r * WIDE + k]);
                 for (int u = 0; u < nv; u++) a[r][u] = _mm512_fmadd_ps(wr, x[u], a[r][u]);
             }
         }
         for (int r = 0; r < 4; r++)
-            for (int u = 0; u < nv; u++) _mm512_store_ps(o + r * np + c0 + 16 * u, a[r][u]);
+            for (int u = 0; u < nv; u++) _mm512_store_ps(orow + r * np + c0 + 16 * u, a[r][u]);
+    }
+}
+
+/* o[r][np] += sum_{k<n} w[r][k] * v[k] for `rows` rows (a multiple of 4),
+ * per block of 64 channels, the block passing every row */
+static inline __attribute__((always_inline)) void accumulate_rows(float *o, const float *w, const float *v, int n,
+                                                                   const int np, int rows) {
+    int c0 = 0;
+    for (; c0 + 64 <= np; c0 += 64) accumulate_block(o, w, v, n, np, rows, c0, 4);
+    switch ((np - c0) / 16) {  /* the last 16, 32 or 48 channels */
+    case 1: accumulate_block(o, w, v, n, np, rows, c0, 1); break;
+    case 2: accumulate_block(o, w, v, n, np, rows, c0, 2); break;
+    case 3: accumulate_block(o, w, v, n, np, rows, c0, 3); break;
+    default: break;
     }
 }
 
@@ -125,8 +147,9 @@ static inline __attribute__((always_inline)) void task_impl(const pjob *j, int s
                 for (int u = 0; u < KV_VECS; u++) sc[b][u] = softcap_ps(sc[b][u], cap2, cap_k);
             for (int b = 0; b < 8; b++) {
                 const int rr = r + b;
+                float *wr = w + (int64_t)rr * WIDE;  /* the row's weights for the tile */
                 if (rr >= R) {
-                    for (int u = 0; u < KV_VECS; u++) _mm512_store_ps(w + b * WIDE + 16 * u, _mm512_setzero_ps());
+                    for (int u = 0; u < KV_VECS; u++) _mm512_store_ps(wr + 16 * u, _mm512_setzero_ps());
                     continue;
                 }
                 const int64_t p = pos0 + rr / G;
@@ -157,13 +180,13 @@ static inline __attribute__((always_inline)) void task_impl(const pjob *j, int s
                 for (int u = 0; u < KV_VECS; u++) {
                     const __m512 e = _mm512_maskz_mov_ps(valid[u], exp2_ps(_mm512_sub_ps(sc[b][u], mr)));
                     l = _mm512_add_ps(l, e);
-                    _mm512_store_ps(w + b * WIDE + 16 * u, e);
+                    _mm512_store_ps(wr + 16 * u, e);
                 }
                 _mm512_store_ps(lrow, l);
             }
-            accumulate4(o + (int64_t)r * np, w, vb, n, np);
-            accumulate4(o + (int64_t)(r + 4) * np, w + 4 * WIDE, vb, n, np);
         }
+        /* the rows from `first`, in blocks of 8 as scored (rows past R: weights 0) */
+        accumulate_rows(o + (int64_t)first * np, w + (int64_t)first * WIDE, vb, n, np, (R - first + 7) / 8 * 8);
     }
     for (int r = 0; r < R; r++) {
         float *dst = j->out + ((base + t0 + r / G) * j->H + h * G + r % G) * D;
