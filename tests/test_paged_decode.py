@@ -19,8 +19,9 @@ from qoqserve.layers.attention_backends import AttentionBackend, CpuAttention
 FORMATS = ["int4", "int8", "bfloat16", "float16", "float32"]
 # (query heads, KV heads, head_dim): groups 3/4/8/1/2; 64 and 128 are the unrolled
 # rows, 80, 96 and 40 the generic path (not a multiple of 32: masked tails). KV4
-# V rows take all heads of a group at once up to 4 heads (80: more, the other loop)
-SHAPES = [(9, 3, 64), (8, 2, 128), (8, 1, 80), (4, 4, 96), (4, 2, 40)]
+# V rows take all heads of a group at once up to 4 heads (80: more, the other loop).
+# 176: more than one register block of V sums and a last partial one
+SHAPES = [(9, 3, 64), (8, 2, 128), (8, 1, 80), (4, 4, 96), (4, 2, 40), (4, 1, 176)]
 # 1 token, page-size multiples and not, and one longer than a chunk (256
 # tokens) so that chunk partials are merged
 LENS = [1, 16, 50, 100, 301]
