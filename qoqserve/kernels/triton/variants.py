@@ -16,6 +16,7 @@ from qoqserve.kernels.triton.aot import Launch, Result, compile_launch, recordin
 ARCHS = {
     "llama-3-8b": (4096, 14336, 32, 8, 128),
     "llama-3-70b": (8192, 28672, 64, 8, 128),
+    "llama-3.2-1b": (2048, 8192, 32, 8, 64),
     "llama-2-7b": (4096, 11008, 32, 32, 128),
     "llama-2-13b": (5120, 13824, 40, 40, 128),
     "mistral-7b": (4096, 14336, 32, 8, 128),
