@@ -34,16 +34,29 @@ static inline __attribute__((always_inline)) void block_meta_avx2(const uint8_t 
     }
 }
 
-/* q . row_t for the BLOCK rows, 8 per vector (stale rows past the block's end give junk lanes) */
+/* q . row_t for the BLOCK rows, 8 per vector (stale rows past the block's end
+ * give junk lanes): one chain per row; past the head_dims KV_SPECIALIZE makes
+ * constants, the 8 chains of each half step together (as the AVX-512 path's
+ * block_scores) */
 static inline __attribute__((always_inline)) void block_scores_avx2(const float *q, const float *rows, const int np,
-                                                                     __m256 out[2]) {
+                                                                     const int D, __m256 out[2]) {
     for (int h = 0; h < 2; h++) {
         __m256 d[8];
-        for (int i = 0; i < 8; i++) {
-            const float *r = rows + (8 * h + i) * np;
-            __m256 acc = _mm256_mul_ps(_mm256_load_ps(q), _mm256_load_ps(r));
-            for (int c = 8; c < np; c += 8) acc = _mm256_fmadd_ps(_mm256_load_ps(q + c), _mm256_load_ps(r + c), acc);
-            d[i] = acc;
+        const float *r = rows + 8 * h * np;
+        if (D == 64 || D == 128) {
+            for (int i = 0; i < 8; i++) {
+                __m256 acc = _mm256_mul_ps(_mm256_load_ps(q), _mm256_load_ps(r + i * np));
+                for (int c = 8; c < np; c += 8)
+                    acc = _mm256_fmadd_ps(_mm256_load_ps(q + c), _mm256_load_ps(r + i * np + c), acc);
+                d[i] = acc;
+            }
+        } else {
+            const __m256 q0 = _mm256_load_ps(q);
+            for (int i = 0; i < 8; i++) d[i] = _mm256_mul_ps(q0, _mm256_load_ps(r + i * np));
+            for (int c = 8; c < np; c += 8) {
+                const __m256 qc = _mm256_load_ps(q + c);
+                for (int i = 0; i < 8; i++) d[i] = _mm256_fmadd_ps(qc, _mm256_load_ps(r + i * np + c), d[i]);
+            }
         }
         out[h] = sums8(d);
     }
@@ -128,7 +141,7 @@ static inline __attribute__((always_inline)) void chunk_impl_avx2(const job *j, 
                         float *sh = sc + hq * ct + off;
                         if (!pass) {  /* score = scale * (q . (u - 8) - (zero - 8) * sum q) */
                             __m256 d[2];
-                            block_scores_avx2(q + hq * np, kr, np, d);
+                            block_scores_avx2(q + hq * np, kr, np, D, d);
                             for (int k = 0; k < 2; k++) {
                                 if (quant) d[k] = _mm256_mul_ps(scale[k], _mm256_fnmadd_ps(zero[k], _mm256_set1_ps(qsum[hq]), d[k]));
                                 _mm256_maskstore_ps(sh + 8 * k, valid[k], d[k]);

@@ -49,19 +49,31 @@ static inline __m512 lane_sums4(__m512 a, __m512 b, __m512 c, __m512 d) {
     return _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x88), _mm512_shuffle_ps(ab, cd, 0xdd));
 }
 
-/* q . row_t for the BLOCK rows (stale rows past the block's end give junk lanes) */
-static inline __attribute__((always_inline)) __m512 block_scores(const float *q, const float *rows, const int np) {
-    __m512 quad[4];
-    for (int k = 0; k < 4; k++) {
-        __m512 d[4];
-        for (int i = 0; i < 4; i++) {
-            const float *r = rows + (4 * k + i) * np;
-            __m512 acc = _mm512_mul_ps(_mm512_load_ps(q), _mm512_load_ps(r));  /* one chain: 16 rows in flight */
+/* q . row_t for the BLOCK rows (stale rows past the block's end give junk
+ * lanes): one chain of multiply-adds per row, channel by channel. With D a
+ * constant (64, 128: KV_SPECIALIZE) the compiler unrolls the channel loop
+ * and interleaves the rows itself; otherwise (any other head_dim) each row's
+ * chain waited on itself, so there the 16 chains step together. The same
+ * sums in the same order either way. */
+static inline __attribute__((always_inline)) __m512 block_scores(const float *q, const float *rows, const int np,
+                                                                  const int D) {
+    __m512 d[BLOCK], quad[4];
+    if (D == 64 || D == 128) {
+        for (int i = 0; i < BLOCK; i++) {
+            const float *r = rows + i * np;
+            __m512 acc = _mm512_mul_ps(_mm512_load_ps(q), _mm512_load_ps(r));
             for (int c = 16; c < np; c += 16) acc = _mm512_fmadd_ps(_mm512_load_ps(q + c), _mm512_load_ps(r + c), acc);
             d[i] = acc;
         }
-        quad[k] = lane_sums4(d[0], d[1], d[2], d[3]);
+    } else {
+        const __m512 q0 = _mm512_load_ps(q);
+        for (int i = 0; i < BLOCK; i++) d[i] = _mm512_mul_ps(q0, _mm512_load_ps(rows + i * np));
+        for (int c = 16; c < np; c += 16) {
+            const __m512 qc = _mm512_load_ps(q + c);
+            for (int i = 0; i < BLOCK; i++) d[i] = _mm512_fmadd_ps(qc, _mm512_load_ps(rows + i * np + c), d[i]);
+        }
     }
+    for (int k = 0; k < 4; k++) quad[k] = lane_sums4(d[4 * k], d[4 * k + 1], d[4 * k + 2], d[4 * k + 3]);
     /* quad[k] lane L holds row 4k..4k+3 sums of 128-bit lane L: add the 4 lanes */
     const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(quad[0], quad[1], 0x44),
                                      _mm512_shuffle_f32x4(quad[0], quad[1], 0xee));
@@ -244,7 +256,7 @@ static inline __attribute__((always_inline)) void chunk_impl(const job *j, int b
                     for (int g = 0; g < G; g++) {
                         const int hq = h * G + g;
                         if (!pass) {  /* score = scale * (q . (u - 8) - (zero - 8) * sum q) */
-                            __m512 d = block_scores(q + hq * np, kr, np);
+                            __m512 d = block_scores(q + hq * np, kr, np, D);
                             if (quant) d = _mm512_mul_ps(scale, _mm512_fnmadd_ps(zero, _mm512_set1_ps(qsum[hq]), d));
                             _mm512_mask_storeu_ps(sc + hq * ct + off, valid, d);
                             continue;
