@@ -111,13 +111,16 @@ def test_two_ranks_match_one_fp32(tiny_ref):
             tiny_split()
 
 
-@pytest.mark.parametrize("model", ["synthetic:tiny-qwen3", "synthetic:tiny-phi3", "synthetic:tiny-gemma3"])
-def test_two_ranks_match_one_for_qwen3_phi3_and_gemma3(model):
+@pytest.mark.parametrize("model", ["synthetic:tiny-qwen3", "synthetic:tiny-phi3", "synthetic:tiny-gemma3",
+                                   "synthetic:tiny-gemma2"])
+def test_two_ranks_match_one_for_qwen3_phi3_and_gemma(model):
     # qwen3: the q/k norms' weights are per channel, shared by every head: whole on
     # each rank; phi3: each rank takes its rows of every part of the fused tensors;
-    # gemma3: the output norms after the all-reduces, whole on each rank
+    # gemma3: the output norms after the all-reduces, whole on each rank; gemma2:
+    # those, and each rank caps its own heads' scores, every rank the whole logits
     ref = LLM(model, dtype="float32", **SMALL)
-    assert ref.engine.arch.qk_norm or ref.engine.arch.fused_checkpoint_linears
+    arch = ref.engine.arch
+    assert arch.qk_norm or arch.fused_checkpoint_linears or arch.attn_softcap
     with LLM(model, dtype="float32", tensor_parallel_size=2, **SMALL) as split:
         compare(ref, split, 1e-4)
         plan_matches(split, "fp32", full=True)
