@@ -10,16 +10,14 @@ import dataclasses
 import pytest
 import torch
 import transformers
+from test_gemma3 import gguf_runs_as_reference, ours, randomized, saved
 from test_model_parity import full_logits
-from test_quant_pipeline import _any_tokenizer, calib, qoq_engine_matches_simulation, tiny_source
+from test_quant_pipeline import calib, qoq_engine_matches_simulation, tiny_source
 
-from qoqserve.layers.attention_backends import AttentionBackend
-from qoqserve.layers.kv_cache import DenseKVCacheLayout
 from qoqserve.layers.token_ops import CpuTokenOps, TorchTokenOps
 from qoqserve.llm import LLM
 from qoqserve.model_loader import load_model_source
 from qoqserve.models.arch import ModelArchConfig
-from qoqserve.models.llama import LlamaForCausalLM
 from qoqserve.sampling_params import SamplingParams
 
 WINDOW = 16
@@ -28,37 +26,18 @@ ATTN_CAP, LOGIT_CAP = 2.0, 3.0
 
 
 def tiny_gemma2(**overrides):
-    cfg = transformers.Gemma2Config(**{
+    return randomized(transformers.Gemma2ForCausalLM, transformers.Gemma2Config(**{
         "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "query_pre_attn_scalar": 24,
         "sliding_window": WINDOW, "max_position_embeddings": 256, "attn_logit_softcapping": ATTN_CAP,
         "final_logit_softcapping": LOGIT_CAP, "pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 1,
-        **overrides})
-    cfg.architectures = ["Gemma2ForCausalLM"]
-    cfg._attn_implementation = "eager"  # SDPA cannot soft-cap
-    torch.manual_seed(0)
-    model = transformers.Gemma2ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():  # norms too: their stored w - 1 must become 1 + (w - 1)
-            p.normal_(0, 0.3)
-    return model
+        **overrides}))
 
 
 @pytest.fixture(scope="module")
 def gemma2(tmp_path_factory):
     ref = tiny_gemma2()
-    path = tmp_path_factory.mktemp("gemma2")
-    ref.save_pretrained(path)
-    _any_tokenizer().save(str(path))
-    return ref, str(path)
-
-
-def _ours(arch, tensors, ops=None):
-    model = LlamaForCausalLM(arch, AttentionBackend(DenseKVCacheLayout(arch.num_kv_heads, arch.head_dim, 16,
-                                                                       torch.float32)), torch.float32,
-                             token_ops=ops)
-    model.load_weights(tensors)
-    return model
+    return ref, saved(ref, tmp_path_factory.mktemp("gemma2"))
 
 
 def test_the_config_reads_as_transformers_does(gemma2):
@@ -82,7 +61,7 @@ def test_the_config_reads_as_transformers_does(gemma2):
 def test_logits_are_transformers_past_the_window(gemma2, ops):
     ref, path = gemma2
     src = load_model_source(path)
-    model = _ours(src.arch, src.iter_tensors(), ops())
+    model = ours(src.arch, src.iter_tensors(), ops())
     ids = torch.randint(0, 300, (4 * WINDOW,), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         want = ref(ids[None]).logits[0]
@@ -91,7 +70,7 @@ def test_logits_are_transformers_past_the_window(gemma2, ops):
     assert got.abs().max() < LOGIT_CAP
     # the caps bind here: without either the logits are others
     for field in ("attn_softcap", "logit_softcap"):
-        uncapped = _ours(dataclasses.replace(src.arch, **{field: None}), src.iter_tensors(), ops())
+        uncapped = ours(dataclasses.replace(src.arch, **{field: None}), src.iter_tensors(), ops())
         assert (full_logits(uncapped, ids) - want).abs().max() > 1e-2, field
 
 
@@ -134,20 +113,8 @@ def test_a_gguf_as_llama_cpp_writes_it(tmp_path):
     _write_gguf(bare, ref, "gemma2", "gpt-2")
     plain = load_model_source(str(bare)).arch
     assert (plain.sliding_window, plain.attn_softcap, plain.logit_softcap) == (4096, 50.0, 30.0)
-    ours = _ours(arch, src.iter_tensors())
-    ref.config.query_pre_attn_scalar = 32
-    for layer in ref.model.layers:
-        layer.self_attn.scaling = 32 ** -0.5
     ids = torch.randint(0, 300, (4 * WINDOW,), generator=torch.Generator().manual_seed(2))
-    with torch.inference_mode():
-        want = ref(ids[None]).logits[0]
-    torch.testing.assert_close(full_logits(ours, ids), want, atol=1e-4, rtol=1e-4)
-    # exported as an HF directory (the norms back to Gemma's w - 1), transformers runs the same model
-    from qoqserve.model_loader.export import export_hf_dir
-    back = transformers.AutoModelForCausalLM.from_pretrained(export_hf_dir(str(path), str(tmp_path / "hf"), "float32"),
-                                                             attn_implementation="eager").eval()
-    with torch.inference_mode():
-        torch.testing.assert_close(back(ids[None]).logits[0], want, atol=1e-4, rtol=1e-4)
+    gguf_runs_as_reference(path, src, ref, ids, tmp_path)
 
 
 def test_a_qoq_checkpoint_runs_on_the_engine_as_its_simulation(tmp_path):

@@ -28,33 +28,48 @@ def tiny_gemma3():
         num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24, sliding_window=WINDOW,
         max_position_embeddings=256, rope_scaling={"rope_type": "linear", "factor": 2.0}, rope_theta=1e6,
         rope_local_base_freq=1e4, pad_token_id=0, bos_token_id=2, eos_token_id=1)
-    cfg.architectures = ["Gemma3ForCausalLM"]
+    return randomized(transformers.Gemma3ForCausalLM, cfg)
+
+
+def randomized(model_cls, cfg):
+    """A transformers model of cfg in eager attention (SDPA cannot soft-cap or
+    slide in every version) with every weight drawn at 0.3: norms too, whose
+    stored w - 1 must become 1 + (w - 1)."""
+    cfg.architectures = [model_cls.__name__]
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
-    model = transformers.Gemma3ForCausalLM(cfg).eval()
+    model = model_cls(cfg).eval()
     with torch.no_grad():
-        for p in model.parameters():  # norms too: their stored w - 1 must become 1 + (w - 1)
+        for p in model.parameters():
             p.normal_(0, 0.3)
     return model
+
+
+def saved(ref, path) -> str:
+    """ref as an HF directory at path, with a real tokenizer."""
+    ref.save_pretrained(path)
+    _any_tokenizer().save(str(path))
+    return str(path)
 
 
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory):
     ref = tiny_gemma3()
-    path = tmp_path_factory.mktemp("gemma3")
-    ref.save_pretrained(path)
-    _any_tokenizer().save(str(path))
-    return ref, str(path)
+    return ref, saved(ref, tmp_path_factory.mktemp("gemma3"))
+
+
+def ours(arch, tensors, ops=None) -> LlamaForCausalLM:
+    """Our fp32 model of arch over dense pages, its weights loaded from tensors."""
+    model = LlamaForCausalLM(arch, AttentionBackend(DenseKVCacheLayout(arch.num_kv_heads, arch.head_dim, 16,
+                                                                       torch.float32)), torch.float32,
+                             token_ops=ops)
+    model.load_weights(tensors)
+    return model
 
 
 def _ours(path, ops=None):
     src = load_model_source(path)
-    arch = src.arch
-    model = LlamaForCausalLM(arch, AttentionBackend(DenseKVCacheLayout(arch.num_kv_heads, arch.head_dim, 16,
-                                                                       torch.float32)), torch.float32,
-                             token_ops=ops)
-    model.load_weights(src.iter_tensors())
-    return model, arch
+    return ours(src.arch, src.iter_tensors(), ops), src.arch
 
 
 def test_the_config_reads_as_transformers_does(gemma3):
@@ -118,16 +133,22 @@ def test_a_gguf_as_llama_cpp_writes_it(tmp_path):
         w.add_sliding_window(WINDOW), w.add_array("gemma3.attention.sliding_window_pattern", [True, False] * 3)))
     assert load_model_source(str(flagged)).arch.sliding_layers == (0, 2, 4)
     assert [arch.window_of(i) for i in range(6)] == [WINDOW] * 5 + [None] and arch.attn_scale == 32 ** -0.5
-    ours = LlamaForCausalLM(arch, AttentionBackend(DenseKVCacheLayout(2, 32, 16, torch.float32)), torch.float32)
-    ours.load_weights(src.iter_tensors())
-    ref.config.query_pre_attn_scalar = 32
+    gguf_runs_as_reference(path, src, ref, torch.randint(0, 300, (4 * WINDOW,)), tmp_path)
+
+
+def gguf_runs_as_reference(path, src, ref, ids, tmp_path) -> None:
+    """Our model from the Gemma GGUF at path (src) gives transformers' ref's
+    logits on ids, ref's scores scaled by head_dim as llama.cpp's rule has
+    it (a GGUF cannot say query_pre_attn_scalar); exported as an HF
+    directory (the norms back to Gemma's w - 1), transformers runs it as ref."""
+    d = src.arch.head_dim
+    model = ours(src.arch, src.iter_tensors())
+    ref.config.query_pre_attn_scalar = d
     for layer in ref.model.layers:
-        layer.self_attn.scaling = 32 ** -0.5
-    ids = torch.randint(0, 300, (4 * WINDOW,))
+        layer.self_attn.scaling = d ** -0.5
     with torch.inference_mode():
         want = ref(ids[None]).logits[0]
-    torch.testing.assert_close(full_logits(ours, ids), want, atol=1e-4, rtol=1e-4)
-    # exported as an HF directory (the norms back to Gemma's w - 1), transformers runs the same model
+    torch.testing.assert_close(full_logits(model, ids), want, atol=1e-4, rtol=1e-4)
     from qoqserve.model_loader.export import export_hf_dir
     back = transformers.AutoModelForCausalLM.from_pretrained(export_hf_dir(str(path), str(tmp_path / "hf"), "float32"),
                                                              attn_implementation="eager").eval()
