@@ -125,7 +125,7 @@ def gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
     """cap * tanh(x / cap) of fp32 logits x [T, V] (Gemma 2's final logit
-    soft-capping), within 2e-7 * cap of torch's, as one C call a captured
+    soft-capping), within 2.5e-7 * cap of torch's, as one C call a captured
     step records."""
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
         raise ValueError(f"softcap: fp32 CPU [T, V] logits, got {x.dtype} {tuple(x.shape)} on {x.device}")

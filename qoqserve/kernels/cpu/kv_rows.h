@@ -79,8 +79,10 @@ static inline float exp2_poly(float x) {
  * cap2 the cap times log2 e, which is cap tanh(s / cap) of the natural score s
  * in log2 units. tanh y = (1 - e^-2|y|) / (1 + e^-2|y|) with y's sign, by
  * exp2_poly so that a loop over scores vectorizes (libm's tanhf is a call per
- * score); the vector paths compute the same (softcap_ps, softcap_avx2). Its
- * error is absolute, under 1e-7 cap2, which is what the softmax sees. NaN stays NaN. */
+ * score); the vector paths compute the same (softcap_ps, softcap_avx2). Not
+ * exp_f32.h's tanh_f32: its rounding trick does not survive the
+ * -fassociative-math these kernels are built with. The error is absolute,
+ * under 1e-7 cap2, which is what the softmax sees. NaN stays NaN. */
 static inline float softcap_log2(float x, float cap2) {
     const float e = exp2_poly(-2.8853900817779268f * fabsf(x) / cap2);  /* 2 log2 e */
     const float t = cap2 * ((1.f - e) / (1.f + e));
