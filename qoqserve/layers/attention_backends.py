@@ -22,6 +22,7 @@ from qoqserve.layers.kv_cache import (
     Int4KVCacheLayout,
     KVCacheLayout,
 )
+from qoqserve.layers.token_ops import soft_cap
 
 
 class AttentionBackend:
@@ -178,7 +179,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
                                               enable_gqa=q.shape[1] != k.shape[1])
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = torch.tanh(q @ k.transpose(-1, -2) * scale / softcap) * softcap
+    scores = soft_cap(q @ k.transpose(-1, -2) * scale, softcap)
     if mask is None:
         lq, lk = q.shape[2], k.shape[2]
         mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(diagonal=lk - lq)
@@ -200,7 +201,7 @@ def decode_attention(layout: KVCacheLayout, cache: torch.Tensor, block_tables: t
     qg = q.float().reshape(b, hkv, num_heads // hkv, d)
     scores = torch.einsum("bkgd,blkd->bkgl", qg, k) * scale
     if softcap:
-        scores = torch.tanh(scores / softcap) * softcap
+        scores = soft_cap(scores, softcap)
     valid = seen_positions(length, context_lens, window)
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     out = torch.einsum("bkgl,blkd->bkgd", torch.softmax(scores, dim=-1), v)

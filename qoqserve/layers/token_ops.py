@@ -17,6 +17,12 @@ import torch.nn.functional as F
 from qoqserve.kernels.cpu import elementwise
 
 
+def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap), in transformers' order: Gemma 2's soft-capping of
+    attention scores and of the final logits."""
+    return torch.tanh(x / cap) * cap
+
+
 class TorchTokenOps:
     name = "torch"
 
@@ -48,8 +54,8 @@ class TorchTokenOps:
         return F.gelu(gate, approximate="tanh") * up
 
     def softcap(self, logits: torch.Tensor, cap: float) -> torch.Tensor:
-        """cap * tanh(logits / cap), in transformers' order (Gemma 2's final_logit_softcapping)."""
-        return torch.tanh(logits / cap) * cap
+        """soft_cap of the final logits (Gemma 2's final_logit_softcapping)."""
+        return soft_cap(logits, cap)
 
     def qkv_rope(self, qkv: torch.Tensor, positions: torch.Tensor, rope, key_transform,
                  num_heads: int, num_kv_heads: int, head_dim: int, qk_norm=None):

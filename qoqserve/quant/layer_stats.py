@@ -6,6 +6,7 @@ from typing import Callable, Sequence
 import torch
 
 from qoqserve.kernels.kv_ref import dequantize_kv4, quantize_kv4
+from qoqserve.layers.token_ops import soft_cap
 from qoqserve.quant.gptq import CrossAccumulator, HessianAccumulator
 from qoqserve.quant.sim import fake_quant_act_int8
 from qoqserve.quant.transforms.smooth import smooth_attention_lambda
@@ -181,7 +182,7 @@ def search_key_alpha(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Se
     def attend(qs, ks):  # [Tq, H, D] x [Tk, Hkv, D] -> [Hkv, Tq*g, D]
         qh = qs.reshape(-1, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, -1, d)
         scores = qh @ ks.permute(1, 2, 0) * (scale or d ** -0.5)
-        return torch.softmax(torch.tanh(scores / softcap) * softcap if softcap else scores, dim=-1) @ vh
+        return torch.softmax(soft_cap(scores, softcap) if softcap else scores, dim=-1) @ vh
 
     ref = attend(q, k)
     best, best_err = None, float("inf")

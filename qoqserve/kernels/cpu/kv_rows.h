@@ -150,6 +150,8 @@ __attribute__((target("f16c"))) static inline float half_at(const uint8_t *p) {
     case KV_BF16: fn(KV_BF16, d); break;              \
     default: fn(KV_F32, d);                           \
     }
+/* whether KV_SPECIALIZE makes head_dim D a constant (its loops then unrolled) */
+static inline int kv_specialized(int D) { return D == 64 || D == 128; }
 #define KV_SPECIALIZE(fmt, D, fn)                                \
     do {                                                         \
         if ((D) == 64) { KV_SWITCH_FORMAT(fmt, 64, fn) }         \

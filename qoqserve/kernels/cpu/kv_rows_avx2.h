@@ -74,11 +74,12 @@ static inline __m256 exp2_avx2(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-/* softcap_log2 (kv_rows.h) of 8 scores in log2 units: cap2 tanh(x / cap2), k = -2 log2 e / cap2 */
-static inline __m256 softcap_avx2(__m256 x, __m256 cap2, __m256 k) {
+/* softcap_log2 (kv_rows.h) of 8 scores in log2 units: cap2 tanh(x / cap2) */
+static inline __m256 softcap_avx2(__m256 x, float cap2) {
     const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+    const __m256 k = _mm256_set1_ps(-2.8853900817779268f / cap2);  /* -2 log2 e / cap2 */
     const __m256 e = exp2_avx2(_mm256_mul_ps(_mm256_andnot_ps(sign, x), k));
-    const __m256 t = _mm256_mul_ps(cap2, _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e)));
+    const __m256 t = _mm256_mul_ps(_mm256_set1_ps(cap2), _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e)));
     const __m256 signed_t = _mm256_or_ps(t, _mm256_and_ps(x, sign));
     return _mm256_blendv_ps(signed_t, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));  /* NaN stays NaN */
 }

@@ -45,10 +45,11 @@ static inline __m512 exp2_ps(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* softcap_log2 (kv_rows.h) of 16 scores in log2 units: cap2 tanh(x / cap2), k = -2 log2 e / cap2 */
-static inline __m512 softcap_ps(__m512 x, __m512 cap2, __m512 k) {
-    const __m512 one = _mm512_set1_ps(1.f), e = exp2_ps(_mm512_mul_ps(_mm512_abs_ps(x), k));
-    const __m512 t = _mm512_mul_ps(cap2, _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e)));
+/* softcap_log2 (kv_rows.h) of 16 scores in log2 units: cap2 tanh(x / cap2) */
+static inline __m512 softcap_ps(__m512 x, float cap2) {
+    const __m512 one = _mm512_set1_ps(1.f), k = _mm512_set1_ps(-2.8853900817779268f / cap2);  /* -2 log2 e / cap2 */
+    const __m512 e = exp2_ps(_mm512_mul_ps(_mm512_abs_ps(x), k));
+    const __m512 t = _mm512_mul_ps(_mm512_set1_ps(cap2), _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e)));
     const __m512 signed_t = _mm512_or_ps(t, _mm512_and_ps(x, _mm512_set1_ps(-0.f)));
     return _mm512_mask_mov_ps(signed_t, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);  /* NaN stays NaN */
 }

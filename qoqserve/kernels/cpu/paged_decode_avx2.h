@@ -43,7 +43,7 @@ static inline __attribute__((always_inline)) void block_scores_avx2(const float 
     for (int h = 0; h < 2; h++) {
         __m256 d[8];
         const float *r = rows + 8 * h * np;
-        if (D == 64 || D == 128) {
+        if (kv_specialized(D)) {
             for (int i = 0; i < 8; i++) {
                 __m256 acc = _mm256_mul_ps(_mm256_load_ps(q), _mm256_load_ps(r + i * np));
                 for (int c = 8; c < np; c += 8)

@@ -58,7 +58,7 @@ static inline __m512 lane_sums4(__m512 a, __m512 b, __m512 c, __m512 d) {
 static inline __attribute__((always_inline)) __m512 block_scores(const float *q, const float *rows, const int np,
                                                                   const int D) {
     __m512 d[BLOCK], quad[4];
-    if (D == 64 || D == 128) {
+    if (kv_specialized(D)) {
         for (int i = 0; i < BLOCK; i++) {
             const float *r = rows + i * np;
             __m512 acc = _mm512_mul_ps(_mm512_load_ps(q), _mm512_load_ps(r));

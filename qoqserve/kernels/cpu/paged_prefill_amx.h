@@ -180,8 +180,7 @@ PP_AMX_FN static inline __attribute__((always_inline)) void softmax_rows(const p
         for (int i = 0; i < 16 && r0 + i < R; i++) {
             const __m512i sum[3] = {sums_row(cb, 0, i), sums_row(cb, 1, i), sums_row(cb, 2, i)};
             __m512 sc = kv4_score_centred(sum, b->qd + (r0 + i) * b->qs + 6 * nd, scale, zero);
-            if (j->cap2 > 0.f)
-                sc = softcap_ps(sc, _mm512_set1_ps(j->cap2), _mm512_set1_ps(-2.8853900817779268f / j->cap2));
+            if (j->cap2 > 0.f) sc = softcap_ps(sc, j->cap2);
             _mm512_store_ps(b->sc + i * AKEYS + 16 * blk, sc);
         }
     }

@@ -119,9 +119,8 @@ static inline __attribute__((always_inline)) void task_impl_avx2(const pjob *j, 
                 d1 = _mm256_fmadd_ps(x, hi, d1);
             }
             __m256 sc[4][2] = {{a0, a1}, {b0, b1}, {c0, c1}, {d0, d1}};
-            const __m256 cap2 = _mm256_set1_ps(j->cap2), cap_k = _mm256_set1_ps(-2.8853900817779268f / j->cap2);
             for (int b = 0; j->cap2 > 0.f && b < 4; b++)
-                for (int u = 0; u < 2; u++) sc[b][u] = softcap_avx2(sc[b][u], cap2, cap_k);
+                for (int u = 0; u < 2; u++) sc[b][u] = softcap_avx2(sc[b][u], j->cap2);
             for (int b = 0; b < 4; b++) {
                 const int rr = r + b;
                 if (rr >= R) {

@@ -142,9 +142,8 @@ static inline __attribute__((always_inline)) void task_impl(const pjob *j, int s
                     for (int u = 0; u < KV_VECS; u++) sc[b][u] = _mm512_fmadd_ps(qb, kv[u], sc[b][u]);
                 }
             }
-            const __m512 cap2 = _mm512_set1_ps(j->cap2), cap_k = _mm512_set1_ps(-2.8853900817779268f / j->cap2);
             for (int b = 0; j->cap2 > 0.f && b < 8; b++)
-                for (int u = 0; u < KV_VECS; u++) sc[b][u] = softcap_ps(sc[b][u], cap2, cap_k);
+                for (int u = 0; u < KV_VECS; u++) sc[b][u] = softcap_ps(sc[b][u], j->cap2);
             for (int b = 0; b < 8; b++) {
                 const int rr = r + b;
                 float *wr = w + (int64_t)rr * WIDE;  /* the row's weights for the tile */

@@ -34,6 +34,7 @@ from torch import nn
 
 from qoqserve.layers.attention import AttentionMetadata
 from qoqserve.layers.linear import Linear, LinearMethod
+from qoqserve.layers.token_ops import soft_cap
 from qoqserve.quant import sim
 from qoqserve.quant.config import QuantConfig
 from qoqserve.quant.hadamard import orthogonal_matrix
@@ -183,7 +184,7 @@ class RotationTrainer:
         ids = self.windows[idx]
         logits = F.linear(hidden, head).float()
         if cap:
-            logits = torch.tanh(logits / cap) * cap
+            logits = soft_cap(logits, cap)
         lp = torch.log_softmax(logits, -1).view(*ids.shape, -1)[:, :-1]
         return F.nll_loss(lp.reshape(-1, lp.shape[-1]), ids[:, 1:].reshape(-1))
 
