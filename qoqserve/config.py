@@ -73,6 +73,10 @@ class CacheConfig:
                                       "else the model dtype", choices=KV_CACHE_DTYPES)
     enable_prefix_caching: bool = opt(True, "reuse KV pages of shared prompt prefixes",
                                       aliases=("--no-prefix-caching",))
+    disable_hybrid_kv_cache_manager: bool = opt(
+        False, "vLLM's: where a model mixes sliding-window and full-attention layers (Gemma 2 and 3), "
+               "keep every page of the sliding layers too, in one pool, instead of a pool of their own "
+               "the size of their windows (llama.cpp's --swa-full)")
     # a prompt whose prefix comes from the prefix cache can only see stored values
     quantized_prefill: bool | None = opt(
         None, "prefill attends to K/V as stored (e.g. KV4) instead of as computed (default: "

@@ -96,18 +96,20 @@ def calib(n=8, seq=64, seed=1):
     return CalibrationSet(torch.randint(0, VOCAB, (n, seq), generator=g).tolist(), "0" * 64, "random")
 
 
-def qoq_engine_matches_simulation(result, source, data, tmp_path, prompt: list[int], tokens: int = 20):
+def qoq_engine_matches_simulation(result, source, data, tmp_path, prompt: list[int], tokens: int = 20,
+                                  **engine_kw):
     """Save a quantize_model result as a QoQ checkpoint and run it on the engine's
     C kernels (packed W4A8 GEMMs, KV4 pages; float LM head and quantized prefill,
     as the simulation has them): prompt logprobs within the rounding that per-token
     INT8 and KV4 turn the kernels' other summation orders into (whole steps on a
     few values: close, not equal), and greedy tokens over the KV4 pages that its
-    own teacher-forced pass picks. Returns the engine."""
+    own teacher-forced pass picks. engine_kw: more engine settings. Returns the engine."""
     from qoqserve.llm import LLM
     from qoqserve.sampling_params import SamplingParams
     save_checkpoint(result, source, data, str(tmp_path))
     sim = result.model.prompt_logprobs(prompt)
-    llm = LLM(str(tmp_path), dtype="float32", num_blocks=32, quantized_prefill=True, lm_head_dtype="float")
+    llm = LLM(str(tmp_path), dtype="float32", num_blocks=32, quantized_prefill=True, lm_head_dtype="float",
+              **engine_kw)
     assert any("packed" in p for p in llm.engine.stats()["linear_paths"])
     got = llm.engine.prompt_logprobs(prompt)
     assert (got - sim).abs().mean() < 0.02 and (got - sim).abs().max() < 0.25, (got - sim).abs().max()

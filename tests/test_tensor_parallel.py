@@ -98,7 +98,9 @@ def plan_matches(split: LLM, precision: str, full: bool) -> None:
                        max_positions=split.engine.max_model_len, tp=2)
     stats = split.engine.stats()
     assert plan.linear_weight_bytes == stats["linear_weight_bytes"]
-    assert plan.kv_bytes_per_token == stats["kv_bytes_per_token"]
+    # every layer's, whether or not the sliding ones have a pool of their own
+    assert (plan.kv_bytes_per_token + plan.window_kv_bytes_per_token
+            == stats["kv_bytes_per_token"] + stats["window_kv_bytes_per_token"])
     if full:  # same activation dtype: embeddings, norms, RoPE tables too
         assert plan.weight_bytes == stats["weight_bytes"]
 
@@ -117,11 +119,15 @@ def test_two_ranks_match_one_for_qwen3_phi3_and_gemma(model):
     # qwen3: the q/k norms' weights are per channel, shared by every head: whole on
     # each rank; phi3: each rank takes its rows of every part of the fused tensors;
     # gemma3: the output norms after the all-reduces, whole on each rank; gemma2:
-    # those, and each rank caps its own heads' scores, every rank the whole logits
-    ref = LLM(model, dtype="float32", **SMALL)
+    # those, and each rank caps its own heads' scores, every rank the whole logits.
+    # Gemma's sliding layers in a pool of their own (engine/window_pages.py): the
+    # page map's changes reach every rank
+    small = {**SMALL, **(dict(max_num_seqs=4, max_num_batched_tokens=32) if "gemma" in model else {})}
+    ref = LLM(model, dtype="float32", **small)
     arch = ref.engine.arch
     assert arch.qk_norm or arch.fused_checkpoint_linears or arch.attn_softcap
-    with LLM(model, dtype="float32", tensor_parallel_size=2, **SMALL) as split:
+    assert (ref.engine.runner.num_window_pages is not None) == ("gemma" in model)
+    with LLM(model, dtype="float32", tensor_parallel_size=2, **small) as split:
         compare(ref, split, 1e-4)
         plan_matches(split, "fp32", full=True)
 

@@ -40,8 +40,9 @@ class DecodeResult:
 
 def step_read_bytes(stats: dict, batch: int, context: float) -> float:
     """Bytes one decode step of `batch` sequences at mean `context` must read."""
+    window = min(context, stats["sliding_window"] or context)  # what the sliding layers with a pool read
     return (stats["linear_weight_bytes"] + stats["lm_head_read_bytes"]
-            + batch * context * stats["kv_bytes_per_token"])
+            + batch * (context * stats["kv_bytes_per_token"] + window * stats["window_kv_bytes_per_token"]))
 
 
 def run_batch(llm, batch: int, input_len: int, output_len: int, seed: int | None = None,

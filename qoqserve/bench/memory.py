@@ -3,8 +3,10 @@
 Weight bytes are computed from the shapes and the resident format of each
 linear method (the tests check them against what the engine really holds);
 KV bytes per token come from the KV layout classes themselves. Under a total
-memory budget, the KV pool is what the weights and a reserve leave, and the
-concurrent-sequence count follows from the pages one sequence needs.
+memory budget, the KV pool is what the weights and a reserve leave, split as
+the engine splits it (engine/kv_budget.py: where only some layers slide,
+they get a pool the size of their windows), and the concurrent-sequence
+count follows from the pages one sequence needs.
 
 With tensor parallelism (`-tp N`) every number is per rank: each rank holds
 its slice of every linear and the KV pages of its own KV heads, and the
@@ -20,8 +22,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 from qoqserve.bench.precisions import Precision
-from qoqserve.config import CacheConfig, EngineConfig, parse_dtype
+from qoqserve.config import CacheConfig, EngineConfig, SchedulerConfig, parse_dtype
 from qoqserve.engine.backends import kernel_choice, kv_layout, logits_head
+from qoqserve.engine.kv_budget import pool_sizes
 from qoqserve.layers.parallel import TensorParallel
 from qoqserve.layers.quantization import QoQConfig, UnquantizedConfig, W8A8Config
 from qoqserve.model_loader.schema import linear_shapes
@@ -33,13 +36,16 @@ class MemoryPlan:
     precision: str
     weight_bytes: int
     linear_weight_bytes: int
-    kv_bytes_per_token: int      # all layers, K and V, metadata included
+    kv_bytes_per_token: int      # layers that keep every page (all but sliding ones with a pool), K and V, metadata
     kv_budget_bytes: int
     num_pages: int
     block_size: int
     seq_len: int
     max_concurrent_seqs: int
     tensor_parallel_size: int = 1
+    # the sliding-window layers' own pool, where they have one (engine/window_pages.py)
+    window_kv_bytes_per_token: int = 0
+    num_window_pages: int | None = None
 
 
 def linear_bytes(n: int, k: int, weights: str, group_size: int, storage: str, elem: int) -> int:
@@ -91,7 +97,9 @@ def linear_storage(device: str) -> str:
 def plan_memory(arch: ModelArchConfig, p: Precision, device: str, seq_len: int,
                 budget_bytes: int | None = None, memory_bytes: int | None = None,
                 reserve_bytes: int = 0, group_size: int = 128, block_size: int = 16,
-                max_positions: int | None = None, tp: int = 1) -> MemoryPlan:
+                max_positions: int | None = None, tp: int = 1, max_num_seqs: int | None = None) -> MemoryPlan:
+    """max_num_seqs: the engine's (default: its default), which sizes the
+    sliding layers' own pool where only some layers slide."""
 
     dtype = parse_dtype(p.dtype, device)
     elem = torch.empty((), dtype=dtype).element_size()
@@ -117,14 +125,22 @@ def plan_memory(arch: ModelArchConfig, p: Precision, device: str, seq_len: int,
     kv_format = "int4" if (p.weights == "qoq" and kv_kind == "auto") else None
     layout = kv_layout(local, CacheConfig(block_size=block_size, kv_cache_dtype=kv_kind), dtype,
                        device, kv_format)
-    per_token = layout.bytes_per_token() * arch.num_layers
     if budget_bytes is None:
         if memory_bytes is None:
             raise ValueError("give a KV budget or a total memory budget")
         budget_bytes = max(memory_bytes - weights - reserve_bytes, 0)
-    pages = budget_bytes // (per_token * block_size)
-    return MemoryPlan(p.name, weights, lin, per_token, budget_bytes, pages, block_size, seq_len,
-                      pages // math.ceil(seq_len / block_size), tp)
+    # the engine's own split (engine/kv_budget.py)
+    sched = SchedulerConfig(**({"max_num_seqs": max_num_seqs} if max_num_seqs else {}))
+    config = EngineConfig(device=device, scheduler=sched,
+                          cache=CacheConfig(block_size=block_size, kv_cache_gb=budget_bytes / 2**30))
+    pages, window_pages = pool_sizes(config, layout, local, torch.device("meta"),
+                                     max_positions or arch.max_position_embeddings)
+    sliding = len(arch.sliding_layers) if window_pages is not None else 0
+    seqs = pages // math.ceil(seq_len / block_size)
+    if window_pages is not None:  # that pool is sized for the engine's most sequences
+        seqs = min(seqs, sched.max_num_seqs)
+    return MemoryPlan(p.name, weights, lin, layout.bytes_per_token() * (arch.num_layers - sliding), budget_bytes,
+                      pages, block_size, seq_len, seqs, tp, layout.bytes_per_token() * sliding, window_pages)
 
 
 def as_dicts(plans) -> list[dict]:
@@ -134,10 +150,13 @@ def as_dicts(plans) -> list[dict]:
 def format_plans(plans: list[MemoryPlan]) -> str:
     per_rank = any(x.tensor_parallel_size > 1 for x in plans)
     head = " (per rank)" if per_rank else ""
-    lines = [f"| precision | tp | weights GiB{head} | KV bytes/token{head} | KV budget GiB{head} | pages | "
-             "max seqs |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    window = any(x.num_window_pages is not None for x in plans)
+    cols = ["precision", "tp", f"weights GiB{head}", f"KV bytes/token{head}", f"KV budget GiB{head}", "pages",
+            "max seqs"] + (["sliding layers' KV bytes/token", "their pages"] if window else [])
+    lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
     for x in plans:
-        lines.append(f"| {x.precision} | {x.tensor_parallel_size} | {x.weight_bytes / 2**30:.3f} | "
-                     f"{x.kv_bytes_per_token} | {x.kv_budget_bytes / 2**30:.2f} | {x.num_pages} | "
-                     f"{x.max_concurrent_seqs} |")
+        row = [x.precision, x.tensor_parallel_size, f"{x.weight_bytes / 2**30:.3f}", x.kv_bytes_per_token,
+               f"{x.kv_budget_bytes / 2**30:.2f}", x.num_pages, x.max_concurrent_seqs]
+        row += [x.window_kv_bytes_per_token, x.num_window_pages or "-"] if window else []
+        lines.append("| " + " | ".join(map(str, row)) + " |")
     return "\n".join(lines)

@@ -61,7 +61,7 @@ def bench_throughput(model: str | None, precisions: list[str], input_len: int = 
         group = getattr(source.quant_config, "group_size", 128)
         plan = plan_memory(source.arch, p, device, seq_len, memory_bytes=int(memory_gb * 2**30),
                            reserve_bytes=int(reserve_gb * 2**30), group_size=group,
-                           max_positions=seq_len, tp=tp)
+                           max_positions=seq_len, tp=tp, max_num_seqs=max_batch)
         batch = min(plan.max_concurrent_seqs, max_batch)
         if batch < 1:
             results.append(ThroughputResult(name, source.name, 0, input_len, output_len, 0.0, 0.0,

@@ -90,6 +90,10 @@ def register(sub) -> None:
     mem.add_argument("--group-size", type=int, default=128)
     mem.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, dest="tp",
                      help="ranks the model is split over: weights, KV and budget per rank")
+    mem.add_argument("--max-num-seqs", type=int, default=None,
+                     help="the engine's (default: its default): it sizes the sliding-window layers' own "
+                          "pool where only some layers slide")
+    mem.add_argument("--max-model-len", type=int, default=None, help="the engine's (default: the model's)")
     mem.add_argument("--json-out", default=None)
     mem.set_defaults(func=run_memory_cmd)
 
@@ -163,7 +167,8 @@ def run_memory_cmd(args) -> int:
         arch = load_model_source(model_for(get_precision("fp16"), args.model)).arch
         plans.append(plan_memory(arch, p, args.device, args.seq_len, budget_bytes=gb(args.kv_budget_gb),
                                  memory_bytes=gb(args.memory_gb), reserve_bytes=gb(args.reserve_gb),
-                                 group_size=args.group_size, tp=args.tp))
+                                 group_size=args.group_size, tp=args.tp, max_num_seqs=args.max_num_seqs,
+                                 max_positions=args.max_model_len))
     print(format_plans(plans))
     if args.json_out:
         with open(args.json_out, "w") as f:

@@ -11,7 +11,11 @@ Where every layer's attention slides (a window), a running sequence gives
 back the pages no later query of it reads, as vLLM does: those wholly before
 the window of its next position, less one key tile (the prefill kernel reads
 whole tiles of up to KEY_TILE positions from the one its first query's window
-starts in, and masks them).
+starts in, and masks them). Where only some layers slide and they have a
+pool of their own (engine/window_pages.py), the sequence keeps its blocks
+and gives back their sliding layers' pages instead, and it takes those pages
+only for the blocks its next step computes (prefill chunks: `fit_chunk`),
+not for a whole prompt at once.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from qoqserve.engine.sequence import Sequence
+from qoqserve.engine.window_pages import KEY_TILE, WindowPages
 
 
 @dataclass
@@ -33,16 +38,15 @@ class OutOfBlocksError(RuntimeError):
     pass
 
 
-KEY_TILE = 64  # the widest key tile of the prefill kernels (kernels/cpu/paged_prefill*.h)
-
-
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 window: int | None = None):
-        """window: the sliding window of every layer's attention, if they all
-        slide (pages before it are given back while a sequence runs)."""
+                 window: int | None = None, window_pages: WindowPages | None = None):
+        """window: the sliding window of the layers that slide, if every layer
+        does (pages before it are given back while a sequence runs) or
+        window_pages holds theirs (those pages are given back)."""
         self.block_size = block_size
         self.window = window
+        self.window_pages = window_pages
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -88,39 +92,70 @@ class BlockManager:
         return h
 
     def can_allocate(self, seq: Sequence) -> bool:
-        return self.num_free_blocks >= seq.num_blocks(self.block_size)
+        return self.num_free_blocks >= seq.num_blocks(self.block_size) and (
+            self.window_pages is None or self.window_pages.num_free > 0)
+
+    def _prefix_hits(self, seq: Sequence) -> list[int]:
+        """The blocks holding seq's leading full blocks of tokens, as far as the
+        prefix cache has them all. The last token is always computed (its
+        logits are needed), so a block holding it is never served from the cache."""
+        bs = self.block_size
+        hits: list[int] = []
+        prev: int | None = None
+        for i in range((len(seq) - 1) // bs if self.enable_prefix_caching else 0):
+            tokens = tuple(seq.block_tokens(i, bs))
+            prev = self.chain_hash(tokens, prev)
+            hit_id = self.hash_to_block.get(prev)
+            if hit_id is None or self.blocks[hit_id].token_ids != tokens:
+                break
+            hits.append(hit_id)
+        if self.window_pages is not None:  # as far as the sliding layers' pages of the window before it last too
+            while hits and not all(self.window_pages.has_page(b)
+                                   for b in hits[self._first_in_window(len(hits) * bs):]):
+                hits.pop()
+        return hits
+
+    def _first_in_window(self, position: int) -> int:
+        """The first block a query at `position` reads in a sliding layer."""
+        return max(0, (position - self.window + 1 - KEY_TILE) // self.block_size)
 
     def allocate(self, seq: Sequence) -> None:
         assert not seq.block_table
         bs = self.block_size
-        # The last token is always computed (its logits are needed), so a block
-        # holding it is never served from the cache.
-        cacheable = (len(seq) - 1) // bs if self.enable_prefix_caching else 0
-        prev: int | None = None
-        missed = False
-        seq.num_cached_tokens = 0
-        for i in range(seq.num_blocks(bs)):
-            tokens = tuple(seq.block_tokens(i, bs))
-            full = len(tokens) == bs
-            h = self.chain_hash(tokens, prev) if full else None
-            hit_id = self.hash_to_block.get(h) if (i < cacheable and not missed) else None
-            if hit_id is not None and self.blocks[hit_id].token_ids == tokens:
-                block = self.blocks[hit_id]
-                if hit_id in self.used_ids:
-                    block.ref_count += 1
-                else:
-                    self._take_free(hit_id)
-                seq.num_cached_tokens += bs
+        hits = self._prefix_hits(seq)
+        for hit_id in hits:
+            if hit_id in self.used_ids:
+                self.blocks[hit_id].ref_count += 1
             else:
-                missed = True
-                block = self._take_free()
-            prev = h
-            seq.block_table.append(block.block_id)
-        seq.num_computed_tokens = seq.num_cached_tokens
-        seq.num_hashed_blocks = seq.num_cached_tokens // bs
+                self._take_free(hit_id)
+        seq.block_table = hits + [self._take_free().block_id for _ in range(seq.num_blocks(bs) - len(hits))]
+        seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * bs
+        seq.num_hashed_blocks = len(hits)
+        if self.window_pages is not None:  # the sliding layers' pages of the window its first query reads
+            seq.num_released_blocks = seq.num_window_blocks = self._first_in_window(seq.num_cached_tokens)
+            self._hold_window(seq, seq.num_cached_tokens)
         if self.enable_prefix_caching:
             self.prefix_queries += len(seq)
             self.prefix_hits += seq.num_cached_tokens
+
+    def _window_need(self, seq: Sequence, end: int) -> int:
+        """Sliding-layer pages seq lacks for its positions before `end`."""
+        return max(0, -(-end // self.block_size) - seq.num_window_blocks)
+
+    def _hold_window(self, seq: Sequence, end: int) -> None:
+        for idx in range(seq.num_window_blocks, -(-end // self.block_size)):
+            self.window_pages.hold(seq.block_table[idx])
+            seq.num_window_blocks = idx + 1
+
+    def fit_chunk(self, seq: Sequence, n: int) -> int:
+        """How many of the next n prompt tokens of seq can be computed in one
+        step (n, unless the sliding layers' pool is short), holding what they need."""
+        if self.window_pages is None:
+            return n
+        start, free = seq.num_computed_tokens, self.window_pages.num_free
+        n = min(n, max(0, (seq.num_window_blocks + free) * self.block_size - start))
+        self._hold_window(seq, start + n)
+        return n
 
     def _release(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -130,21 +165,33 @@ class BlockManager:
             self.free_ids.append(block_id)
 
     def deallocate(self, seq: Sequence) -> None:
-        for block_id in reversed(seq.block_table[seq.num_released_blocks:]):
+        if self.window_pages is not None:
+            for block_id in seq.block_table[seq.num_released_blocks:seq.num_window_blocks]:
+                self.window_pages.drop(block_id)
+            kept = seq.block_table
+        else:
+            kept = seq.block_table[seq.num_released_blocks:]
+        for block_id in reversed(kept):
             self._release(block_id)
         seq.block_table = []
-        seq.num_computed_tokens = seq.num_hashed_blocks = seq.num_released_blocks = 0
+        seq.num_computed_tokens = seq.num_hashed_blocks = seq.num_released_blocks = seq.num_window_blocks = 0
 
     def take_scratch(self, n: int) -> list[int] | None:
         """n free pages outside any sequence (a scored pass that writes K/V and
-        keeps nothing), or None when fewer are free; give them back with
-        release_scratch. Their old contents leave the prefix cache."""
-        if n > self.num_free_blocks:
+        keeps nothing; where the sliding layers have a pool, with theirs), or
+        None when fewer are free; give them back with release_scratch. Their
+        old contents leave the prefix cache."""
+        if n > self.num_free_blocks or (self.window_pages is not None and n > self.window_pages.num_free):
             return None
-        return [self._take_free().block_id for _ in range(n)]
+        pages = [self._take_free().block_id for _ in range(n)]
+        for block_id in pages if self.window_pages is not None else ():
+            self.window_pages.hold(block_id)
+        return pages
 
     def release_scratch(self, block_ids: list[int]) -> None:
         for block_id in block_ids:
+            if self.window_pages is not None:
+                self.window_pages.drop(block_id)
             self.blocks[block_id].ref_count = 0
             self.used_ids.discard(block_id)
             self.free_ids.append(block_id)
@@ -155,21 +202,26 @@ class BlockManager:
 
     def can_append(self, seq: Sequence) -> bool:
         """Room for the slot of seq's newest token (appended, not yet computed)."""
-        return self.num_free_blocks >= self._missing(seq)
+        return self.reserve([seq], 0, take=False)
 
     def may_append(self, seq: Sequence) -> None:
-        for _ in range(self._missing(seq)):
-            seq.block_table.append(self._take_free().block_id)
+        if not self.reserve([seq], 0):
+            raise OutOfBlocksError("no free KV pages")
 
-    def reserve(self, seqs: list[Sequence], ahead: int) -> bool:
+    def reserve(self, seqs: list[Sequence], ahead: int, take: bool = True) -> bool:
         """The pages of each seq's next `ahead` slots after its newest token's
-        (a decode burst; 0: the newest token's own), if the pool has all of
-        them; else none are taken."""
+        (a decode burst; 0: the newest token's own), if the pools have all of
+        them; else none are taken (take=False: only whether they have)."""
         need = [self._missing(s, ahead) for s in seqs]
-        if sum(need) > self.num_free_blocks:
+        wp = self.window_pages
+        if sum(need) > self.num_free_blocks or (
+                wp is not None and sum(self._window_need(s, len(s) + ahead) for s in seqs) > wp.num_free):
             return False
-        for seq, n in zip(seqs, need):
-            seq.block_table.extend(self._take_free().block_id for _ in range(n))
+        if take:
+            for seq, n in zip(seqs, need):
+                seq.block_table.extend(self._take_free().block_id for _ in range(n))
+                if wp is not None:
+                    self._hold_window(seq, len(seq) + ahead)
         return True
 
     def on_tokens_computed(self, seq: Sequence) -> None:
@@ -186,11 +238,17 @@ class BlockManager:
 
     def _release_before_window(self, seq: Sequence) -> None:
         """Give back seq's pages wholly before what its next query can read (the
-        table keeps their ids: its positions still index it). Only registered
-        pages followed by a registered one: the next page's chain hash is read
-        from the page before it."""
-        first_read = seq.num_computed_tokens - self.window + 1 - KEY_TILE
-        end = min(first_read // self.block_size, seq.num_hashed_blocks - 1)
-        for idx in range(seq.num_released_blocks, end):
-            self._release(seq.block_table[idx])
+        table keeps their ids: its positions still index it): the sliding
+        layers' pages where they have a pool, else the blocks themselves, then
+        only registered ones followed by a registered one (the next block's
+        chain hash is read from the block before it)."""
+        end = self._first_in_window(seq.num_computed_tokens)
+        if self.window_pages is not None:
+            end = min(end, seq.num_window_blocks)
+            for idx in range(seq.num_released_blocks, end):
+                self.window_pages.drop(seq.block_table[idx])
+        else:
+            end = min(end, seq.num_hashed_blocks - 1)
+            for idx in range(seq.num_released_blocks, end):
+                self._release(seq.block_table[idx])
         seq.num_released_blocks = max(seq.num_released_blocks, end)

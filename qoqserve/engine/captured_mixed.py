@@ -42,6 +42,7 @@ from qoqserve.kernels.cpu.buffer_plan import Arena, relocate, storage_spans
 from qoqserve.kernels.cpu.one_shot import MIN_ROWS
 from qoqserve.kernels.cpu.replay import NativePlan, arg_code
 from qoqserve.layers.attention import AttentionMetadata
+from qoqserve.layers.page_map import PageMap
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +63,11 @@ class _MixedGraph:
 
 class CapturedMixed:
     def __init__(self, model, kv_caches: list[torch.Tensor], decode_sizes: list[int], max_seqs: int,
-                 max_blocks_per_seq: int, block_size: int, pad_slot: int):
+                 max_blocks_per_seq: int, block_size: int, pad_slot: int, page_map: PageMap | None = None):
         """decode_sizes: the sizes decode rows are padded to (the captured
-        decode sizes); pad_slot: the first slot of a page no sequence owns."""
-        self.model, self.kv_caches = model, kv_caches
+        decode sizes); pad_slot: the first slot of a page no sequence owns;
+        page_map: as CapturedDecode's."""
+        self.model, self.kv_caches, self.page_map = model, kv_caches, page_map
         self.decode_sizes = sorted(set(decode_sizes))
         self.block_size, self.pad_slot = block_size, pad_slot
         rows, seqs = MIN_ROWS, self.decode_sizes[-1] + max_seqs + 1
@@ -128,7 +130,7 @@ class CapturedMixed:
                                  block_tables=self.block_tables[:d_b + s + 1],
                                  context_lens=self.context_lens[:d_b] if d_b else None,
                                  query_starts=self.query_starts[:s + 2], cached_lens=self.first_positions[:s + 1],
-                                 num_decodes=d_b)
+                                 num_decodes=d_b, window_pages=self.page_map)
         return self.ids[:n], self.positions[:n], meta
 
     @torch.inference_mode()

@@ -49,6 +49,7 @@ from qoqserve.engine.step_inputs import Row, decode_rows
 from qoqserve.kernels.cpu import elementwise, graph
 from qoqserve.kernels.cpu.buffer_plan import Arena
 from qoqserve.layers.attention import AttentionMetadata
+from qoqserve.layers.page_map import PageMap
 
 log = logging.getLogger(__name__)
 
@@ -117,10 +118,12 @@ def write_decode_inputs(bufs: dict, held: list[tuple | None], rows, block_size: 
 
 class CapturedDecode:
     def __init__(self, model, kv_caches: list[torch.Tensor], capture_sizes: list[int],
-                 max_blocks_per_seq: int, block_size: int, pad_slot: int, max_burst: int = 1):
+                 max_blocks_per_seq: int, block_size: int, pad_slot: int, max_burst: int = 1,
+                 page_map: PageMap | None = None):
         """pad_slot: a KV slot outside every page the block manager hands out;
-        max_burst: the most steps of one burst."""
-        self.model, self.kv_caches = model, kv_caches
+        max_burst: the most steps of one burst; page_map: the sliding layers'
+        pages where they have a pool of their own (layers/page_map.py)."""
+        self.model, self.kv_caches, self.page_map = model, kv_caches, page_map
         self.sizes = sorted(set(capture_sizes))
         self.block_size, self.pad_slot = block_size, pad_slot
         n = self.sizes[-1]
@@ -165,7 +168,7 @@ class CapturedDecode:
     def _meta(self, size: int) -> AttentionMetadata:
         return AttentionMetadata(is_prefill=False, slot_mapping=self.slots[:size],
                                  block_tables=self.block_tables[:size], context_lens=self.context_lens[:size],
-                                 num_decodes=size)
+                                 num_decodes=size, window_pages=self.page_map)
 
     @torch.inference_mode()
     def _graph(self, size: int) -> graph.StepGraph | None:

@@ -35,6 +35,7 @@ from qoqserve.engine.captured_step import bucket_size, reset_decode_rows, write_
 from qoqserve.engine.sequence import Sequence
 from qoqserve.engine.step_inputs import Row, decode_rows
 from qoqserve.layers.attention import AttentionMetadata
+from qoqserve.layers.page_map import PageMap
 from qoqserve.layers.sampler import argmax_tokens
 
 log = logging.getLogger(__name__)
@@ -80,10 +81,12 @@ class EagerGraphs:
 
 class GraphedDecode:
     def __init__(self, model, kv_caches: list[torch.Tensor], capture_sizes: list[int], max_blocks_per_seq: int,
-                 block_size: int, pad_slot: int, device: torch.device, graphs=None):
+                 block_size: int, pad_slot: int, device: torch.device, graphs=None,
+                 page_map: PageMap | None = None):
         """pad_slot: a KV slot outside every page the block manager hands out;
-        graphs: CudaGraphs (the default) or EagerGraphs."""
-        self.model, self.kv_caches, self.device = model, kv_caches, device
+        graphs: CudaGraphs (the default) or EagerGraphs; page_map: the sliding
+        layers' pages where they have a pool of their own (layers/page_map.py)."""
+        self.model, self.kv_caches, self.device, self.page_map = model, kv_caches, device, page_map
         self.sizes = sorted(set(capture_sizes))
         self.block_size, self.pad_slot = block_size, pad_slot
         self.graphs = graphs if graphs is not None else CudaGraphs(device)
@@ -124,7 +127,7 @@ class GraphedDecode:
         s = self.static
         meta = AttentionMetadata(is_prefill=False, slot_mapping=s["slots"][:size],
                                  block_tables=s["block_tables"][:size], context_lens=s["context_lens"][:size],
-                                 num_decodes=size)
+                                 num_decodes=size, window_pages=self.page_map)
         return self.model(s["ids"][:size], s["positions"][:size], meta, self.kv_caches)
 
     def _upload(self, rows: int) -> None:

@@ -18,6 +18,7 @@ from qoqserve.engine.scheduler import ScheduledBatch, Scheduler
 from qoqserve.engine.sequence import Sequence
 from qoqserve.engine.speculative import Speculator, per_step
 from qoqserve.engine.structured import GrammarCompiler, GrammarConstraint
+from qoqserve.engine.window_pages import WindowPages
 from qoqserve.errors import InvalidRequestError
 from qoqserve.layers.token_logprobs import scored_token_logprobs
 from qoqserve.model_loader import load_model_source
@@ -67,8 +68,13 @@ class LLMEngine:
         bs = config.cache.block_size
         # A sequence alone must always fit in the pool, or preemption could not make progress.
         self.max_model_len = min(context, self.runner.num_blocks * bs)
+        window_pages = None
+        if self.runner.num_window_pages is not None:  # the sliding layers have a pool of their own
+            window_pages = WindowPages(self.runner.num_window_pages)
+            self.runner.page_updates = window_pages.take_updates
         self.block_manager = BlockManager(self.runner.num_blocks, bs, config.cache.enable_prefix_caching,
-                                          self.arch.window_of_every_layer)
+                                          self.arch.window_of_every_layer if window_pages is None
+                                          else self.arch.sliding_window, window_pages)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         sched = config.scheduler
         self.eos_ids = set(self.tokenizer.eos_token_ids) | set(self.arch.eos_token_ids)
@@ -295,6 +301,7 @@ class LLMEngine:
             "model": self.model_name, "max_model_len": self.max_model_len,
             "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
             "num_free_blocks": bm.num_free_blocks, "kv_usage": bm.usage,
+            "num_free_window_blocks": bm.window_pages.num_free if bm.window_pages is not None else None,
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_queries": bm.prefix_queries, "prefix_cache_hits": bm.prefix_hits,
             "prompt_tokens": self.num_prompt_tokens, "generation_tokens": self.num_generation_tokens,

@@ -12,7 +12,7 @@ from qoqserve.engine.captured_burst import BurstResult
 from qoqserve.engine.captured_mixed import CapturedMixed
 from qoqserve.engine.captured_step import CapturedDecode, default_capture_sizes
 from qoqserve.engine.graphed_decode import GraphedDecode
-from qoqserve.engine.kv_budget import num_blocks_for_budget
+from qoqserve.engine.kv_budget import pool_sizes
 from qoqserve.engine.parallel_world import ParallelWorld
 from qoqserve.engine.scheduler import ScheduledBatch
 from qoqserve.engine.staging import HostStaging
@@ -22,6 +22,7 @@ from qoqserve.kernels.cpu.one_shot import OneShotSteps
 from qoqserve.layers.attention import AttentionMetadata
 from qoqserve.layers.key_transform import share_equal_rotations
 from qoqserve.layers.linear import Linear
+from qoqserve.layers.page_map import PageMap
 from qoqserve.layers.parallel import SINGLE
 from qoqserve.layers.quantization import QuantizationConfig, UnquantizedConfig
 from qoqserve.layers.sampler import Sampler, argmax_tokens
@@ -78,13 +79,18 @@ class ModelRunner:
         share_equal_rotations(self.model)  # not in load_weights: the quantizer fills each layer's R in place
         self.model.release_lm_head()
         self.model.eval()
-        self.num_blocks = num_blocks_for_budget(config.cache, self.layout, arch.num_layers, self.device)
-        if world is not None:  # one block manager for all: the pool every rank can hold
-            self.num_blocks = world.min_int(self.num_blocks)
+        self.num_blocks, self.num_window_pages = self._pool_sizes(config, arch, max_positions, world)
         # one page more than the block manager hands out: padding rows of a
         # captured step write their K/V there
-        self.kv_caches = [self.layout.allocate(self.num_blocks + 1, self.device)
-                          for _ in range(arch.num_layers)]
+        own_pool = set(arch.sliding_layers) if self.num_window_pages is not None else set()
+        self.kv_caches = [self.layout.allocate((self.num_window_pages if i in own_pool else self.num_blocks) + 1,
+                                               self.device) for i in range(arch.num_layers)]
+        self.num_full_layers = arch.num_layers - len(own_pool)  # the layers that keep every page
+        # the sliding layers' page of each block (none yet: their pad page)
+        self.page_map = (PageMap(torch.full((self.num_blocks + 1,), self.num_window_pages, dtype=torch.long,
+                                            device=self.device), self.block_size)
+                         if self.num_window_pages is not None else None)
+        self.page_updates = None  # what gives the page map's changes before each step (LLMEngine sets it)
         self.sampler = Sampler(config.seed)
         self.staging = HostStaging(self.device)
         self._log_load()
@@ -95,19 +101,35 @@ class ModelRunner:
         if sizes and self.device.type == "cpu":
             self.captured = CapturedDecode(self.model, self.kv_caches, sizes, width, self.block_size,
                                            pad_slot=self.num_blocks * self.block_size,
-                                           max_burst=config.scheduler.num_scheduler_steps)
+                                           max_burst=config.scheduler.num_scheduler_steps, page_map=self.page_map)
             self.captured.capture_all()
             if self.captured.disabled:
                 self.captured = None
         elif sizes:
             self.use_graphs(GraphedDecode(self.model, self.kv_caches, sizes, width, self.block_size,
-                                          pad_slot=self.num_blocks * self.block_size, device=self.device))
+                                          pad_slot=self.num_blocks * self.block_size, device=self.device,
+                                          page_map=self.page_map))
         # steps with prefill chunks: captured per padded shape where decodes are
         self.mixed = (CapturedMixed(self.model, self.kv_caches, self.captured.sizes, config.scheduler.max_num_seqs,
-                                    width, self.block_size, pad_slot=self.num_blocks * self.block_size)
+                                    width, self.block_size, pad_slot=self.num_blocks * self.block_size,
+                                    page_map=self.page_map)
                       if self.captured is not None else None)
         # eager steps (prefills, mixed batches) of the same kernels: planned and run back to back
         self.one_shot = OneShotSteps() if self.captured is not None else None
+
+    def _pool_sizes(self, config: EngineConfig, arch: ModelArchConfig, max_positions: int,
+                    world: ParallelWorld | None) -> tuple[int, int | None]:
+        """(pages of the main pool, of the sliding layers' own pool or None):
+        engine/kv_budget.py's, the same on every rank."""
+        blocks, window = pool_sizes(config, self.layout, arch, self.device, max_positions)
+        if world is not None:  # one block manager for all: the pools every rank can hold
+            if not world.min_int(int(window is not None)) and window is not None:
+                blocks, window = pool_sizes(dataclasses.replace(config, cache=dataclasses.replace(
+                    config.cache, disable_hybrid_kv_cache_manager=True)), self.layout, arch, self.device,
+                    max_positions)
+            blocks = world.min_int(blocks)
+            window = world.min_int(window) if window is not None else None  # every rank has one, or none
+        return blocks, window
 
     def _capture_sizes(self, config: EngineConfig, world) -> list[int]:
         """The decode batch sizes captured (as C call lists on CPU, CUDA graphs
@@ -143,6 +165,10 @@ class ModelRunner:
         log.info("KV cache: %d pages x %d tokens, %s (%s kernels), %d bytes/token/layer",
                  self.num_blocks, self.block_size, self.layout.name, self.attention.name,
                  self.layout.bytes_per_token())
+        if self.num_window_pages is not None:
+            log.info("the %d sliding-window layers' K/V: a pool of their own of %d pages (the main one "
+                     "holds the other %d layers')", len(self.kv_caches) - self.num_full_layers,
+                     self.num_window_pages, self.num_full_layers)
 
     def stats(self) -> dict:
         paths = sorted({m.method.describe(m) for m in self.model.modules() if isinstance(m, Linear)})
@@ -156,8 +182,14 @@ class ModelRunner:
                 "lm_head_copy_bytes": self.backends.logits_head.resident_bytes(),
                 "lm_head_read_bytes": self.backends.logits_head.read_bytes(self.model.lm_head),
                 "token_ops": self.backends.token_ops.name,
-                "kv_bytes_per_token": self.layout.bytes_per_token() * len(self.kv_caches),
+                # of the layers that keep every page (all but the sliding ones where those have a pool),
+                # and of those with a pool of their own (engine/window_pages.py), which hold a window's
+                "kv_bytes_per_token": self.layout.bytes_per_token() * self.num_full_layers,
+                "window_kv_bytes_per_token": self.layout.bytes_per_token() * (len(self.kv_caches)
+                                                                              - self.num_full_layers),
+                "sliding_window": self.model.cfg.sliding_window,
                 "num_kv_blocks": self.num_blocks, "block_size": self.block_size,
+                "num_window_kv_blocks": self.num_window_pages,
                 "linear_paths": paths, "dtype": str(self.dtype).replace("torch.", ""),
                 "captured_decode_sizes": graphs.sizes if graphs is not None else [],
                 # eager steps recorded and run back to back (one_shot.py; a kind that cannot be is logged)
@@ -173,8 +205,22 @@ class ModelRunner:
             block_tables=tables,
             context_lens=put("context_lens", step.context_lens) if step.context_lens else None,
             query_starts=step.query_starts, cached_lens=step.cached_lens,
-            num_decodes=len(step.context_lens))
+            num_decodes=len(step.context_lens), window_pages=self.page_map)
         return put("ids", step.ids), put("positions", step.positions), meta
+
+    def map_pages(self, updates: list[tuple[int, int]]) -> None:
+        """(block id, page of the sliding layers' pool) pairs into the page map."""
+        blocks, pages = zip(*updates)
+        self.page_map.pages[torch.tensor(blocks, device=self.device)] = torch.tensor(pages, device=self.device)
+
+    def _sync_pages(self) -> None:
+        """The block manager's changes to the page map since the last step, on
+        every rank, before a forward reads it."""
+        updates = self.page_updates() if self.page_updates is not None else None
+        if updates:
+            if self.executor is not None:
+                self.executor.send(("pages", updates))
+            self.map_pages(updates)
 
     @torch.inference_mode()
     def execute(self, step: StepInputs) -> torch.Tensor:
@@ -205,6 +251,7 @@ class ModelRunner:
         same K/V to the same slots, and the seeded generators draw again from
         where they were."""
         self.sampler.begin()
+        self._sync_pages()
         graphs = self.decode_graphs()
         if not batch.prefills and graphs is not None:
             out = graphs.logits(batch.decodes)
@@ -232,6 +279,7 @@ class ModelRunner:
         token at its position, attending up to it), so every row's logits are
         those a one-token step there would compute."""
         self.sampler.begin()
+        self._sync_pages()
         rows = [(seq, len(seq) + j, t) for seq, d in zip(batch.decodes, drafts) for j, t in enumerate(d)]
         b = len(batch.decodes)
         graphs = self.decode_graphs()
@@ -255,6 +303,7 @@ class ModelRunner:
         burst that does not run gives them back."""
         if self.captured is None or batch.prefills:
             return None
+        self._sync_pages()
         return self.captured.bursts.run_sequences(batch.decodes, n, self.sampler)
 
     def step_seconds(self, rows: int) -> float | None:
@@ -279,10 +328,11 @@ class ModelRunner:
                       pages: list[int] | None = None) -> torch.Tensor:
         """Scored pass returning next-token logits at rows (all rows: None), in
         fp32 (quality metrics); workers run the same pass for their shards."""
+        self._sync_pages()
         if self.executor is not None:
             self.executor.send(("logits", token_ids, rows, pages))
         try:
-            return self.model.prompt_logits(token_ids, rows, pages, self.kv_caches, self.block_size)
+            return self.model.prompt_logits(token_ids, rows, pages, self.kv_caches, self.block_size, self.page_map)
         except Exception as e:
             if self.executor is not None:
                 raise self.executor.failure(e) from e

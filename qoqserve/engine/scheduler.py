@@ -14,7 +14,8 @@ token.
 When the page pool cannot give a decoding sequence its next slot, the most
 recently admitted sequence is preempted: its pages are freed and it goes back
 to the front of the queue, to be recomputed (largely from the prefix cache)
-when room returns.
+when room returns. So is it when every running prompt waits for pages of the
+sliding layers' own pool (engine/window_pages.py) that the others hold.
 
 With the priority policy (vLLM's `--scheduling-policy priority`) the queue is
 kept in order of (priority, arrival), lower first, a preempted sequence goes
@@ -92,8 +93,12 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
+        """The prompt tokens of seq this step computes (taking the pages its
+        sliding layers need for them, where they have a pool of their own)."""
         n = min(len(seq) - seq.num_computed_tokens, budget)
-        return min(n, self.long_prefill_token_threshold) if self.long_prefill_token_threshold else n
+        if self.long_prefill_token_threshold:
+            n = min(n, self.long_prefill_token_threshold)
+        return self.block_manager.fit_chunk(seq, n)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -123,8 +128,9 @@ class Scheduler:
         for seq in kept:
             if seq.is_prefilling and budget > 0:
                 n = self._chunk(seq, budget)
-                batch.prefills.append((seq, n))
-                budget -= n
+                if n:
+                    batch.prefills.append((seq, n))
+                    budget -= n
         # 3. new prompts while pages and budget last (all their pages up front)
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
@@ -136,9 +142,17 @@ class Scheduler:
                 seq.scheduled_time = time.monotonic()
             self.waiting.popleft()
             self.running.append(seq)
-            n = self._chunk(seq, budget)
-            batch.prefills.append((seq, n))
-            budget -= n
+            n = self._chunk(seq, budget)  # 0: the sliding layers' pool is short; it goes on later
+            if n:
+                batch.prefills.append((seq, n))
+                budget -= n
+        if not batch and len(self.running) > 1:
+            # every running prompt waits for the sliding layers' pages the
+            # others hold: the newest (or last in priority order) gives them back
+            victim = max(self.running, key=self._rank) if self.by_priority else self.running[-1]
+            self.running.remove(victim)
+            self._preempt(victim)
+            return self.schedule()
         return batch
 
     def postprocess(self, batch: ScheduledBatch, tokens: list[int], logprobs: list[float] | None,

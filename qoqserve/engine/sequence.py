@@ -28,8 +28,12 @@ class Sequence:
     # prefilled in chunks until all are, then each step adds one
     num_computed_tokens: int = 0
     num_hashed_blocks: int = 0     # leading full blocks registered in the prefix cache
-    # leading blocks given back before its window (every layer slides); their ids stay in block_table
+    # leading blocks given back before its window (every layer slides), or
+    # whose sliding layers' pages were (engine/window_pages.py); their ids stay in block_table
     num_released_blocks: int = 0
+    # with a pool for the sliding layers: it holds their pages of the blocks
+    # from num_released_blocks up to this one
+    num_window_blocks: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)

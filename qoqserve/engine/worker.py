@@ -23,11 +23,13 @@ log = logging.getLogger(__name__)
 
 def serve_steps(runner: ModelRunner, world: ParallelWorld) -> None:
     """Run rank 0's messages until it says stop: ("step", StepInputs),
-    ("logits", token ids, rows, pages), ("stop",)."""
+    ("logits", token ids, rows, pages), ("pages", page map changes), ("stop",)."""
     while True:
         msg = world.broadcast()
         if msg[0] == "step":
             runner.execute(msg[1])
+        elif msg[0] == "pages":
+            runner.map_pages(msg[1])
         elif msg[0] == "logits":
             runner.prompt_logits(*msg[1:])
         elif msg[0] == "stop":

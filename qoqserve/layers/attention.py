@@ -15,13 +15,18 @@ score s by softcap * tanh(s / softcap) before the softmax, on every path.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from qoqserve.kernels.cpu import dense_attention_f64
 from qoqserve.layers.attention_backends import AttentionBackend, attend
+
+if TYPE_CHECKING:
+    from qoqserve.layers.page_map import PageMap
 
 
 @dataclass
@@ -39,6 +44,18 @@ class AttentionMetadata:
     # [:num_decodes] of block_tables, context_lens), then the prefill chunks
     # (block_tables rows after them)
     num_decodes: int = 0
+    # where the sliding layers have a page pool of their own (hybrid models):
+    # their slots and tables are these through it (in_window_pages)
+    window_pages: PageMap | None = None
+
+    def in_window_pages(self) -> AttentionMetadata:
+        """The step as the sliding layers see it: itself, or where they have a
+        page pool of their own, its slots and block tables in that pool."""
+        if self.window_pages is None or self.slot_mapping is None:
+            return self
+        tables = self.block_tables if self.block_tables is not None else self.slot_mapping.new_zeros(0, 0)
+        tables, slots = self.window_pages.map(tables, self.slot_mapping)
+        return dataclasses.replace(self, slot_mapping=slots, block_tables=tables, window_pages=None)
 
 
 class PagedAttention(nn.Module):

@@ -24,6 +24,7 @@ from qoqserve.layers.linear import (
 )
 from qoqserve.layers.logits import LogitsHead
 from qoqserve.layers.norm import RMSNorm
+from qoqserve.layers.page_map import PageMap
 from qoqserve.layers.parallel import SINGLE, TensorParallel
 from qoqserve.layers.rotary import RotaryEmbedding
 from qoqserve.layers.token_ops import TorchTokenOps
@@ -175,6 +176,7 @@ class LlamaForCausalLM(nn.Module):
                          rope_of(i), dtype, key_transform, ops, tp, cfg.window_of(i))
             for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
+        self.slides = tuple(bool(cfg.window_of(i)) for i in range(cfg.num_layers))
         # lm_head and embeddings stay high precision (QoQ keeps them unquantized)
         self.lm_head = (self.embed_tokens if cfg.tie_word_embeddings else
                         nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype),
@@ -184,8 +186,11 @@ class LlamaForCausalLM(nn.Module):
                 caches: list[torch.Tensor] | None) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm."""
         h, delta = self.token_ops.embed(input_ids, self.embed_tokens, self.cfg.embed_scale), None
+        # the sliding layers' view of the step, once for all of them
+        windowed = meta.in_window_pages()
         for i, layer in enumerate(self.layers):
-            h, delta = layer(positions, h, meta, caches[i] if caches is not None else None, delta)
+            h, delta = layer(positions, h, windowed if self.slides[i] else meta,
+                             caches[i] if caches is not None else None, delta)
         return self.norm(h, delta)[0]
 
     def release_lm_head(self) -> None:
@@ -205,10 +210,11 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int], rows: list[int] | None = None,
                       pages: list[int] | None = None, kv_caches: list[torch.Tensor] | None = None,
-                      block_size: int = 0) -> torch.Tensor:
+                      block_size: int = 0, page_map: PageMap | None = None) -> torch.Tensor:
         """fp32 logits of the next token after each position in rows (default:
         all but the last) from one causal pass ([len(rows), vocab], on the
-        model's device). With pages (ids of enough free pages of kv_caches),
+        model's device). With pages (ids of enough free pages of kv_caches,
+        and of the sliding layers' pool through page_map where it has one),
         K/V are written there and attention runs the prefill kernel over them;
         without, an uncached pass."""
         device = self.embed_tokens.device
@@ -220,7 +226,8 @@ class LlamaForCausalLM(nn.Module):
             slots = (torch.tensor(pages)[pos // block_size] * block_size + pos % block_size).to(device)
             tables = torch.tensor([pages], device=device)
         meta = AttentionMetadata(is_prefill=True, slot_mapping=slots, block_tables=tables,
-                                 context_lens=None, query_starts=[0, n], cached_lens=[0])
+                                 context_lens=None, query_starts=[0, n], cached_lens=[0],
+                                 window_pages=page_map if pages is not None else None)
         hidden = self(ids, torch.arange(n, device=device), meta, kv_caches if pages is not None else None)
         # only the rows asked for reach the LM head: a long prompt scored at a few
         # answer positions never holds [len, vocab] logits

@@ -28,7 +28,10 @@ _GAUGES = [
     ("vllm:kv_cache_usage_perc", "kv_usage", "KV-cache usage. 1 means 100 percent usage."),
     ("qoqserve:kv_cache_free_blocks", "num_free_blocks", "Free KV pages."),
     ("qoqserve:kv_cache_total_blocks", "num_kv_blocks", "KV pages in the pool."),
-    ("qoqserve:kv_cache_bytes_per_token", "kv_bytes_per_token", "KV bytes per token, all layers."),
+    ("qoqserve:kv_cache_bytes_per_token", "kv_bytes_per_token",
+     "KV bytes per token of the layers that keep every page."),
+    ("qoqserve:window_kv_cache_free_blocks", "num_free_window_blocks",
+     "Free KV pages of the sliding-window layers' own pool (where they have one)."),
     ("qoqserve:weight_bytes", "weight_bytes", "Resident bytes of the model's parameters and buffers."),
 ]
 _COUNTERS = [
@@ -53,7 +56,7 @@ class _SnapshotCollector:
         stats = self.get_stats()
         for name, key, doc in _GAUGES:
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
-            g.add_metric([self.model_name], float(stats.get(key, 0)))
+            g.add_metric([self.model_name], float(stats.get(key) or 0))
             yield g
         for name, key, doc in _COUNTERS:
             c = CounterMetricFamily(name, doc, labels=["model_name"])

@@ -1,0 +1,92 @@
+"""The sliding layers' own page pool, where a model mixes sliding and full
+attention (Gemma 2 and 3, Qwen2 with max_window_layers): what vLLM's hybrid
+KV-cache manager and llama.cpp's SWA cache do.
+
+Every block of a sequence's table keeps its full-attention layers' K/V in the
+main pool for as long as the sequence runs; its sliding layers' K/V need
+only live while some query can still read them. So the sliding layers get a
+smaller pool of their own, and each block of the main pool is lent a page of
+it while a sequence needs that block's window K/V. The page of a block is a
+function of the block alone (a block's tokens and positions fix its K/V), so
+sequences that share a block through the prefix cache share its page, and
+the model finds a sliding layer's slots and tables by mapping each block id
+through one table (`updates`, applied by the model runner: layers/page_map.py).
+
+A page whose last holder lets go stays tied to its block until the page is
+lent again, so a later prefix hit can still use it, as the main pool keeps
+freed blocks' hashes.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+
+KEY_TILE = 64  # the widest key tile of the prefill kernels (kernels/cpu/paged_prefill*.h)
+
+
+def window_span_blocks(window: int, block_size: int) -> int:
+    """Blocks a query's window can touch: its `window` positions, the key tile
+    the prefill kernel starts from before them, and the block it is in."""
+    return math.ceil((window - 1 + KEY_TILE) / block_size) + 1
+
+
+def window_pool_size(window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                     lookahead: int, max_len: int) -> int:
+    """Pages that let every running sequence move on: each holds its window's
+    span plus the blocks of what it computes next (a decode burst's or a
+    draft's `lookahead` slots), or all of its at most max_len positions, and
+    one step's prompt chunks take at most max_num_batched_tokens slots more."""
+    per_seq = min(window_span_blocks(window, block_size) + math.ceil(lookahead / block_size) + 1,
+                  math.ceil(max_len / block_size) + 1)
+    return max_num_seqs * per_seq + math.ceil(max_num_batched_tokens / block_size)
+
+
+class OutOfWindowPagesError(RuntimeError):
+    pass
+
+
+class WindowPages:
+    def __init__(self, num_pages: int):
+        self.num_pages = num_pages
+        self.pad_page = num_pages  # the runner's extra page: padding rows, and blocks with no page
+        self.page_of: dict[int, int] = {}              # block id -> its page
+        self.block_of: list[int | None] = [None] * num_pages
+        self.refs = [0] * num_pages
+        self.free: deque[int] = deque(range(num_pages))
+        self._updates: dict[int, int] = {}             # block id -> page, not yet in the runner's map
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def has_page(self, block_id: int) -> bool:
+        return block_id in self.page_of
+
+    def hold(self, block_id: int) -> None:
+        """One more holder of block_id's page (lent now if it has none)."""
+        page = self.page_of.get(block_id)
+        if page is None:
+            if not self.free:
+                raise OutOfWindowPagesError("no free pages for the sliding layers")
+            page = self.free.popleft()
+            old = self.block_of[page]
+            if old is not None:  # the block it was tied to loses it
+                del self.page_of[old]
+                self._updates[old] = self.pad_page
+            self.page_of[block_id], self.block_of[page] = page, block_id
+            self._updates[block_id] = page
+        elif self.refs[page] == 0:
+            self.free.remove(page)
+        self.refs[page] += 1
+
+    def drop(self, block_id: int) -> None:
+        page = self.page_of[block_id]
+        self.refs[page] -= 1
+        if self.refs[page] == 0:
+            self.free.append(page)
+
+    def take_updates(self) -> list[tuple[int, int]]:
+        """(block id, page) pairs changed since the last call (pad_page: none)."""
+        out = list(self._updates.items())
+        self._updates.clear()
+        return out
