@@ -45,7 +45,7 @@ def generate(model: str, device: str, kernels: str, dtype: str, max_tokens: int,
     t0 = time.perf_counter()
     # 4 sequences, chunks of 64: the 70-token prompt is prefilled in two, and
     # the Gemma models' sliding layers get a page pool of their own (engine/window_pages.py)
-    llm = LLM(model, dtype=dtype, kernels=kernels, device=device, num_blocks=64, max_model_len=256,
+    llm = LLM(model, dtype=dtype, kernels=kernels, device=device, num_blocks=128, max_model_len=256,
               max_num_seqs=4, max_num_batched_tokens=64, enforce_eager=enforce_eager)
     load = time.perf_counter() - t0
     stats = llm.engine.stats()

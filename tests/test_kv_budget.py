@@ -61,8 +61,9 @@ def test_the_sliding_layers_get_a_pool_the_size_of_their_windows():
     cache = CacheConfig(kv_cache_gb=1.0)
     blocks, window = pool_sizes(cache, layout, 26, torch.device("cpu"), arch, max_num_seqs=8,
                                 max_num_batched_tokens=512)
-    # each of 8 sequences: its window's span, a burst's page and the one being filled; a step's chunks
-    assert window == 8 * (window_span_blocks(512, 16) + 2) + 512 // 16
+    # each of 8 sequences: its window's span, a burst's page and the one being filled, and
+    # a finished one's last window kept for prefix hits; a step's chunks
+    assert window == 8 * (2 * window_span_blocks(512, 16) + 2) + 512 // 16
     # the main pool holds the 4 global layers with the rest of the budget
     assert blocks == int((GIB - window * per_layer * 22) // (per_layer * 4))
     assert blocks * 4 + window * 22 <= GIB // per_layer

@@ -14,7 +14,13 @@ from qoqserve.config import SchedulerConfig
 from qoqserve.engine import kv_budget
 from qoqserve.engine.block_manager import BlockManager
 from qoqserve.engine.scheduler import Scheduler
-from qoqserve.engine.window_pages import KEY_TILE, OutOfWindowPagesError, WindowPages, window_span_blocks
+from qoqserve.engine.window_pages import (
+    KEY_TILE,
+    OutOfWindowPagesError,
+    WindowPages,
+    window_pool_size,
+    window_span_blocks,
+)
 from qoqserve.kernels.cpu import page_map as c_page_map
 from qoqserve.layers.attention import AttentionMetadata
 from qoqserve.layers.page_map import PageMap
@@ -42,12 +48,13 @@ def test_a_sequence_keeps_its_blocks_and_holds_window_pages_only_where_read():
     sched.add(a)
     while a.is_prefilling or len(a) < 400:  # chunks of 64, then decodes
         step(sched, sched.schedule())
-        # every block kept; the sliding layers' pages from the window of its next query on
+        # every block kept; the sliding layers' pages from the window of its next
+        # query on, and a block before (a hit ending at its last block boundary reads it)
         assert all(bm.blocks[b].ref_count == 1 for b in a.block_table)
-        first = max(0, (a.num_computed_tokens - WINDOW + 1 - KEY_TILE) // BS)
+        first = max(0, (a.num_computed_tokens - BS - WINDOW + 1 - KEY_TILE) // BS)
         assert a.num_released_blocks == first
         assert held_pages(bm, a) == list(range(first, -(-a.num_computed_tokens // BS)))
-        assert len(held_pages(bm, a)) <= window_span_blocks(WINDOW, BS) + 1
+        assert len(held_pages(bm, a)) <= window_span_blocks(WINDOW, BS)
         pages = [bm.window_pages.page_of[a.block_table[i]] for i in held_pages(bm, a)]
         assert len(set(pages)) == len(pages)
     assert bm.num_free_blocks == 64 - len(a.block_table)
@@ -96,6 +103,28 @@ def test_prefix_hits_reach_as_far_as_the_window_pages_before_them_last():
     assert d.num_cached_tokens == 0
     updates = dict(bm.window_pages.take_updates())
     assert all(updates[blk] == bm.window_pages.pad_page for blk in a.block_table[:9] if blk not in c.block_table)
+
+
+def test_prompts_run_one_after_another_are_hit_again_whole():
+    # each prompt's prefill passes its early blocks' window pages (lent again
+    # first) and ends holding its last window's, which outlive the later
+    # prompts' chunks in a pool sized as the engine sizes it (as many finished
+    # sequences' last windows kept as can run)
+    pages = window_pool_size(WINDOW, BS, max_num_seqs=2, max_num_batched_tokens=200, lookahead=8, max_len=2048)
+    bm = hybrid(num_blocks=200, pages=pages)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=200), bm, max_model_len=2048)
+    prompts = [list(range(1000 * i, 1000 * i + 200)) for i in range(4)]
+
+    def run_all() -> int:
+        hits = bm.prefix_hits
+        for i, p in enumerate(prompts):
+            sched.add(seq(f"{i}", p))
+        while sched.has_unfinished():
+            for s in step(sched, sched.schedule()):
+                sched.finish(s, "length")  # one token each
+        return bm.prefix_hits - hits
+    assert run_all() == 0
+    assert run_all() == len(prompts) * (199 // BS * BS)
 
 
 def test_a_page_let_go_stays_tied_to_its_block_until_lent_again():
@@ -157,7 +186,7 @@ def gemma3(tmp_path_factory):
 
 PROMPTS = [torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (40, 100, 7, 150)]
 GREEDY = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
-SMALL = dict(dtype="float32", num_blocks=48, max_num_seqs=4, max_num_batched_tokens=32)
+SMALL = dict(dtype="float32", num_blocks=96, max_num_seqs=4, max_num_batched_tokens=32)
 
 
 def transformers_greedy(ref, prompt, out) -> bool:
@@ -200,7 +229,7 @@ def test_the_engine_over_a_window_pool_decodes_what_transformers_predicts(gemma3
 def test_a_window_pool_too_short_for_every_sequence_queues_them_and_loses_nothing(gemma3, monkeypatch):
     ref, path = gemma3
     monkeypatch.setattr(kv_budget, "window_pool_size", lambda *a: 9)  # one window's span and a little
-    llm = LLM(path, **{**SMALL, "num_blocks": 64, "max_num_batched_tokens": 64})
+    llm = LLM(path, **{**SMALL, "max_num_batched_tokens": 64})
     assert llm.engine.runner.num_window_pages == 9
     prompts = PROMPTS + [p[::-1] for p in PROMPTS]
     outs = [o.token_ids for o in llm.generate(prompts, GREEDY)]

@@ -244,9 +244,11 @@ class BlockManager:
         chain hash is read from the block before it)."""
         end = self._first_in_window(seq.num_computed_tokens)
         if self.window_pages is not None:
-            end = min(end, seq.num_window_blocks)
+            # a block less: a prefix hit on seq's tokens ends at a block boundary
+            # up to a block before its next position, and needs the window before it
+            end = min(self._first_in_window(seq.num_computed_tokens - self.block_size), seq.num_window_blocks)
             for idx in range(seq.num_released_blocks, end):
-                self.window_pages.drop(seq.block_table[idx])
+                self.window_pages.drop(seq.block_table[idx], passed=True)
         else:
             end = min(end, seq.num_hashed_blocks - 1)
             for idx in range(seq.num_released_blocks, end):

@@ -6,11 +6,11 @@ two in one process, taking turns (this machine is shared and noisy):
 1. what a fixed KV budget holds: the pools' pages and the longest context;
 2. a decode step's cost with the page map (one C call a step): greedy
    decode of 128 tokens at batch 1 and 8 after 2,048-token prompts, EOS ignored;
-3. N requests of a PROMPT-token prompt and 64 tokens out each, all sent at
-   once, in a budget too small for all of them in one pool: wall time,
-   decode tokens/s, preemptions, and how many ran at once.
+3. N requests of a PROMPT-token prompt and OUT tokens out each, all sent
+   at once, in a budget too small for all of them in one pool: wall time,
+   output tokens/s, preemptions, and how many ran at once.
 
-Usage: python capacity.py [KV_GB] [N] [PROMPT]"""
+Usage: python capacity.py [KV_GB] [N] [PROMPT] [OUT]"""
 import sys
 import time
 
@@ -21,6 +21,7 @@ MODEL = "synthetic:gemma-3-1b:qoq-g128"
 gb = float(sys.argv[1]) if len(sys.argv) > 1 else 0.1
 n_req = int(sys.argv[2]) if len(sys.argv) > 2 else 8
 prompt_len = int(sys.argv[3]) if len(sys.argv) > 3 else 4096
+out_len = int(sys.argv[4]) if len(sys.argv) > 4 else 64
 engines = {name: LLM(MODEL, kv_cache_gb=gb, max_num_seqs=8, max_model_len=32768,
                      disable_hybrid_kv_cache_manager=(name == "one pool"))
            for name in ("one pool", "two pools")}
@@ -54,7 +55,7 @@ for batch in (1, 8):
 def serve_all(llm, seed):
     eng = llm.engine
     pre0 = eng.scheduler.num_preemptions
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
     for i in range(n_req):
         eng.add_request(f"r{seed}-{i}", prompt(seed * 100 + i, prompt_len), params)
     most, t = 0, time.perf_counter()
@@ -67,5 +68,5 @@ def serve_all(llm, seed):
 for rnd in range(2):
     for name, llm in engines.items():
         dt, pre, most = serve_all(llm, 50 + rnd * 10 + (name == "two pools"))
-        print(f"{n_req} requests of {prompt_len} + 64 tokens at once: {name}: {dt:.1f} s "
-              f"({n_req * 64 / dt:.1f} output tok/s), {pre} preemptions, at most {most} running", flush=True)
+        print(f"{n_req} requests of {prompt_len} + {out_len} tokens at once: {name}: {dt:.1f} s "
+              f"({n_req * out_len / dt:.1f} output tok/s), {pre} preemptions, at most {most} running", flush=True)
