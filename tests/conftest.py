@@ -11,8 +11,20 @@ import os
 # The Triton kernels run in Triton's interpreter on CPU; the flag is read when
 # kernels are defined, so it must be set before any of them is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# The suite in several processes (scripts/test.sh: pytest-xdist): each takes its
+# share of the cores, read before torch starts its threads; more threads than
+# cores make every OpenMP team in the C kernels wait on the others
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
 
 import pytest  # noqa: E402
+
+
+def pytest_configure(config):
+    if _WORKERS > 1:  # torch may have started its threads before this file was read
+        import torch
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def free_port() -> int:

@@ -10,7 +10,7 @@ it while a sequence needs that block's window K/V. The page of a block is a
 function of the block alone (a block's tokens and positions fix its K/V), so
 sequences that share a block through the prefix cache share its page, and
 the model finds a sliding layer's slots and tables by mapping each block id
-through one table (`updates`, applied by the model runner: layers/page_map.py).
+through one table (`take_updates`, applied by the model runner: layers/page_map.py).
 
 A page whose last holder lets go stays tied to its block until the page is
 lent again, so a later prefix hit can still use it, as the main pool keeps
@@ -22,7 +22,7 @@ recently let go first within each.
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import OrderedDict
 
 KEY_TILE = 64  # the widest key tile of the prefill kernels (kernels/cpu/paged_prefill*.h)
 
@@ -59,9 +59,10 @@ class WindowPages:
         self.page_of: dict[int, int] = {}              # block id -> its page
         self.block_of: list[int | None] = [None] * num_pages
         self.refs = [0] * num_pages
-        # free pages, in the order they are lent: those passed by a window, then the rest
-        self.passed: deque[int] = deque()
-        self.free: deque[int] = deque(range(num_pages))
+        # free pages, in the order they are lent: those passed by a window, then
+        # the rest (ordered sets: a hit takes a page back from the middle)
+        self.passed: OrderedDict[int, None] = OrderedDict()
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_pages))
         self._updates: dict[int, int] = {}             # block id -> page, not yet in the runner's map
 
     @property
@@ -77,7 +78,7 @@ class WindowPages:
         if page is None:
             if not self.num_free:
                 raise OutOfWindowPagesError("no free pages for the sliding layers")
-            page = (self.passed or self.free).popleft()
+            page = (self.passed or self.free).popitem(last=False)[0]
             old = self.block_of[page]
             if old is not None:  # the block it was tied to loses it
                 del self.page_of[old]
@@ -85,7 +86,7 @@ class WindowPages:
             self.page_of[block_id], self.block_of[page] = page, block_id
             self._updates[block_id] = page
         elif self.refs[page] == 0:
-            (self.passed if page in self.passed else self.free).remove(page)
+            (self.passed if page in self.passed else self.free).pop(page)
         self.refs[page] += 1
 
     def drop(self, block_id: int, passed: bool = False) -> None:
@@ -93,7 +94,7 @@ class WindowPages:
         page = self.page_of[block_id]
         self.refs[page] -= 1
         if self.refs[page] == 0:
-            (self.passed if passed else self.free).append(page)
+            (self.passed if passed else self.free)[page] = None
 
     def take_updates(self) -> list[tuple[int, int]]:
         """(block id, page) pairs changed since the last call (pad_page: none)."""
