@@ -252,3 +252,21 @@ def test_drafts_logprobs_and_the_torch_kernels_over_a_window_pool(gemma3):
             torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
             assert [[t for t, _ in top] for top in o.top_logprobs] == [[t for t, _ in top] for top in b.top_logprobs]
         assert all_back(llm)
+
+
+def test_bench_memory_splits_the_budget_as_the_engine_does(gemma3):
+    from qoqserve.bench.memory import plan_memory
+    from qoqserve.bench.precisions import get_precision
+    from qoqserve.model_loader import load_model_source
+    _, path = gemma3
+    arch = load_model_source(path).arch
+    plan = plan_memory(arch, get_precision("fp32"), "cpu", seq_len=100, budget_bytes=2**24, max_num_seqs=4)
+    stats = LLM(path, dtype="float32", kv_cache_gb=2**24 / 2**30, max_num_seqs=4).engine.stats()
+    assert plan.num_window_pages == stats["num_window_kv_blocks"] is not None
+    assert plan.num_pages == stats["num_kv_blocks"] > 3 * plan.num_window_pages
+    assert (plan.kv_bytes_per_token, plan.window_kv_bytes_per_token) == (stats["kv_bytes_per_token"],
+                                                                          stats["window_kv_bytes_per_token"])
+    assert plan.max_concurrent_seqs == 4  # the sliding pool is sized for the engine's most sequences
+    # a budget without one page: nothing fits, said as a plan
+    none = plan_memory(arch, get_precision("fp32"), "cpu", seq_len=100, memory_bytes=plan.weight_bytes)
+    assert (none.num_pages, none.max_concurrent_seqs) == (0, 0)

@@ -133,8 +133,11 @@ def plan_memory(arch: ModelArchConfig, p: Precision, device: str, seq_len: int,
     sched = SchedulerConfig(**({"max_num_seqs": max_num_seqs} if max_num_seqs else {}))
     config = EngineConfig(device=device, scheduler=sched,
                           cache=CacheConfig(block_size=block_size, kv_cache_gb=budget_bytes / 2**30))
-    pages, window_pages = pool_sizes(config, layout, local, torch.device("meta"),
-                                     max_positions or arch.max_position_embeddings)
+    try:
+        pages, window_pages = pool_sizes(config, layout, local, torch.device("meta"),
+                                         max_positions or arch.max_position_embeddings)
+    except ValueError:  # not one page in the budget: nothing fits
+        pages, window_pages = 0, None
     sliding = len(arch.sliding_layers) if window_pages is not None else 0
     seqs = pages // math.ceil(seq_len / block_size)
     if window_pages is not None:  # that pool is sized for the engine's most sequences
