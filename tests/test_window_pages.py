@@ -270,3 +270,56 @@ def test_bench_memory_splits_the_budget_as_the_engine_does(gemma3):
     # a budget without one page: nothing fits, said as a plan
     none = plan_memory(arch, get_precision("fp32"), "cpu", seq_len=100, memory_bytes=plan.weight_bytes)
     assert (none.num_pages, none.max_concurrent_seqs) == (0, 0)
+
+
+def test_the_pools_stay_consistent_through_random_traffic():
+    """Prompts sharing prefixes, chunked prefills, decodes, bursts, scored
+    passes, finishes and preemptions at random. Each step's sequences hold
+    the pages of what it computes and reads; after it, each page's holders
+    are the sequences whose held range has its block, free pages are exactly
+    those held by none, no two blocks share a page, and the runner's map
+    (every update replayed) says where each block's page is."""
+    import random
+    rng = random.Random(0)
+    bm = hybrid(num_blocks=120, pages=24)
+    wp = bm.window_pages
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=48), bm, max_model_len=1000)
+    runner_map: dict[int, int] = {}
+    stems = [list(range(1000 * i, 1000 * i + 100)) for i in range(3)]
+    for it in range(400):
+        if rng.random() < 0.3 and len(sched.waiting) < 4:
+            stem = rng.choice(stems)
+            sched.add(seq(f"r{it}", stem[:rng.randrange(1, 100)] + [rng.randrange(5000, 6000)
+                                                                   for _ in range(rng.randrange(0, 60))]))
+        batch = sched.schedule()
+        ahead = rng.randrange(1, 4) if batch.decodes and rng.random() < 0.3 else 0
+        if ahead and not bm.reserve(batch.decodes, ahead):
+            ahead = 0
+        # what this step computes and reads has its pages: from the window of its first query on
+        for s, first, end in [(s, len(s) - 1, len(s) + ahead) for s in batch.decodes] + [
+                (s, s.num_computed_tokens, s.num_computed_tokens + n) for s, n in batch.prefills]:
+            assert s.num_released_blocks <= max(0, (first - WINDOW + 1 - KEY_TILE) // BS)
+            assert s.num_window_blocks >= -(-end // BS)
+        if rng.random() < 0.05:
+            pages = bm.take_scratch(rng.randrange(1, 8))
+            if pages is not None:
+                bm.release_scratch(pages)
+        for s in step(sched, batch):
+            if len(s) - s.num_prompt_tokens > rng.randrange(1, 200):
+                sched.finish(s, "length")
+        if sched.running and rng.random() < 0.03:
+            sched._preempt(sched.running.pop())
+        runner_map.update(wp.take_updates())
+        holders = [0] * wp.num_pages
+        for s in sched.running:
+            for b in s.block_table[s.num_released_blocks:s.num_window_blocks]:
+                holders[wp.page_of[b]] += 1
+        assert holders == wp.refs
+        assert sorted(list(wp.passed) + list(wp.free)) == [p for p in range(wp.num_pages) if not wp.refs[p]]
+        assert all(wp.block_of[p] == b for b, p in wp.page_of.items())
+        assert len(set(wp.page_of.values())) == len(wp.page_of)
+        assert all(runner_map.get(b, wp.pad_page) == wp.page_of.get(b, wp.pad_page)
+                   for b in set(runner_map) | set(wp.page_of))
+    for s in list(sched.running) + list(sched.waiting):
+        sched.finish(s, "abort")
+    assert wp.num_free == wp.num_pages and bm.num_free_blocks == bm.num_blocks
