@@ -55,7 +55,8 @@ class AttentionMetadata:
             return self
         tables = self.block_tables if self.block_tables is not None else self.slot_mapping.new_zeros(0, 0)
         tables, slots = self.window_pages.map(tables, self.slot_mapping)
-        return dataclasses.replace(self, slot_mapping=slots, block_tables=tables, window_pages=None)
+        return dataclasses.replace(self, slot_mapping=slots, window_pages=None,
+                                   block_tables=tables if self.block_tables is not None else None)
 
 
 class PagedAttention(nn.Module):
