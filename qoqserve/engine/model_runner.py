@@ -82,10 +82,11 @@ class ModelRunner:
         self.num_blocks, self.num_window_pages = self._pool_sizes(config, arch, max_positions, world)
         # one page more than the block manager hands out: padding rows of a
         # captured step write their K/V there
-        own_pool = set(arch.sliding_layers) if self.num_window_pages is not None else set()
-        self.kv_caches = [self.layout.allocate((self.num_window_pages if i in own_pool else self.num_blocks) + 1,
-                                               self.device) for i in range(arch.num_layers)]
-        self.num_full_layers = arch.num_layers - len(own_pool)  # the layers that keep every page
+        # the layers the model gives the step through the page map (LlamaModel.slides) get the sliding pool
+        own_pool = [s and self.num_window_pages is not None for s in self.model.slides]
+        self.kv_caches = [self.layout.allocate((self.num_window_pages if own else self.num_blocks) + 1, self.device)
+                          for own in own_pool]
+        self.num_full_layers = own_pool.count(False)  # the layers that keep every page
         # the sliding layers' page of each block (none yet: their pad page)
         self.page_map = (PageMap(torch.full((self.num_blocks + 1,), self.num_window_pages, dtype=torch.long,
                                             device=self.device), self.block_size)
