@@ -27,6 +27,21 @@ def pytest_configure(config):
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+# The slowest test files, slowest first. scripts/test.sh hands files to the
+# workers in collection order (--no-loadscope-reorder; xdist's own order is by
+# test count, which put files of a few long tests last, one worker running
+# them alone at the end), so these start first and the workers end together.
+SLOWEST_FIRST = ("test_qoq_embedded", "test_speculative", "test_chunked_prefill", "test_tensor_parallel",
+                 "test_engine", "test_graphed_decode", "test_w4a8_runtime", "test_server_load",
+                 "test_embedded_model", "test_model_loader", "test_server_schemathesis", "test_triton_aot",
+                 "test_quality", "test_server_http_options", "test_server_api", "test_server_soak")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: a file keeps its own order
+
+
 def free_port() -> int:
     """A free 127.0.0.1 port below the kernel's ephemeral range: a server binds
     it seconds after it is chosen (after loading its model), and a port from
@@ -298,6 +313,24 @@ def make_pages(heads: int, hkv: int, d: int, lens: list[int], bs: int = 16,
         slots = tables[i, pos // bs] * bs + pos % bs
         layout.write(cache, torch.randn(n, hkv, d) * 2, torch.randn(n, hkv, d), slots)
     return layout, cache, tables, torch.tensor(lens)
+
+
+@pytest.fixture(scope="session")
+def qoq_embedded(default_source, tmp_path_factory):
+    """The embedded model as a QoQ W4A8KV4 g64 checkpoint made by a quick
+    config (no GPTQ, no scale tuning, 8 calibration samples): (the quantized
+    model, its checkpoint dir). For tests of the runtime on the real model;
+    the default checkpoint (LLM("qoq")) takes the full pipeline, minutes."""
+    from qoqserve.quant.calibration import load_calibration
+    from qoqserve.quant.checkpoint import save_checkpoint
+    from qoqserve.quant.config import get_preset
+    from qoqserve.quant.pipeline import quantize_model
+    cfg = get_preset("g64", calib_samples=8, calib_seq_len=256, gptq=False, scale_tuning_epochs=0)
+    calib = load_calibration(default_source.tokenizer, None, cfg.calib_samples, cfg.calib_seq_len)
+    result = quantize_model(default_source, cfg, calib, progress=False)
+    out = tmp_path_factory.mktemp("smol") / "qoq-g64"
+    save_checkpoint(result, default_source, calib, str(out))
+    return result, str(out)
 
 
 @pytest.fixture(scope="session")

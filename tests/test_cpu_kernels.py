@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import itertools
+import os
+import shutil
 
 import pytest
 import torch
-from conftest import make_pages, page_layout
+from conftest import cpu_has_avx2, make_pages, page_layout
 
 from qoqserve.kernels.cpu import paged_decode
 from qoqserve.layers.attention import AttentionMetadata, PagedAttention
@@ -186,6 +188,58 @@ def test_cpu_vendor_flags_name_amd_cpus_only(tmp_path):
         f.write_text(f"processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: 26\n")
         assert cpu_vendor_flags(str(f)) == want
     assert cpu_vendor_flags(str(tmp_path / "missing")) == []
+
+
+def test_absent_isa_flags_leave_out_avx512_only_where_the_cpu_lacks_it():
+    import platform
+
+    from qoqserve.kernels.cpu.build import absent_isa_flags
+    full = b"flags\t: fpu sse2 avx2 fma f16c avx512f avx512dq avx512bw avx512vl avx512_vnni\n"
+    without = b"flags\t: fpu sse2 avx2 fma f16c avx512f\n"  # AVX-512 F alone is not enough
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        assert absent_isa_flags(without) == []  # nothing to leave out off x86
+        return
+    assert absent_isa_flags(full) == []
+    assert absent_isa_flags(without) == ["-DQOQ_NO_AVX512"]
+
+
+@pytest.mark.skipif(not cpu_has_avx2(), reason="the build without AVX-512 runs the AVX2 path")
+def test_a_build_without_avx512_runs_the_avx2_attention(tmp_path, monkeypatch):
+    """What an AVX2-only CPU builds, built and asked here on any x86 CPU: it
+    compiles, and its attention takes the AVX2 path."""
+    import ctypes
+
+    from qoqserve.kernels.cpu import build, paged_decode
+    monkeypatch.setenv("QOQSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(build, "absent_isa_flags", lambda: ["-DQOQ_NO_AVX512"])
+    lib = ctypes.CDLL(build._build(paged_decode.__file__.replace(".py", ".c"), paged_decode._FLAGS))
+    assert lib.paged_decode_isa() == 256
+
+
+def test_two_processes_build_a_library_once(tmp_path):
+    """A second process that wants a library another is building waits for it
+    and loads its file (parallel test workers, a server and a quantizer started
+    together), instead of compiling it again."""
+    import subprocess
+    import sys
+    import textwrap
+
+    log = tmp_path / "cc.log"
+    cc = tmp_path / "cc"
+    real = shutil.which("cc") or shutil.which("gcc")
+    cc.write_text(f"#!/bin/sh\necho $$ >> {log}\nsleep 1\nexec {real} \"$@\"\n")
+    cc.chmod(0o755)
+    code = textwrap.dedent("""
+        from qoqserve.kernels.cpu import build, token_mask
+        print(build._build(token_mask.__file__.replace(".py", ".c"), []))
+    """)
+    env = {**os.environ, "CC": str(cc), "QOQSERVE_CACHE": str(tmp_path / "cache")}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    paths = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert paths[0] == paths[1] and os.path.isfile(paths[0])
+    assert len(log.read_text().split()) == 1  # one compiler ran
 
 
 def _int8_case(n, k, channel, seed):

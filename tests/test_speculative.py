@@ -118,7 +118,7 @@ REPEATS = ["one one one one one one one one one one one one one one one one one 
 
 
 @pytest.mark.parametrize("model", [None, "qoq"])
-def test_seeded_drawn_penalized_and_logprob_requests_verify_drafts_and_get_their_plain_tokens(model):
+def test_seeded_drawn_penalized_and_logprob_requests_verify_drafts_and_get_their_plain_tokens(model, request):
     """Requests drawn by temperature, min_p, top-k and top-p, with penalties and
     logit_bias, or asking logprobs get drafts too: each token after a draft is
     chosen only while the drafts before it hold (one uniform a drawn token),
@@ -136,6 +136,8 @@ def test_seeded_drawn_penalized_and_logprob_requests_verify_drafts_and_get_their
                                 logit_bias={13: 2.0}, max_tokens=24, ignore_eos=True)]
     asking = [SamplingParams(temperature=0.0, logprobs=True, top_logprobs=2, max_tokens=30, ignore_eos=True),
               SamplingParams(temperature=0.5, seed=6, logprobs=True, max_tokens=30, ignore_eos=True)]
+    if model == "qoq":  # the embedded model in W4A8KV4, by the quick config
+        model = request.getfixturevalue("qoq_embedded")[1]
     # each penalized kind alone on REPEATS: room in every step for its drafts
     plain, drafted, stats = _with_and_without_drafts(
         lambda llm: ([_outputs(llm, COPY, drawn), _outputs(llm, COPY[:2], asking)]

@@ -3,6 +3,7 @@ compiler, -march=native, cached under the qoqserve cache by source hash) and
 load it with ctypes. One failure is logged once; callers fall back to torch."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -72,8 +73,40 @@ def _cpu_identity() -> bytes:
     return platform.processor().encode()
 
 
+_AVX512 = (b"avx512f", b"avx512bw", b"avx512vl", b"avx512dq")
+
+
+def absent_isa_flags(identity: bytes | None = None) -> list[str]:
+    """-DQOQ_NO_AVX512 on an x86 CPU without AVX-512 F/BW/VL/DQ: the attention
+    kernels then leave out their AVX-512 code, which this CPU would never
+    enter (a run-time check guards it) and which is most of their build time
+    (a build is per CPU: _cpu_identity is part of its tag)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return []
+    words = set((identity if identity is not None else _cpu_identity()).split())
+    return [] if set(_AVX512) <= words else ["-DQOQ_NO_AVX512"]
+
+
+@contextlib.contextmanager
+def _build_lock(path: str):
+    """One process builds a library at a time (another that wants it waits,
+    then finds it built): parallel test workers, or a server and a quantizer
+    started together, would otherwise each compile the same file."""
+    try:
+        import fcntl
+    except ImportError:  # no POSIX locks: at worst two processes build the same file
+        yield
+        return
+    with open(path + ".lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _build(source: str, flags: list[str]) -> str:
-    all_flags = _BASE_FLAGS + flags
+    all_flags = _BASE_FLAGS + absent_isa_flags() + flags
     tag = hashlib.sha256(_source_text(source) + " ".join(all_flags).encode() + _cpu_identity()).hexdigest()[:16]
     out_dir = os.path.join(cache_dir(), "kernels")
     stem = os.path.splitext(os.path.basename(source))[0]
@@ -84,14 +117,20 @@ def _build(source: str, flags: list[str]) -> str:
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc) found")
     os.makedirs(out_dir, exist_ok=True)
+    with _build_lock(path):
+        if not os.path.isfile(path):  # built by the process this one waited for
+            _compile(cc, source, all_flags, out_dir, path)
+    return path
+
+
+def _compile(cc: str, source: str, all_flags: list[str], out_dir: str, path: str) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     # libraries (-l...) after the source, where the linker looks for what it needs
     compile_flags = [f for f in all_flags if not f.startswith("-l")]
     libs = [f for f in all_flags if f.startswith("-l")]
     subprocess.run([cc, *compile_flags, "-o", tmp, source, *libs, "-lm"], check=True, capture_output=True)
-    os.replace(tmp, path)  # atomic: a concurrent process never loads a half-written file
-    return path
+    os.replace(tmp, path)  # atomic: a process that does not lock never loads a half-written file
 
 
 def load_library(name: str, flags: list[str], signatures: dict[str, tuple],

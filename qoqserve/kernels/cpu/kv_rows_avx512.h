@@ -1,10 +1,11 @@
 /* The AVX-512 row conversion and exp2 shared by the CPU attention kernels
  * (included after kv_rows.h). Compiled for AVX-512 F/BW/VL/DQ by target
  * pragmas whatever -march says; call only after avx512_supported().
- * Defines KV_AVX512 where the compiler can build it. */
+ * Defines KV_AVX512 where the compiler can build it and the build is not
+ * for a CPU without AVX-512 (QOQ_NO_AVX512, build.py's absent_isa_flags). */
 #ifndef QOQSERVE_KV_ROWS_AVX512_H
 #define QOQSERVE_KV_ROWS_AVX512_H
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(QOQ_NO_AVX512)
 #define KV_AVX512 1
 #include <immintrin.h>
 #include "lane_mask.h"
