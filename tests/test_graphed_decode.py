@@ -13,10 +13,11 @@ from qoqserve.engine.graphed_decode import EagerGraphs, GraphedDecode
 from qoqserve.llm import LLM
 from qoqserve.sampling_params import SamplingParams
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, logprobs=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=True)
 # three prompts of different lengths: decode batches of 3 run padded in the
-# size-4 graph, and two block tables grow past a 16-token page
-PROMPTS = [[5 + i * 7 + j for j in range(9 + 5 * i)] for i in range(3)]
+# size-4 graph, and two block tables grow past a 16-token page (the decode
+# steps write positions 12..16 and 16..20)
+PROMPTS = [[5 + i * 7 + j for j in range(12 + 4 * i)] for i in range(3)]
 SIZES = [1, 2, 4]
 
 

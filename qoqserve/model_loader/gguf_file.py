@@ -27,6 +27,7 @@ from qoqserve.models.arch import (
     yarn_scaling,
 )
 
+from . import gguf_dequant
 from .base import ModelSource, TensorIter
 from .gguf_header import GGUFTensor, read_gguf_header
 from .gguf_tokenizer import tokenizer_from_gguf_metadata
@@ -103,6 +104,8 @@ def _to_torch(t) -> torch.Tensor:
         arr = np.array(t.data)  # copy out of the read-only memmap
     elif t.tensor_type == Q.BF16:
         return torch.from_numpy(np.array(t.data).view(np.int16)).view(torch.bfloat16).reshape(shape)
+    elif t.tensor_type.name in gguf_dequant.fast_formats():
+        return gguf_dequant.dequantize(t.data, t.tensor_type.name, tuple(int(n) for n in shape))
     else:
         arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
     return torch.from_numpy(arr).reshape(shape)

@@ -93,7 +93,7 @@ def _build_lock(path: str):
     then finds it built): parallel test workers, or a server and a quantizer
     started together, would otherwise each compile the same file."""
     try:
-        import fcntl
+        import fcntl  # lazy: POSIX only
     except ImportError:  # no POSIX locks: at worst two processes build the same file
         yield
         return
