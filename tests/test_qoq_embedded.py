@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 from test_engine import GREEDY, batch_prompts
+from test_speculative import seeded_drawn_penalized_and_logprob_requests_keep_their_tokens
 
 from qoqserve.eval.perplexity import LICENSE_TEXTS, perplexity, read_texts
 from qoqserve.llm import LLM
@@ -56,6 +57,11 @@ def test_quantized_engine_is_batch_invariant(quantized):
     assert batched == alone
     stats = llm.engine.stats()
     assert stats["kv_layout"] == "int4" and stats["num_free_blocks"] == stats["num_kv_blocks"]
+
+
+def test_drafted_requests_in_w4a8kv4_get_their_plain_tokens(quantized):
+    """Speculative decoding on the W4A8KV4 embedded model (tests/test_speculative.py's case)."""
+    seeded_drawn_penalized_and_logprob_requests_keep_their_tokens(quantized[1])
 
 
 def _stamp_as_current(ckpt_dir):

@@ -117,15 +117,16 @@ REPEATS = ["one one one one one one one one one one one one one one one one one 
            "Say it again: yes yes yes yes yes yes yes yes yes yes yes yes yes yes"]
 
 
-@pytest.mark.parametrize("model", [None, "qoq"])
-def test_seeded_drawn_penalized_and_logprob_requests_verify_drafts_and_get_their_plain_tokens(model, request):
+def seeded_drawn_penalized_and_logprob_requests_keep_their_tokens(model: str | None) -> None:
     """Requests drawn by temperature, min_p, top-k and top-p, with penalties and
     logit_bias, or asking logprobs get drafts too: each token after a draft is
     chosen only while the drafts before it hold (one uniform a drawn token),
     its penalties counting those drafts, its logprobs those of its own row, so
     a seeded request gets, token for token and logprob for logprob, what it
     gets without drafts; on text that repeats, their tokens accept drafts (on
-    REPEATS, penalties that leave the drafts out choose other tokens)."""
+    REPEATS, penalties that leave the drafts out choose other tokens). The
+    W4A8KV4 case runs in tests/test_qoq_embedded.py, beside the checkpoint it
+    quantizes."""
     drawn = [SamplingParams(temperature=0.3, seed=1, max_tokens=40, ignore_eos=True),
              SamplingParams(temperature=0.7, top_p=0.9, seed=2, max_tokens=40, ignore_eos=True),
              SamplingParams(temperature=0.5, top_k=5, min_p=0.05, seed=3, max_tokens=36, ignore_eos=True)]
@@ -136,8 +137,6 @@ def test_seeded_drawn_penalized_and_logprob_requests_verify_drafts_and_get_their
                                 logit_bias={13: 2.0}, max_tokens=24, ignore_eos=True)]
     asking = [SamplingParams(temperature=0.0, logprobs=True, top_logprobs=2, max_tokens=30, ignore_eos=True),
               SamplingParams(temperature=0.5, seed=6, logprobs=True, max_tokens=30, ignore_eos=True)]
-    if model == "qoq":  # the embedded model in W4A8KV4, by the quick config
-        model = request.getfixturevalue("qoq_embedded")[1]
     # each penalized kind alone on REPEATS: room in every step for its drafts
     plain, drafted, stats = _with_and_without_drafts(
         lambda llm: ([_outputs(llm, COPY, drawn), _outputs(llm, COPY[:2], asking)]
@@ -145,6 +144,10 @@ def test_seeded_drawn_penalized_and_logprob_requests_verify_drafts_and_get_their
     assert drafted == plain
     assert stats["spec_decode_num_accepted_tokens"] > 8, stats
     assert stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"], stats
+
+
+def test_seeded_drawn_penalized_and_logprob_requests_verify_drafts_and_get_their_plain_tokens():
+    seeded_drawn_penalized_and_logprob_requests_keep_their_tokens(None)
 
 
 def test_drafts_stop_at_max_tokens_and_stops_and_fit_the_captured_sizes():
