@@ -316,24 +316,6 @@ def make_pages(heads: int, hkv: int, d: int, lens: list[int], bs: int = 16,
 
 
 @pytest.fixture(scope="session")
-def qoq_embedded(default_source, tmp_path_factory):
-    """The embedded model as a QoQ W4A8KV4 g64 checkpoint made by a quick
-    config (no GPTQ, no scale tuning, 8 calibration samples): (the quantized
-    model, its checkpoint dir). For tests of the runtime on the real model;
-    the default checkpoint (LLM("qoq")) takes the full pipeline, minutes."""
-    from qoqserve.quant.calibration import load_calibration
-    from qoqserve.quant.checkpoint import save_checkpoint
-    from qoqserve.quant.config import get_preset
-    from qoqserve.quant.pipeline import quantize_model
-    cfg = get_preset("g64", calib_samples=8, calib_seq_len=256, gptq=False, scale_tuning_epochs=0)
-    calib = load_calibration(default_source.tokenizer, None, cfg.calib_samples, cfg.calib_seq_len)
-    result = quantize_model(default_source, cfg, calib, progress=False)
-    out = tmp_path_factory.mktemp("smol") / "qoq-g64"
-    save_checkpoint(result, default_source, calib, str(out))
-    return result, str(out)
-
-
-@pytest.fixture(scope="session")
 def qoq_tiny(tmp_path_factory):
     """A QoQ W4A8KV4 g64 checkpoint of a tiny random Llama (quick config)."""
     # lazy: test helpers live in a test module

@@ -10,13 +10,21 @@ from test_speculative import seeded_drawn_penalized_and_logprob_requests_keep_th
 from qoqserve.eval.perplexity import LICENSE_TEXTS, perplexity, read_texts
 from qoqserve.llm import LLM
 from qoqserve.paths import cache_dir
+from qoqserve.quant.calibration import load_calibration
+from qoqserve.quant.checkpoint import save_checkpoint
 from qoqserve.quant.config import get_preset
+from qoqserve.quant.pipeline import quantize_model
 
 
 @pytest.fixture(scope="module")
-def quantized(qoq_embedded):
-    # a quick config (conftest.py): the runtime is under test, not accuracy
-    return qoq_embedded
+def quantized(default_source, tmp_path_factory):
+    # a quick config (no GPTQ, no tuning, small calibration): the runtime is under test, not accuracy
+    cfg = get_preset("g64", calib_samples=8, calib_seq_len=256, gptq=False, scale_tuning_epochs=0)
+    calib = load_calibration(default_source.tokenizer, None, cfg.calib_samples, cfg.calib_seq_len)
+    result = quantize_model(default_source, cfg, calib, progress=False)
+    out = tmp_path_factory.mktemp("smol") / "qoq-g64"
+    save_checkpoint(result, default_source, calib, str(out))
+    return result, str(out)
 
 
 def test_runtime_perplexity_equals_simulation(quantized, default_source):
