@@ -117,19 +117,24 @@ def test_decode_attention_math_matches_sdpa_path(layout):
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_compiled_decode_attention_matches_eager():
-    from qoqserve.layers.attention_backends import decode_attention
+def test_compiled_decode_attention_matches_eager_in_one_graph_for_every_batch():
+    from torch._dynamo.utils import counters
+
+    from qoqserve.layers.attention_backends import AttentionBackend, decode_attention
 
     layout = Int4KVCacheLayout(2, 64, 16)
     cache = _random_pages(layout, 24, seed=1)
-    compiled = torch.compile(decode_attention, dynamic=True)
-    for b in (2, 3):  # a second shape must not need a second compile to be right
-        tables = torch.randperm(24)[:b * 8].view(b, 8)
-        lens = torch.randint(1, 129, (b,))
+    backend = AttentionBackend(layout, compiled=True)
+    graphs = counters["stats"]["unique_graphs"]
+    # batches equal to the K/V pair, to the pages per sequence, to the heads:
+    # none may be compiled as that size (one graph for all of them)
+    for b, n in ((2, 8), (3, 3), (5, 4), (6, 2)):
+        tables = torch.randperm(24)[:b * n].view(b, n)
+        lens = torch.randint(1, n * 16 + 1, (b,))
         q = torch.randn(b, 6, 64)
         ref = decode_attention(layout, cache, tables, lens, q, 0.125, 6)
-        torch.testing.assert_close(compiled(layout, cache, tables, lens, q, 0.125, 6), ref,
-                                   atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(backend.decode(q, cache, tables, lens, 0.125), ref, atol=1e-4, rtol=1e-4)
+    assert counters["stats"]["unique_graphs"] - graphs == 1
 
 
 def test_mixed_weight_and_kv_formats(ckpt):

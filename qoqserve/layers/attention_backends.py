@@ -73,8 +73,12 @@ class AttentionBackend:
         """q [B, H, D], one query per sequence over its pages (window > 0:
         over its last `window` positions; softcap > 0: scores soft-capped) -> [B, H, D]."""
         if self._compiled is not None:
-            return self._compiled(self.layout, cache, block_tables, context_lens, q, scale, q.shape[1], window,
-                                  softcap)
+            # no duck sizing: a batch that happens to equal another size (the K/V
+            # pair, the heads, the pages per sequence) would otherwise be
+            # compiled as that size, and every other batch recompiled
+            with torch.fx.experimental._config.patch(use_duck_shape=False):
+                return self._compiled(self.layout, cache, block_tables, context_lens, q, scale, q.shape[1],
+                                      window, softcap)
         # fp64 on CPU: torch's bf16 SDPA with a mask is ~7x slower than fp32 there,
         # and the padded length (the longest sequence in the batch) changes the
         # summation order; in fp64 that difference vanishes when rounding back,

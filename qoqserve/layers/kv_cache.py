@@ -85,9 +85,7 @@ class DenseKVCacheLayout(KVCacheLayout):
         v_rows.index_copy_(0, slot_mapping, v.to(self.dtype))
 
     def read(self, cache, block_tables, dtype):
-        b, n = block_tables.shape
-        kv = cache[:, block_tables]  # [2, B, n, bs, H, D]
-        kv = kv.reshape(2, b, n * self.block_size, self.num_kv_heads, self.head_dim)
+        kv = cache[:, block_tables].flatten(2, 3)  # [2, B, n, bs, H, D] -> [2, B, n * bs, H, D]
         return kv[0].to(dtype), kv[1].to(dtype)
 
 
@@ -125,8 +123,9 @@ class QuantizedRowKVCacheLayout(KVCacheLayout):
         return self._decode(self._encode(x), x.dtype)
 
     def read(self, cache, block_tables, dtype):
-        b, n = block_tables.shape
-        rows = cache[block_tables].view(b, n * self.block_size, 2, self.num_kv_heads, self.row_bytes)
+        # [B, n, block, 2, Hkv, row] -> [B, n * block, ...] by flatten: a view() to
+        # spelled-out sizes makes torch.compile guard on a batch that equals one of them
+        rows = cache[block_tables].flatten(1, 2)
         kv = self._decode(rows, dtype)
         return kv[:, :, 0], kv[:, :, 1]
 
