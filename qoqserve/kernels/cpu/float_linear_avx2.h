@@ -34,7 +34,14 @@ AVX2 static inline float tree16(__m256 lo, __m256 hi) {
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
 
-enum { MR2 = 2, NR2 = 3 };  /* 2 x 3 sums of two halves: 12 of the 16 ymm */
+/* 2 x 3 sums of two halves: 12 of the 16 ymm registers; the other four hold
+ * one half of each row and one weight vector at a time (both halves of the
+ * rows at once would spill sums to the stack, a store and a reload per FMA) */
+enum { MR2 = 2, NR2 = 3 };
+
+/* a value the compiler must keep in a register: folded into every FMA that
+ * uses it, it would be loaded once per use, and the loads outnumber the FMAs */
+#define IN_REGISTER(v) __asm__("" : "+x"(v))
 
 AVX2 static inline __attribute__((always_inline)) void tile2(const float *x, int64_t K, const void *w, int w_kind,
                                                              int64_t m0, int mr, int64_t n0, int nr, int64_t N,
@@ -44,16 +51,16 @@ AVX2 static inline __attribute__((always_inline)) void tile2(const float *x, int
     const float *xr = x + m0 * K;
     int64_t k = 0;
     for (; k + LANES <= K; k += LANES) {  /* whole 16-lane steps: plain loads */
-        __m256 xl[MR2], xh[MR2];
-        for (int i = 0; i < mr; i++) {
-            xl[i] = _mm256_loadu_ps(xr + i * K + k);
-            xh[i] = _mm256_loadu_ps(xr + i * K + k + 8);
-        }
-        for (int j = 0; j < nr; j++) {
-            const __m256 wl = load8(w, w_kind, (n0 + j) * K + k, 8), wh = load8(w, w_kind, (n0 + j) * K + k + 8, 8);
+        for (int h = 0; h < LANES; h += 8) {
+            __m256 xv[MR2], *sums = h ? hi : lo;
             for (int i = 0; i < mr; i++) {
-                lo[i * NR2 + j] = _mm256_fmadd_ps(xl[i], wl, lo[i * NR2 + j]);
-                hi[i * NR2 + j] = _mm256_fmadd_ps(xh[i], wh, hi[i * NR2 + j]);
+                xv[i] = _mm256_loadu_ps(xr + i * K + k + h);
+                IN_REGISTER(xv[i]);
+            }
+            for (int j = 0; j < nr; j++) {
+                __m256 wv = load8(w, w_kind, (n0 + j) * K + k + h, 8);
+                IN_REGISTER(wv);
+                for (int i = 0; i < mr; i++) sums[i * NR2 + j] = _mm256_fmadd_ps(xv[i], wv, sums[i * NR2 + j]);
             }
         }
     }
@@ -73,8 +80,10 @@ AVX2 static inline __attribute__((always_inline)) void tile2(const float *x, int
 
 #define TILE2(a, b) tile2(x, K, w, w_kind, m0, a, n0, b, N, y)
 
-AVX2 static void rows_avx2(const float *x, int64_t M, int64_t K, const void *w, int w_kind,
-                           int64_t n_lo, int64_t n_hi, int64_t N, float *y) {
+/* one copy of the loops per weight kind: a constant in the inner loop */
+AVX2 static inline __attribute__((always_inline)) void rows_avx2_kind(const float *x, int64_t M, int64_t K,
+                                                                      const void *w, int w_kind, int64_t n_lo,
+                                                                      int64_t n_hi, int64_t N, float *y) {
     for (int64_t n0 = n_lo; n0 < n_hi; n0 += NR2) {
         const int nr = n_hi - n0 < NR2 ? (int)(n_hi - n0) : NR2;
         for (int64_t m0 = 0; m0 < M; m0 += MR2) {
@@ -89,5 +98,12 @@ AVX2 static void rows_avx2(const float *x, int64_t M, int64_t K, const void *w, 
             }
         }
     }
+}
+
+AVX2 static void rows_avx2(const float *x, int64_t M, int64_t K, const void *w, int w_kind,
+                           int64_t n_lo, int64_t n_hi, int64_t N, float *y) {
+    if (w_kind == W_BF16) rows_avx2_kind(x, M, K, w, W_BF16, n_lo, n_hi, N, y);
+    else if (w_kind == W_FP16) rows_avx2_kind(x, M, K, w, W_FP16, n_lo, n_hi, N, y);
+    else rows_avx2_kind(x, M, K, w, W_FP32, n_lo, n_hi, N, y);
 }
 #endif
