@@ -38,3 +38,16 @@ def test_a_failing_case_leaves_an_error_row_and_the_rows_before_it(tmp_path):
     # a second writer (the next stage of gpu_check.sh) appends, header once
     RowWriter(str(tmp_path), echo=False).add(w.rows[0])
     assert (tmp_path / "kernels_gpu.md").read_text().count("| bench |") == 1
+
+
+def test_without_cuda_the_command_says_what_to_run_and_prints_no_table(monkeypatch, capsys):
+    import torch
+
+    from qoqserve.cli.main import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["bench", "kernels"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "needs a CUDA device, and this torch has none" in err and "--tiny" in err
+    assert main(["bench", "kernels", "--device", "cpu"]) == 2
+    assert "cpu is not one" in capsys.readouterr().err

@@ -165,15 +165,23 @@ def bench_kv4_write(writer: RowWriter, device: torch.device, tokens: int, kv_hea
             device, t_torch, "torch")
 
 
+def check_device(device: str, tiny: bool) -> None:
+    """ValueError, saying what to run instead, where the benchmark cannot run."""
+    dev = torch.device(device)
+    if not tiny and (dev.type != "cuda" or not torch.cuda.is_available()):
+        raise ValueError("the kernel benchmark needs a CUDA device, and "
+                         + ("this torch has none" if dev.type == "cuda" else f"{device} is not one")
+                         + " (--tiny smoke-tests it on CPU under TRITON_INTERPRET=1; the C kernels' "
+                         "benchmarks are scripts/cpu_*.py)")
+    if dev.type == "cpu" and not interpreting():
+        raise ValueError("on CPU the Triton kernels run only in the interpreter: set TRITON_INTERPRET=1")
+
+
 def run(device: str = "cuda", tiny: bool = False, only: str | None = None,
         writer: RowWriter | None = None) -> list[Row]:
     dev = torch.device(device)
     writer = writer or RowWriter(None, echo=False)
-    if not tiny and dev.type != "cuda":
-        raise ValueError("the kernel benchmark needs a CUDA device (--tiny smoke-tests it on CPU "
-                         "under TRITON_INTERPRET=1)")
-    if dev.type == "cpu" and not interpreting():
-        raise ValueError("on CPU the Triton kernels run only in the interpreter: set TRITON_INTERPRET=1")
+    check_device(device, tiny)
     if tiny:
         gemm = ({"tiny": (96, 256)}, (1, 16))
         attn = dict(batches=(1, 2), contexts=(40,), heads=4, kv_heads=2, head_dim=64)

@@ -178,9 +178,10 @@ def run_memory_cmd(args) -> int:
 
 def run_kernels_cmd(args) -> int:
     # lazy: CLI start-up (load what a subcommand needs when it runs)
-    from qoqserve.bench.kernels import run
+    from qoqserve.bench.kernels import check_device, run
     from qoqserve.bench.rows import RowWriter
 
+    check_device(args.device, args.tiny)
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.machine()
     print(f"# {name}, torch {torch.__version__}, do_bench median, L2 flushed"
           + (" (tiny shapes: smoke test, timings meaningless)" if args.tiny else ""), flush=True)
