@@ -14,7 +14,7 @@ every kernel computes each row on its own, so the real rows' results are
 unchanged (tests check it).
 
 The LM head is captured apart, once per row count b (1 up to the largest
-size), and a step of b rows replays its decode graph and then the head over
+size; at start-up the largest and 1, the others when first needed), and a step of b rows replays its decode graph and then the head over
 the b real rows as one graph (StepGraph.then: one native plan, one team of
 threads): a padded row would cost a vocabulary GEMV, and the head as a
 module call allocates a fresh logits tensor per step. Where the head cannot
@@ -157,9 +157,12 @@ class CapturedDecode:
             if self._graph(size) is None:
                 break
         else:
-            for rows in range(self.max_size, 0, -1):  # largest first: the others share its buffer
-                if self._head(rows) is None:
-                    break
+            # the largest head first (the others share its buffers) and the one-row
+            # head (_check_kernels replays it); the rest when a step first has that
+            # many rows: a head records in milliseconds, and a server of 64
+            # sequences would otherwise record 64 of them at every start
+            if self._head(self.max_size) is not None:
+                self._head(1)
             self._check_kernels()
         self.capture_seconds = time.perf_counter() - start
         if self.disabled is None:
