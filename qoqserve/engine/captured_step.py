@@ -14,8 +14,9 @@ every kernel computes each row on its own, so the real rows' results are
 unchanged (tests check it).
 
 The LM head is captured apart, once per row count b (1 up to the largest
-size; at start-up the largest and 1, the others when first needed), and a step of b rows replays its decode graph and then the head over
-the b real rows as one graph (StepGraph.then: one native plan, one team of
+size; at start-up the largest and 1, the others when first needed), and a
+step of b rows replays its decode graph and then the head over the b real
+rows as one graph (StepGraph.then: one native plan, one team of
 threads): a padded row would cost a vocabulary GEMV, and the head as a
 module call allocates a fresh logits tensor per step. Where the head cannot
 be recorded, it runs op by op after the replay. With the head, each row's
