@@ -174,13 +174,14 @@ class EngineConfig:
     quantization: str | None = opt(None, "quantize a full-precision checkpoint at load (W8A8 "
                                          "baseline); QoQ W4A8 needs a `qoqserve quantize` checkpoint",
                                    choices=QUANTIZATIONS)
-    # the first step pays the compile (~30 s on 2 cores, cached on disk afterwards)
     lm_head_dtype: str = opt("auto", "LM head weights: float (the model's; on CPU a lossless "
                                      "bf16/fp16 copy where one exists), int8 (per-channel INT8 "
                                      "weights, INT8 activations: half of bf16's bytes, at a small "
                                      "perplexity cost: docs/accuracy.md), or auto: int8 for QoQ "
                                      "checkpoints on the CPU kernels, float otherwise",
                              choices=LM_HEAD_DTYPES)
+    # the first decode step pays the compile (tens of seconds on a small CPU, cached on
+    # disk afterwards); every batch size above one shares its graph (attention_backends.py)
     compile: bool = opt(False, "torch.compile the decode attention of the torch path")
     enforce_eager: bool = opt(False, "run every step op by op: no captured decode steps (recorded C "
                                      "calls on CPU, CUDA graphs on CUDA; docs/runtime.md)")
