@@ -481,3 +481,18 @@ def test_bf16_linears_on_the_c_kernel_are_torchs_within_bf16_rounding_and_batch_
     assert torch.equal(got, float_linear.float_linear(x, layer.weight, bias).bfloat16())  # the C kernel ran
     torch_method = CpuDenseLinearMethod(bf16_on_c=False)
     assert torch.equal(torch_method.apply(layer, x), ref)  # where torch's bf16 GEMM is fast: it
+
+
+@needs_c
+def test_recording_a_step_does_not_import_dynamo():
+    """The recording guard is a TorchDispatchMode, which torch would wrap in
+    torch._dynamo.disable: importing dynamo on its first call, seconds of every
+    engine's start. A fresh process builds a captured engine without it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from qoqserve.llm import LLM; "
+            "llm = LLM(None, dtype='float32', kv_cache_gb=0.02, max_num_seqs=2); "
+            "print(llm.engine.stats()['captured_decode_sizes'], 'torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[-2] == "[1, 2] False", out.stdout + out.stderr

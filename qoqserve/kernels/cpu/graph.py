@@ -77,6 +77,13 @@ class _OnlyViews(TorchDispatchMode):
     its inputs, e.g. .to() of a tensor already of that dtype); any op that
     computes raises CaptureError."""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch otherwise wraps __torch_dispatch__ in torch._dynamo.disable, whose
+        # first call imports dynamo: seconds of every engine's start, for a mode
+        # that never runs inside a compiled region (a capture is not compiled)
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
         out = func(*args, **(kwargs or {}))
