@@ -13,6 +13,8 @@ decode step over them, apart from the page formats they read
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -23,6 +25,21 @@ from qoqserve.layers.kv_cache import (
     KVCacheLayout,
 )
 from qoqserve.layers.token_ops import soft_cap
+
+
+@contextlib.contextmanager
+def _no_duck_sizing():
+    """While the compiled decode traces: a batch that happens to equal another
+    size (the K/V pair, the heads, the pages per sequence) would otherwise be
+    compiled as that size, and every other batch recompiled. Set and restored
+    by hand: the config module's patch() costs several times as much, and this
+    runs per layer and step."""
+    config = torch.fx.experimental._config
+    before, config.use_duck_shape = config.use_duck_shape, False
+    try:
+        yield
+    finally:
+        config.use_duck_shape = before
 
 
 class AttentionBackend:
@@ -73,10 +90,7 @@ class AttentionBackend:
         """q [B, H, D], one query per sequence over its pages (window > 0:
         over its last `window` positions; softcap > 0: scores soft-capped) -> [B, H, D]."""
         if self._compiled is not None:
-            # no duck sizing: a batch that happens to equal another size (the K/V
-            # pair, the heads, the pages per sequence) would otherwise be
-            # compiled as that size, and every other batch recompiled
-            with torch.fx.experimental._config.patch(use_duck_shape=False):
+            with _no_duck_sizing():
                 return self._compiled(self.layout, cache, block_tables, context_lens, q, scale, q.shape[1],
                                       window, softcap)
         # fp64 on CPU: torch's bf16 SDPA with a mask is ~7x slower than fp32 there,
